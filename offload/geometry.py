@@ -1,0 +1,161 @@
+"""Pure region geometry: segments, pre-fault shares and CUDA registration ranges.
+
+Everything here is arithmetic on byte offsets *within one region* (offset 0 = the first byte of
+the mapping).  The syscall and CUDA layers only execute the ranges these functions return, so
+the rules of DESIGN.md sections 4 and 5 are tested exhaustively without touching memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from offload.config import TierConfig
+from offload.errors import OffloadError
+from offload.sizes import format_size, round_up
+
+
+@dataclass(frozen=True, order=True)
+class ByteRange:
+    """``length`` bytes starting at ``offset``."""
+
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True)
+class RegionGeometry:
+    """The shape of one rank's region and of its slot inside each row."""
+
+    layout: str
+    rows: int
+    row_stride: int
+    slot_offset: int
+    slot_bytes: int
+    page_size: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.rows * self.row_stride
+
+
+def segment_ranges(geometry: RegionGeometry, config: TierConfig) -> list[ByteRange]:
+    """Split a region into shm files by whole rows.
+
+    Below ``segment_threshold`` one file; above it as many files as fit
+    ``min_segment_bytes`` each, at most ``max_segments``, rows spread evenly (the first files
+    take the remainder).  Segments are contiguous and cover the region exactly.
+    """
+    total = geometry.total_bytes
+    if total < config.segment_threshold or geometry.rows <= 1:
+        return [ByteRange(0, total)]
+    count = max(1, min(config.max_segments, total // config.min_segment_bytes, geometry.rows))
+    base, extra = divmod(geometry.rows, count)
+    ranges, offset = [], 0
+    for i in range(count):
+        length = (base + (1 if i < extra else 0)) * geometry.row_stride
+        ranges.append(ByteRange(offset, length))
+        offset += length
+    return ranges
+
+
+def shard_range(total: int, count: int, index: int, page_size: int) -> ByteRange:
+    """Share ``index`` of ``count`` contiguous page-rounded shares of ``total`` bytes.
+
+    Used by the replicated layout: every local rank populates one share once; shares are
+    disjoint, cover ``[0, total)`` and the last ones may be empty.
+    """
+    if not 0 <= index < count:
+        raise ValueError(f"shard index {index} outside 0..{count - 1}")
+    share = round_up(-(-total // count), page_size) if total else 0
+    start = min(total, index * share)
+    return ByteRange(start, min(total, start + share) - start)
+
+
+def slot_ranges(geometry: RegionGeometry) -> list[ByteRange]:
+    """The bytes this rank itself reads and writes: its slot in every row (merged when the slot
+    is the whole row)."""
+    if geometry.slot_bytes == geometry.row_stride:
+        return [ByteRange(0, geometry.total_bytes)] if geometry.rows else []
+    return [ByteRange(r * geometry.row_stride + geometry.slot_offset, geometry.slot_bytes)
+            for r in range(geometry.rows)]
+
+
+def prefault_ranges(geometry: RegionGeometry, local_index: int, local_count: int
+                    ) -> list[ByteRange]:
+    """What this rank populates: replicated → its shard of the node's single copy; shared →
+    its own slots (pages are never shared between slots); private → everything."""
+    if geometry.layout == "replicated":
+        shard = shard_range(geometry.total_bytes, local_count, local_index, geometry.page_size)
+        return [shard] if shard.length else []
+    return slot_ranges(geometry)
+
+
+def registration_ranges(geometry: RegionGeometry, config: TierConfig) -> list[ByteRange]:
+    """CUDA host registrations for this rank (DESIGN.md section 5).
+
+    Shared layout: one registration per row over the page-aligned slot when the slot is at least
+    one page smaller than the row and there are at most ``max_slot_rows`` rows; otherwise whole
+    rows.  Every registration is at most ``max_registration_bytes`` and starts and ends on row
+    boundaries (or is exactly one slot), so no copy of one block ever spans two registrations.
+    """
+    if geometry.rows == 0:
+        return []
+    per_slot = (geometry.layout == "shared"
+                and geometry.slot_bytes <= geometry.row_stride - geometry.page_size
+                and geometry.rows <= config.max_slot_rows)
+    if per_slot:
+        return slot_ranges(geometry)
+    if geometry.row_stride > config.max_registration_bytes:
+        raise OffloadError(
+            f"one row of {format_size(geometry.row_stride)} exceeds the "
+            f"{format_size(config.max_registration_bytes)} registration cap; lower "
+            "--blocks-per-chunk"
+        )
+    rows_per = config.max_registration_bytes // geometry.row_stride
+    return [ByteRange(r * geometry.row_stride,
+                      min(rows_per, geometry.rows - r) * geometry.row_stride)
+            for r in range(0, geometry.rows, rows_per)]
+
+
+def merge_ranges(ranges: Iterable[ByteRange]) -> list[ByteRange]:
+    """Sort and coalesce touching or overlapping ranges."""
+    merged: list[ByteRange] = []
+    for r in sorted(x for x in ranges if x.length):
+        if merged and r.offset <= merged[-1].end:
+            last = merged[-1]
+            merged[-1] = ByteRange(last.offset, max(last.end, r.end) - last.offset)
+        else:
+            merged.append(r)
+    return merged
+
+
+def split_work(ranges: Sequence[ByteRange], piece_bytes: int, page_size: int
+               ) -> list[ByteRange]:
+    """Cut ranges into page-aligned pieces of at most ``piece_bytes`` for a thread pool."""
+    piece = max(page_size, piece_bytes - piece_bytes % page_size)
+    out = []
+    for r in ranges:
+        for start in range(r.offset, r.end, piece):
+            out.append(ByteRange(start, min(piece, r.end - start)))
+    return out
+
+
+def interleave_by_segment(pieces: Sequence[ByteRange], segments: Sequence[ByteRange]
+                          ) -> list[ByteRange]:
+    """Reorder work so consecutive pieces fall in different segments: threads that start
+    together then insert pages into different shm files instead of queueing on one."""
+    buckets: list[list[ByteRange]] = [[] for _ in segments]
+    for p in pieces:
+        index = next((i for i, s in enumerate(segments) if s.offset <= p.offset < s.end),
+                     len(segments) - 1)
+        buckets[index].append(p)
+    out: list[ByteRange] = []
+    depth = max((len(b) for b in buckets), default=0)
+    for level in range(depth):
+        out.extend(b[level] for b in buckets if level < len(b))
+    return out

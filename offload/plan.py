@@ -1,0 +1,211 @@
+"""The capacity plan: pure geometry, no torch.distributed and no syscalls.
+
+Every rank describes itself (`RankDescriptor`); rank 0 checks that they agree and computes one
+`Plan` that every rank installs.  The rules (DESIGN.md section 4):
+
+* a rank's *payload* is the sum of its KV tensors' bytes per block; its *slot* holds
+  ``blocks_per_chunk`` blocks, rounded up to the page so no page is shared by two ranks;
+* a node's *row* is the sum of its ranks' slots (``replicated``: one slot per node);
+* ``chunk_count = min over nodes floor(cpu_bytes_per_node / row_bytes(node))`` so every rank gets
+  the same number of chunks and no node exceeds its budget.
+
+Within a slot the tensors are laid out tensor-major: tensor ``t`` holds its ``blocks_per_chunk``
+pages back to back starting at ``tensor_offsets[t]``, so a per-tensor, per-chunk view is a plain
+``[blocks_per_chunk, page_bytes[t]]`` array.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from offload.config import TierConfig
+from offload.errors import OffloadError
+from offload.sizes import format_size, round_up
+
+
+@dataclass(frozen=True)
+class RankDescriptor:
+    """What one rank tells rank 0 about itself before the plan exists."""
+
+    rank: int
+    node_id: str
+    local_rank: int
+    local_world_size: int
+    tp_rank: int
+    pp_rank: int
+    page_bytes: tuple[int, ...]
+    config: TierConfig
+
+    @property
+    def payload(self) -> int:
+        return sum(self.page_bytes)
+
+
+@dataclass(frozen=True)
+class RankSlot:
+    """Where one rank's bytes live in its region's rows."""
+
+    rank: int
+    node_id: str
+    slot: int
+    slot_offset: int
+    slot_bytes: int
+    page_bytes: tuple[int, ...]
+    tensor_offsets: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The agreed geometry.  ``slots[r]`` describes rank ``r``."""
+
+    layout: str
+    chunk_count: int
+    blocks_per_chunk: int
+    cpu_bytes_per_node: int
+    page_size: int
+    slots: tuple[RankSlot, ...]
+    row_bytes: tuple[tuple[str, int], ...]
+
+    def node_row_bytes(self, node_id: str) -> int:
+        return dict(self.row_bytes)[node_id]
+
+    def row_stride(self, rank: int) -> int:
+        """Bytes from one chunk's row to the next in ``rank``'s region."""
+        slot = self.slots[rank]
+        if self.layout == "private":
+            return slot.slot_bytes
+        return self.node_row_bytes(slot.node_id)
+
+    def region_bytes(self, rank: int) -> int:
+        return self.chunk_count * self.row_stride(rank)
+
+    def to_json(self) -> dict[str, object]:
+        """The report's ``plan`` section (string keys, as JSON needs)."""
+        return {
+            "layout": self.layout,
+            "chunk_count": self.chunk_count,
+            "blocks_per_chunk": self.blocks_per_chunk,
+            "cpu_bytes_per_node": self.cpu_bytes_per_node,
+            "page_size": self.page_size,
+            "slot_bytes": {str(s.rank): s.slot_bytes for s in self.slots},
+            "row_bytes": dict(self.row_bytes),
+            "slots": [asdict(s) for s in self.slots],
+        }
+
+    def digest(self) -> str:
+        """A hash every rank computes over the plan it installed; equal digests = same plan."""
+        text = json.dumps(self.to_json(), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def check_agreement(descriptors: Sequence[RankDescriptor]) -> None:
+    """Raise a one-line error naming the field and the ranks whose configuration differs from
+    rank 0's."""
+    reference = descriptors[0].config.as_dict()
+    for field, expected in reference.items():
+        differ = [d.rank for d in descriptors if d.config.as_dict()[field] != expected]
+        if differ:
+            values = sorted({repr(descriptors[r].config.as_dict()[field]) for r in differ})
+            raise OffloadError(
+                f"ranks {_ranks(differ)} run with {field} = {', '.join(values)} but rank 0 with "
+                f"{expected!r}; start every rank with the same settings"
+            )
+    for d in descriptors:
+        if not d.page_bytes or any(p <= 0 for p in d.page_bytes):
+            raise OffloadError(
+                f"rank {d.rank} has KV page sizes {list(d.page_bytes)}; every KV tensor needs a "
+                "positive number of bytes per block"
+            )
+
+
+def check_layout_fits(descriptors: Sequence[RankDescriptor]) -> None:
+    """The replicated layout stores one copy for all ranks, so payloads must be equal."""
+    if descriptors[0].config.layout != "replicated":
+        return
+    first = descriptors[0].page_bytes
+    differ = [d.rank for d in descriptors if d.page_bytes != first]
+    if differ:
+        raise OffloadError(
+            f"layout 'replicated' needs equal KV payloads on every rank but ranks "
+            f"{_ranks(differ)} have {format_size(descriptors[differ[0]].payload)} per block "
+            f"against rank 0's {format_size(descriptors[0].payload)}; use layout 'private'"
+        )
+
+
+def slot_index(d: RankDescriptor, layout: str, tp: int) -> int:
+    """A rank's slot in its node's rows: its model-parallel rank modulo the node's local world
+    size (never its CUDA ordinal); 0 in the private and replicated layouts."""
+    if layout != "shared":
+        return 0
+    return (d.pp_rank * tp + d.tp_rank) % d.local_world_size
+
+
+def compute_plan(descriptors: Sequence[RankDescriptor]) -> Plan:
+    """Rank 0's computation: check agreement, place slots and size the chunk count."""
+    descriptors = sorted(descriptors, key=lambda d: d.rank)
+    if [d.rank for d in descriptors] != list(range(len(descriptors))):
+        raise OffloadError(f"descriptors cover ranks {[d.rank for d in descriptors]}, not 0..n-1")
+    check_agreement(descriptors)
+    check_layout_fits(descriptors)
+    config = descriptors[0].config
+    bpc, page = config.blocks_per_chunk, config.page_size
+
+    nodes: dict[str, list[RankDescriptor]] = {}
+    for d in descriptors:
+        nodes.setdefault(d.node_id, []).append(d)
+
+    slots: list[RankSlot] = []
+    row_bytes: dict[str, int] = {}
+    for node_id, members in nodes.items():
+        index = {d.rank: slot_index(d, config.layout, config.tp) for d in members}
+        if config.layout == "shared":
+            _check_unique_slots(node_id, index)
+        sizes = {d.rank: round_up(bpc * d.payload, page) for d in members}
+        by_slot = sorted(members, key=lambda d: index[d.rank])
+        offsets: dict[int, int] = {}
+        offset = 0
+        for d in by_slot:
+            offsets[d.rank] = offset if config.layout == "shared" else 0
+            offset += sizes[d.rank]
+        if config.layout == "replicated":
+            row_bytes[node_id] = sizes[members[0].rank]
+        else:
+            row_bytes[node_id] = offset
+        for d in members:
+            tensor_offsets = tuple(
+                bpc * sum(d.page_bytes[:t]) for t in range(len(d.page_bytes))
+            )
+            slots.append(RankSlot(d.rank, node_id, index[d.rank], offsets[d.rank],
+                                  sizes[d.rank], d.page_bytes, tensor_offsets))
+
+    budget = config.cpu_bytes_per_node
+    chunk_count = min(budget // row for row in row_bytes.values())
+    if chunk_count == 0:
+        node_id, row = max(row_bytes.items(), key=lambda item: item[1])
+        raise OffloadError(
+            f"cpu budget {format_size(budget)} ({budget} B) per node holds no chunk: one chunk "
+            f"needs {row} B ({format_size(row)}) on node {node_id}; raise --cpu-bytes to at "
+            f"least {row} or lower --blocks-per-chunk"
+        )
+    slots.sort(key=lambda s: s.rank)
+    return Plan(config.layout, chunk_count, bpc, budget, page, tuple(slots),
+                tuple(sorted(row_bytes.items())))
+
+
+def _check_unique_slots(node_id: str, index: dict[int, int]) -> None:
+    seen: dict[int, int] = {}
+    for rank, slot in sorted(index.items()):
+        if slot in seen:
+            raise OffloadError(
+                f"ranks {seen[slot]} and {rank} on node {node_id} both map to shared slot {slot}; "
+                "place consecutive model-parallel ranks on one node or use layout 'private'"
+            )
+        seen[slot] = rank
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    shown = ", ".join(str(r) for r in ranks[:8])
+    return shown + (f" (+{len(ranks) - 8} more)" if len(ranks) > 8 else "")

@@ -1,0 +1,141 @@
+"""Who runs where: grid coordinates, nodes, node leaders and node-local process groups.
+
+Rank order on the TP × PP grid is ``rank = pp_rank * tp + tp_rank`` (TP ranks of one pipeline
+stage are consecutive, as torchrun places them on one node).  The node id is the host name unless
+``OFFLOAD_NODE_ID`` overrides it, which lets one host simulate several nodes.  A node's leader is
+its lowest global rank.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from offload.errors import OffloadError
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """One rank's published identity."""
+
+    rank: int
+    node_id: str
+    local_world_size_env: int | None
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str
+    ranks: tuple[int, ...]
+
+    @property
+    def leader_rank(self) -> int:
+        return self.ranks[0]
+
+
+@dataclass
+class Topology:
+    """This rank's view of the whole job.  ``node_group`` is the torch.distributed group of this
+    rank's node (None when the world is one node: the default group serves)."""
+
+    rank: int
+    world_size: int
+    tp: int
+    pp: int
+    nodes: tuple[NodeInfo, ...]
+    node_group: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def node(self) -> NodeInfo:
+        return next(n for n in self.nodes if self.rank in n.ranks)
+
+    @property
+    def node_id(self) -> str:
+        return self.node.node_id
+
+    @property
+    def local_rank(self) -> int:
+        return self.node.ranks.index(self.rank)
+
+    @property
+    def local_world_size(self) -> int:
+        return len(self.node.ranks)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.node.leader_rank == self.rank
+
+    def node_barrier(self) -> None:
+        """Barrier over this rank's node (bounded by the process group's timeout)."""
+        dist.barrier(group=self.node_group)
+
+    def to_json(self) -> list[dict[str, object]]:
+        return [{"node_id": n.node_id, "leader_rank": n.leader_rank, "ranks": list(n.ranks)}
+                for n in self.nodes]
+
+
+def local_node_id() -> str:
+    return os.environ.get("OFFLOAD_NODE_ID") or socket.gethostname()
+
+
+def check_grid(world_size: int, tp: int, pp: int) -> None:
+    if tp < 1 or pp < 1 or tp * pp != world_size:
+        raise OffloadError(
+            f"--tp {tp} x --pp {pp} = {tp * pp} but the world has {world_size} ranks; "
+            f"choose tp and pp whose product is {world_size}"
+        )
+
+
+def build_nodes(places: Sequence[RankPlace]) -> tuple[NodeInfo, ...]:
+    """Group ranks by node (pure).  Nodes are ordered by leader rank; ranks ascend; and each
+    rank's ``LOCAL_WORLD_SIZE`` (where set) must equal what was observed on its node."""
+    by_node: dict[str, list[int]] = {}
+    for p in sorted(places, key=lambda p: p.rank):
+        by_node.setdefault(p.node_id, []).append(p.rank)
+    nodes = tuple(sorted((NodeInfo(n, tuple(r)) for n, r in by_node.items()),
+                         key=lambda n: n.leader_rank))
+    for p in places:
+        observed = len(by_node[p.node_id])
+        if p.local_world_size_env is not None and p.local_world_size_env != observed:
+            raise OffloadError(
+                f"rank {p.rank} has LOCAL_WORLD_SIZE={p.local_world_size_env} but {observed} "
+                f"ranks report node id {p.node_id!r}; give every node a distinct "
+                "OFFLOAD_NODE_ID or fix --nproc-per-node"
+            )
+    return nodes
+
+
+def discover(tp: int | None = None, pp: int = 1) -> Topology:
+    """Collective over the default group: publish places, build nodes, create node groups.
+
+    Every rank calls ``new_group`` for every node in the same order, as torch.distributed
+    requires.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tp = world // pp if tp is None else tp
+    check_grid(world, tp, pp)
+    lws = os.environ.get("LOCAL_WORLD_SIZE")
+    mine = RankPlace(rank, local_node_id(), int(lws) if lws else None)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    nodes = build_nodes(gathered)
+    node_group = None
+    if len(nodes) > 1:
+        for node in nodes:
+            group = dist.new_group(list(node.ranks))
+            if rank in node.ranks:
+                node_group = group
+    return Topology(rank, world, tp, pp, nodes, node_group)
