@@ -1,0 +1,117 @@
+"""Start real multi-process torch.distributed (gloo) groups for tests.
+
+`run_group(fn, world)` spawns ``world`` fresh processes, sets the torchrun environment in each
+(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT and, per rank, OFFLOAD_NODE_ID
+when ``nodes`` is given), initialises a gloo group with a short timeout and calls
+``fn(rank, *args)``.  The function travels with cloudpickle, so tests may pass closures.  Each
+rank's outcome (return value, or the one-line error, and the exit code) comes back; a rank that
+is killed or hangs shows up as such instead of blocking the test.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+
+
+@dataclass
+class Outcome:
+    rank: int
+    exitcode: int | None
+    value: Any = None
+    error: str | None = None
+    error_type: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.exitcode == 0 and self.error is None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child(payload: bytes, rank: int, env: dict[str, str], results: Any, pg_timeout: float
+           ) -> None:
+    os.environ.update(env)
+    import torch.distributed as dist
+
+    fn, args = cloudpickle.loads(payload)
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=int(env["WORLD_SIZE"]),
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
+        value = fn(rank, *args)
+        results.put((rank, cloudpickle.dumps(value), None, None))
+    except BaseException as exc:  # report every failure, including SystemExit
+        results.put((rank, None, f"{exc}\n{traceback.format_exc()}", type(exc).__name__))
+        results.close()
+        results.join_thread()
+        os._exit(1)
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def run_group(fn: Callable[..., Any], world: int, *, args: Sequence[Any] = (),
+              nodes: Sequence[str] | None = None, timeout: float = 90.0,
+              pg_timeout: float = 30.0, extra_env: dict[str, str] | None = None
+              ) -> list[Outcome]:
+    """Run ``fn(rank, *args)`` on ``world`` gloo ranks; ``nodes[r]`` is rank r's node id."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    payload = cloudpickle.dumps((fn, tuple(args)))
+    node_of = list(nodes) if nodes is not None else ["node0"] * world
+    procs = []
+    for rank in range(world):
+        same = [r for r in range(world) if node_of[r] == node_of[rank]]
+        env = {
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(same.index(rank)), "LOCAL_WORLD_SIZE": str(len(same)),
+            "OFFLOAD_NODE_ID": node_of[rank],
+            **(extra_env or {}),
+        }
+        p = ctx.Process(target=_child, args=(payload, rank, env, results, pg_timeout))
+        p.start()
+        procs.append(p)
+    outcomes = {r: Outcome(r, None) for r in range(world)}
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    pending = set(range(world))
+    while pending and datetime.datetime.now() < deadline:
+        try:
+            rank, value, error, etype = results.get(timeout=0.2)
+        except queue.Empty:
+            pending -= {r for r in pending if not procs[r].is_alive()}
+            continue
+        o = outcomes[rank]
+        o.value = cloudpickle.loads(value) if value is not None else None
+        o.error, o.error_type = error, etype
+        pending.discard(rank)
+    for p in procs:
+        p.join(timeout=max(0.1, (deadline - datetime.datetime.now()).total_seconds()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+    for rank, p in enumerate(procs):
+        outcomes[rank].exitcode = p.exitcode
+    return [outcomes[r] for r in range(world)]
+
+
+def shm_entries(directory: str = "/dev/shm") -> set[str]:
+    """The names in the shm directory, to compare before and after a test."""
+    return set(os.listdir(directory))
