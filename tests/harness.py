@@ -60,7 +60,8 @@ def _child(payload: bytes, rank: int, env: dict[str, str], results: Any, pg_time
         results.close()
         results.join_thread()
         os._exit(1)
-    try:
+    try:  # rank 0 hosts the store: keep it up until every rank is done with it
+        dist.barrier()
         dist.destroy_process_group()
     except Exception:
         pass

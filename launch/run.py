@@ -1,0 +1,191 @@
+"""The main job: set the host tier up on this host, run verified rounds, report.
+
+    torchrun --standalone --nproc-per-node 2 launch/run.py --cpu-bytes 256MiB
+
+Every rank creates its share of the tier; rank 0 drives verified store/load rounds, prints the
+start-up table and writes the JSON report.  Exit status 0 only when every round verified
+byte-exact; user errors print one line and exit 1 with nothing left in the shm directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import sys
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script by torchrun: make the repo importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.distributed as dist
+
+from launch import rounds, synthetic
+from offload import cleanup
+from offload.actor import RankActor
+from offload.config import LAYOUTS, TierConfig
+from offload.errors import OffloadError, PeerError
+from offload.log import setup_logging
+from offload.rpc import Aborted
+from offload.report import count_shm_files, render_table, write_json
+from offload.sizes import parse_size
+from offload.tier import HostTier
+
+log = logging.getLogger("launch.run")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="torchrun --nproc-per-node N launch/run.py",
+        description="Create offload's host KV tier on this host (or across nodes), run "
+                    "verified store/load rounds and print a per-rank start-up report. Sizes "
+                    "accept 4096, 64KiB, 256MiB, 4GiB. Environment: OFFLOAD_NODE_ID overrides "
+                    "the node identity (simulate several nodes on one host).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--cpu-bytes", default="256MiB", metavar="SIZE",
+                   help="host budget per node (per DP replica)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: world)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size; tp x pp = world")
+    p.add_argument("--layout", default="private", choices=LAYOUTS,
+                   help="private: one region per rank; shared: one node region of interleaved "
+                        "slots; replicated: one node copy of data identical on every rank")
+    p.add_argument("--kv-bytes-per-block", default="64KiB", metavar="SIZE",
+                   help="each rank's payload of one block (split into K and V tensors)")
+    p.add_argument("--stage-kv-bytes", default=None, metavar="S0,S1,...",
+                   help="per-pipeline-stage payloads (overrides --kv-bytes-per-block)")
+    p.add_argument("--blocks-per-chunk", type=int, default=16, help="blocks per chunk")
+    p.add_argument("--num-gpu-blocks", type=int, default=64,
+                   help="blocks in each rank's synthetic KV cache")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="where the KV cache lives (auto: cuda when available)")
+    p.add_argument("--rounds", type=int, default=2, help="verified store/load rounds")
+    p.add_argument("--fs-tier", default=None, metavar="DIR",
+                   help="enable the file tier under DIR (not available yet: refused)")
+    p.add_argument("--report-json", default=None, metavar="PATH",
+                   help="rank 0 writes the JSON report there")
+    p.add_argument("--backend", default="auto", choices=("auto", "host", "triton", "per_block"),
+                   help="transfer backend (auto picks by device and pinning)")
+    p.add_argument("--shm-dir", default="/dev/shm", help="where region files are created")
+    p.add_argument("--prefault-threads", type=int, default=8,
+                   help="threads populating each rank's region")
+    p.add_argument("--segment-bytes", default="1GiB", metavar="SIZE",
+                   help="target size of one shm file; regions of 2 x this and more are split")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds any rank waits for a peer before failing the job")
+    return p
+
+
+def config_from_args(args: argparse.Namespace, world: int) -> TierConfig:
+    if args.fs_tier is not None:
+        raise OffloadError(f"--fs-tier {args.fs_tier!r}: the file tier is not built yet; "
+                           "drop the flag")
+    for name in ("blocks_per_chunk", "num_gpu_blocks", "rounds", "pp", "prefault_threads"):
+        if getattr(args, name) < 1:
+            raise OffloadError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at "
+                               "least 1")
+    tp = args.tp if args.tp is not None else world // args.pp
+    segment = parse_size(args.segment_bytes, "--segment-bytes")
+    return TierConfig(
+        cpu_bytes_per_node=parse_size(args.cpu_bytes, "--cpu-bytes"), layout=args.layout,
+        blocks_per_chunk=args.blocks_per_chunk, tp=tp, pp=args.pp, shm_dir=args.shm_dir,
+        segment_threshold=2 * segment, min_segment_bytes=segment,
+        prefault_threads=args.prefault_threads, timeout_s=args.timeout)
+
+
+def payload_for(args: argparse.Namespace, pp_rank: int, pp: int) -> int:
+    if args.stage_kv_bytes is None:
+        return parse_size(args.kv_bytes_per_block, "--kv-bytes-per-block")
+    stages = [parse_size(s, "--stage-kv-bytes entry") for s in args.stage_kv_bytes.split(",")]
+    if len(stages) != pp:
+        raise OffloadError(f"--stage-kv-bytes gives {len(stages)} payloads but --pp is {pp}; "
+                           "give one size per pipeline stage")
+    return stages[pp_rank]
+
+
+def pick_device(choice: str, local_rank: int) -> torch.device:
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise OffloadError("--device cuda but CUDA is not available here; use --device cpu")
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def run(args: argparse.Namespace) -> int:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = config_from_args(args, world)
+    if config.tp * config.pp != world:
+        raise OffloadError(f"--tp {config.tp} x --pp {config.pp} = {config.tp * config.pp} but "
+                           f"the world has {world} ranks; choose tp and pp whose product is "
+                           f"{world}")
+    device = pick_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
+    payload = payload_for(args, rank // config.tp, config.pp)
+    kv = synthetic.make_kv(payload, args.num_gpu_blocks, device)
+    tier = HostTier.create(kv, config, backend=args.backend)
+    report: dict[str, Any] = {}
+    if rank == 0:
+        try:
+            stats = rounds.run_rounds(tier, args.rounds, args.num_gpu_blocks)
+            ranks = tier.call(RankActor.report)
+        except BaseException as exc:
+            tier.abort(str(exc) or type(exc).__name__)
+            raise
+        tier.release()
+        report = {
+            "world_size": world, "tp": config.tp, "pp": config.pp, "layout": config.layout,
+            "device": device.type, "job_id": tier.actor.job_id,
+            "nodes": tier.topology.to_json(), "plan": tier.plan.to_json(),
+            "ranks": ranks, "transfer": stats.to_json(),
+        }
+    else:
+        tier.serve()
+    tier.close()
+    dist.barrier()
+    if rank != 0:
+        return 0
+    report["shm_files_left"] = count_shm_files(config.shm_dir, tier.actor.job_id)
+    print(render_table(report), flush=True)
+    if args.report_json:
+        write_json(args.report_json, report)
+    ok = report["transfer"]["verified"] and report["shm_files_left"] == 0
+    if not ok:
+        log.error("verification failed: %d mismatched blocks, %d shm files left",
+                  report["transfer"]["mismatched_blocks"], report["shm_files_left"])
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging()
+    cleanup.install_signal_handlers()
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        if not dist.is_initialized():
+            _init_group(args.timeout)
+        return run(args)
+    except OffloadError as exc:
+        # Settings errors are seen alike on every rank and a worker's own errors reach rank 0
+        # through the RPC, so rank 0 alone prints them: one line per job, not per rank.
+        if rank == 0 or (isinstance(exc, PeerError) and not isinstance(exc, Aborted)):
+            print(f"offload: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        cleanup.run_all()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _init_group(timeout_s: float) -> None:
+    """The control plane always runs on gloo: object collectives and barriers, no GPU."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT",
+                                                                              "29517"))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

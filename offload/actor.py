@@ -1,0 +1,184 @@
+"""The rank actor: everything one rank owns and does.
+
+One actor lives in every rank's process.  It holds the rank's KV tensors, its installed plan,
+its host region and its transfer engine, executes the jobs it is given in order and reports each
+finished copy to the quorum.  Rank 0 drives actors through the collective RPC
+(`offload.rpc`): every public method here that takes only picklable arguments can be sent as
+``rpc.call(RankActor.method, ...)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from offload.config import TierConfig
+from offload.errors import OffloadError
+from offload.plan import Plan, RankDescriptor
+from offload.quorum import Quorum
+from offload.region.host_region import HostRegion
+from offload.region.pin import choose_registrar
+from offload.topology import Topology
+from offload.transfer import SlotLayout, TransferEngine, make_engine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CopyJob:
+    """One store or load on one rank: ``blocks[i]`` ↔ position ``positions[i]`` of chunk
+    ``chunks[i]``.  ``writer_only`` (replicated stores) makes ranks other than the node's
+    writer report the job done without copying: the node holds one copy."""
+
+    job_id: int
+    direction: str
+    blocks: tuple[int, ...]
+    chunks: tuple[int, ...]
+    positions: tuple[int, ...]
+    writer_only: bool = False
+
+
+def kv_page_bytes(kv_tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    """Bytes of one block in each KV tensor (dimension 0 indexes blocks)."""
+    if not kv_tensors:
+        raise OffloadError("no KV tensors given; pass the rank's KV cache tensors")
+    pages = []
+    for i, t in enumerate(kv_tensors):
+        if t.dim() < 1 or t.shape[0] == 0:
+            raise OffloadError(f"KV tensor {i} has shape {tuple(t.shape)}; dimension 0 must "
+                               "index at least one block")
+        pages.append(t[0].numel() * t.element_size())
+    return tuple(pages)
+
+
+@dataclass
+class RankActor:
+    topology: Topology
+    config: TierConfig
+    kv_tensors: list[torch.Tensor]
+    job_id: str
+    quorum: Quorum
+    progress: Callable[[int, int, float], None] | None = None
+    backend: str = "auto"
+    plan: Plan | None = None
+    region: HostRegion | None = None
+    engine: TransferEngine | None = None
+    timings_s: dict[str, float] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.perf_counter)
+    _pending: set[int] = field(default_factory=set)
+
+    # ------------------------------------------------------------------ set-up
+    def describe(self) -> RankDescriptor:
+        t = self.topology
+        return RankDescriptor(t.rank, t.node_id, t.local_rank, t.local_world_size, t.tp_rank,
+                              t.pp_rank, kv_page_bytes(self.kv_tensors), self.config)
+
+    def install_plan(self, plan: Plan) -> str:
+        """Adopt the plan rank 0 computed and return its digest (the ack)."""
+        if plan.slots[self.topology.rank].page_bytes != kv_page_bytes(self.kv_tensors):
+            raise OffloadError(f"the plan's page sizes for rank {self.topology.rank} do not "
+                               "match its KV tensors")
+        self.plan = plan
+        self.timed("plan", self.created_at)
+        return plan.digest()
+
+    def build_region(self) -> bool:
+        """Create, pre-fault and pin this rank's region; return whether it is pinned."""
+        plan = self._installed()
+        registrar = choose_registrar(self.kv_tensors[0].device)
+        self.region = HostRegion.create(plan, self.topology, self.config, self.job_id,
+                                        registrar, self.progress)
+        return self.region.pinned
+
+    def unpin(self) -> None:
+        """The group decided to run unpinned (some rank could not pin)."""
+        if self.region is not None:
+            self.region.unpin()
+
+    def start_engine(self) -> str:
+        plan, region = self._installed(), self._region()
+        layout = SlotLayout.from_plan(plan, self.topology.rank)
+        self.engine = make_engine(self.kv_tensors, region.tensor, region.address, layout,
+                                  plan.chunk_count, region.pinned, self.backend)
+        self.timed("total", self.created_at)
+        return self.engine.name
+
+    # ------------------------------------------------------------------ serving
+    def submit(self, job: CopyJob) -> None:
+        """Queue a copy on this rank (non-blocking where the backend allows)."""
+        engine = self._engine()
+        if job.writer_only and not self.topology.is_leader:
+            self.quorum.report(job.job_id)
+            return
+        engine.submit(job.job_id, job.direction, torch.tensor(job.blocks, dtype=torch.int64),
+                      torch.tensor(job.chunks, dtype=torch.int64),
+                      torch.tensor(job.positions, dtype=torch.int64))
+        self._pending.add(job.job_id)
+        self.progress_copies()
+
+    def progress_copies(self) -> float:
+        """Report copies that finished since the last call; return a suggested poll pause."""
+        if self.engine is None or not self._pending:
+            return 0.02
+        for job_id in self.engine.poll():
+            self._pending.discard(job_id)
+            self.quorum.report(job_id)
+        return 0.0005 if self._pending else 0.02
+
+    def drain(self) -> None:
+        """Wait for every copy this rank has in flight (the compute fence before close)."""
+        if self.engine is not None and self._pending:
+            for job_id in self.engine.wait_all():
+                self._pending.discard(job_id)
+                self.quorum.report(job_id)
+
+    # ------------------------------------------------------------------ reporting and close
+    def report(self) -> dict[str, Any]:
+        t, plan, region = self.topology, self._installed(), self._region()
+        stats = region.stats
+        timings = {**self.timings_s, **stats.timings_s}
+        return {
+            "rank": t.rank, "node_id": t.node_id, "local_rank": t.local_rank,
+            "tp_rank": t.tp_rank, "pp_rank": t.pp_rank, "slot": plan.slots[t.rank].slot,
+            "slot_bytes": plan.slots[t.rank].slot_bytes,
+            "region_bytes": stats.region_bytes, "prefault_bytes": stats.prefault_bytes,
+            "pinned_bytes": stats.pinned_bytes, "pin_plan_bytes": stats.pin_plan_bytes,
+            "registrations": stats.registrations, "segments": stats.segments,
+            "pinned": region.pinned,
+            "engine": self.engine.name if self.engine else None,
+            "timings_s": timings,
+        }
+
+    def close(self) -> None:
+        """Fence in-flight copies, then unpin, unmap and unlink.  Idempotent."""
+        try:
+            self.drain()
+        finally:
+            if self.engine is not None:
+                self.engine.close()
+                self.engine = None
+            if self.region is not None:
+                self.region.close()
+
+    def timed(self, phase: str, started: float) -> None:
+        self.timings_s[phase] = round(time.perf_counter() - started, 6)
+
+    def _installed(self) -> Plan:
+        if self.plan is None:
+            raise RuntimeError("no plan installed on this rank yet")
+        return self.plan
+
+    def _region(self) -> HostRegion:
+        if self.region is None:
+            raise RuntimeError("this rank has no region yet")
+        return self.region
+
+    def _engine(self) -> TransferEngine:
+        if self.engine is None:
+            raise RuntimeError("this rank has no transfer engine yet")
+        return self.engine

@@ -1,0 +1,68 @@
+"""The start-up report: a JSON document (DESIGN.md section 10) and the table rank 0 prints."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from offload.sizes import format_size
+
+_PHASES = ("plan", "create", "prefault", "pin", "total")
+
+
+def count_shm_files(shm_dir: str, job_id: str) -> int:
+    """Files of this job still present in the shm directory (0 after a clean close)."""
+    try:
+        return sum(1 for name in os.listdir(shm_dir) if job_id in name)
+    except FileNotFoundError:
+        return 0
+
+
+def render_table(report: dict[str, Any]) -> str:
+    """Plan summary, one row per rank, and the transfer line."""
+    plan = report["plan"]
+    lines = [
+        f"offload: world {report['world_size']} (tp {report['tp']} x pp {report['pp']}), "
+        f"layout {report['layout']}, device {report['device']}, "
+        f"{len(report['nodes'])} node(s)",
+        f"plan: {plan['chunk_count']} chunks x {plan['blocks_per_chunk']} blocks, budget "
+        f"{format_size(plan['cpu_bytes_per_node'])}/node, rows "
+        + ", ".join(f"{n}={format_size(b)}" for n, b in plan["row_bytes"].items()),
+    ]
+    header = ["rank", "node", "lr", "tp", "pp", "slot", "region", "prefault", "pinned"]
+    header += [f"{p}_s" for p in _PHASES]
+    rows = [header]
+    for r in report["ranks"]:
+        t = r["timings_s"]
+        rows.append([str(r["rank"]), str(r["node_id"]), str(r["local_rank"]), str(r["tp_rank"]),
+                     str(r["pp_rank"]), str(r["slot"]), format_size(r["region_bytes"]),
+                     format_size(r["prefault_bytes"]), format_size(r["pinned_bytes"])]
+                    + [f"{t.get(p, 0.0):.3f}" for p in _PHASES])
+    lines += _align(rows)
+    transfer = report.get("transfer")
+    if transfer:
+        lines.append(
+            f"transfer: {transfer['rounds']} rounds, stored {format_size(transfer['stored_bytes'])}"
+            f" at {transfer['store_GBps']} GB/s, loaded {format_size(transfer['loaded_bytes'])} "
+            f"at {transfer['load_GBps']} GB/s, evictions {transfer['evictions']}, "
+            f"verified={transfer['verified']} ({transfer['mismatched_blocks']} bad of "
+            f"{transfer['checked_blocks']} blocks)")
+    lines.append(f"shm files left: {report['shm_files_left']}")
+    return "\n".join(lines)
+
+
+def _align(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True))
+            for row in rows]
+
+
+def write_json(path: str, report: dict[str, Any]) -> None:
+    """Write atomically (temp file + rename) so a reader never sees half a report."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=2, sort_keys=False)
+        f.write("\n")
+    os.replace(tmp, path)

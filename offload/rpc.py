@@ -1,0 +1,185 @@
+"""Collective RPC: the actor system's control channel.
+
+Rank 0 (the driver) sends a callable and its arguments, cloudpickled, to every rank's actor
+through the torch.distributed store; every rank runs ``fn(actor, *args)`` -- rank 0 too, so the
+callable may itself use collectives -- and rank 0 gathers each rank's result.  An exception on any
+rank comes back to rank 0 with the rank's number and fails the call; a rank that never answers
+fails it after a bounded timeout naming the silent ranks.  Worker ranks sit in `serve` until the
+driver releases them (normal end) or aborts (error: they raise too, so the whole job exits
+non-zero).
+
+The store is torch.distributed's own (the torchrun rendezvous store behind a PrefixStore), so no
+transport of our own is involved; payloads are small (plans, job descriptions, stats).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+import torch.distributed as dist
+
+from offload.errors import OffloadError, PeerError
+
+log = logging.getLogger(__name__)
+
+_RELEASE = "release"
+_ABORT = "abort"
+_CALL = "call"
+
+
+@dataclass(frozen=True)
+class RemoteFailure:
+    """What a rank sends back instead of a result when its callable raised."""
+
+    rank: int
+    type_name: str
+    message: str
+    traceback: str
+    user_error: bool
+
+
+class RPCError(PeerError):
+    """A collective call failed on one or more ranks (the message names them)."""
+
+    def __init__(self, message: str, failures: list[RemoteFailure]):
+        super().__init__(message)
+        self.failures = failures
+
+
+class Aborted(PeerError):
+    """Rank 0 aborted the job; it reports the cause itself, so workers need not repeat it."""
+
+
+class CollectiveRPC:
+    """One control channel.  Create it on every rank with the same store and world."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float,
+                 poll_s: float = 0.002):
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+        self._seq = 0
+
+    # ------------------------------------------------------------------ driver (rank 0)
+    def call(self, fn: Callable[..., Any], *args: Any, actor: Any = None,
+             timeout_s: float | None = None) -> list[Any]:
+        """Run ``fn(actor, *args)`` on every rank; return the results indexed by rank."""
+        self._require_driver()
+        seq = self._post(_CALL, (fn, args))
+        results: list[Any] = [None] * self.world_size
+        failures: list[RemoteFailure] = []
+        try:
+            results[0] = fn(actor, *args)
+        except Exception as exc:  # the driver's own failure joins the others'
+            failures.append(_failure(0, exc))
+        pending = set(range(1, self.world_size))
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        while pending and time.monotonic() < deadline:
+            for r in sorted(pending):
+                key = f"res/{seq}/{r}"
+                if self.store.check([key]):
+                    value = cloudpickle.loads(self.store.get(key))
+                    self.store.delete_key(key)
+                    pending.discard(r)
+                    if isinstance(value, RemoteFailure):
+                        failures.append(value)
+                    else:
+                        results[r] = value
+            if failures and pending:  # a failed peer: give the rest a short grace period
+                deadline = min(deadline, time.monotonic() + 5.0)
+            if pending:
+                time.sleep(self.poll_s)
+        if failures or pending:
+            raise _call_error(getattr(fn, "__name__", repr(fn)), failures, sorted(pending),
+                              timeout_s or self.timeout_s)
+        return results
+
+    def release(self) -> None:
+        """Let the workers' `serve` return normally."""
+        self._require_driver()
+        self._post(_RELEASE, None)
+
+    def abort(self, message: str) -> None:
+        """Make every worker's `serve` raise ``PeerError(message)``."""
+        self._require_driver()
+        self._post(_ABORT, message)
+
+    # ------------------------------------------------------------------ workers
+    def serve(self, actor: Any, idle: Callable[[], float] | None = None) -> None:
+        """Execute the driver's calls until it releases (return) or aborts (raise).
+
+        ``idle()`` runs between polls (the actor reports finished copies there) and returns how
+        long to wait before the next poll.
+        """
+        if self.rank == 0:
+            raise RuntimeError("rank 0 drives; it does not serve")
+        while True:
+            self._seq += 1
+            key = f"req/{self._seq}"
+            waited = 0.0
+            while not self.store.check([key]):
+                pause = idle() if idle is not None else 0.05
+                time.sleep(pause)
+                waited += pause
+                if waited > self.timeout_s * 20:
+                    raise PeerError(
+                        f"rank {self.rank} heard nothing from rank 0 for {waited:.0f} s; the "
+                        "driver is gone"
+                    )
+            kind, body = cloudpickle.loads(self.store.get(key))
+            if kind == _RELEASE:
+                return
+            if kind == _ABORT:
+                raise Aborted(body)
+            fn, args = body
+            try:
+                reply: Any = fn(actor, *args)
+            except Exception as exc:
+                reply = _failure(self.rank, exc)
+            self.store.set(f"res/{self._seq}/{self.rank}", cloudpickle.dumps(reply))
+
+    # ------------------------------------------------------------------ internals
+    def _post(self, kind: str, body: Any) -> int:
+        self._seq += 1
+        self.store.set(f"req/{self._seq}", cloudpickle.dumps((kind, body)))
+        return self._seq
+
+    def _require_driver(self) -> None:
+        if self.rank != 0:
+            raise RuntimeError(f"only rank 0 drives the collective RPC (this is rank {self.rank})")
+
+
+def _failure(rank: int, exc: BaseException) -> RemoteFailure:
+    return RemoteFailure(rank, type(exc).__name__, str(exc), traceback.format_exc(),
+                         isinstance(exc, OffloadError))
+
+
+def _call_error(name: str, failures: list[RemoteFailure], silent: list[int],
+                timeout_s: float) -> RPCError:
+    failures = sorted(failures, key=lambda f: f.rank)
+    for f in failures:
+        if not f.user_error:
+            log.error("rank %d failed in %s:\n%s", f.rank, name, f.traceback)
+    parts = []
+    if failures:
+        first = failures[0]
+        others = f" (and ranks {[f.rank for f in failures[1:]]})" if len(failures) > 1 else ""
+        detail = first.message if first.user_error else f"{first.type_name}: {first.message}"
+        parts.append(f"rank {first.rank}{others}: {detail}")
+    if silent:
+        parts.append(f"ranks {silent} did not answer {name} within {timeout_s:.0f} s")
+    return RPCError("; ".join(parts), failures)
+
+
+def store_timeout(store: dist.Store, seconds: float) -> None:
+    """Bound blocking store calls (get/wait) so no rank can hang forever on a dead peer."""
+    store.set_timeout(datetime.timedelta(seconds=seconds))

@@ -1,0 +1,197 @@
+"""The library API: one host tier per rank, created collectively.
+
+Every rank of a torch.distributed job calls `HostTier.create` with its own KV tensors.  Inside,
+rank 0 gathers the ranks' descriptors, computes the plan and drives set-up through the collective
+RPC (install plan → build region → agree on pinning → start engines) while the other ranks serve;
+then every rank gets its `HostTier` back.
+
+Two ways to move blocks afterwards:
+
+* **SPMD** (an engine whose scheduler already sends each step's decisions to every worker): every
+  rank calls `submit` with the same `CopyJob`, `poll`s, and asks `done(job_id)` for the quorum.
+* **driven** (the main job): rank 0 owns the `ChunkManager` and calls `run` (every rank's actor
+  copies, rank 0 waits for the quorum) while the other ranks sit in `serve`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from offload import cleanup
+from offload.actor import CopyJob, RankActor
+from offload.config import TierConfig
+from offload.errors import OffloadError, PeerError
+from offload.log import ProgressLog
+from offload.manager import ChunkManager
+from offload.plan import Plan, RankDescriptor, compute_plan
+from offload.quorum import Quorum, default_store
+from offload.rpc import CollectiveRPC, store_timeout
+from offload.topology import Topology, discover
+
+log = logging.getLogger(__name__)
+_tier_seq = itertools.count()
+
+
+class HostTier:
+    """One rank's handle on the host tier."""
+
+    def __init__(self, actor: RankActor, rpc: CollectiveRPC, plan: Plan):
+        self.actor = actor
+        self.rpc = rpc
+        self.plan = plan
+        self.manager = ChunkManager(plan.chunk_count) if actor.topology.rank == 0 else None
+        self._closed = False
+        cleanup.register(self.actor.close)
+
+    # ------------------------------------------------------------------ creation
+    @classmethod
+    def create(cls, kv_tensors: Sequence[torch.Tensor], config: TierConfig, *,
+               backend: str = "auto") -> HostTier:
+        """Collective: every rank calls it with its own KV tensors and the same config."""
+        started = time.perf_counter()
+        topology = discover(config.tp, config.pp)
+        job_id, store = _job_store(topology, config)
+        rpc = CollectiveRPC(dist.PrefixStore("rpc", store), topology.rank,
+                            topology.world_size, config.timeout_s)
+        quorum = Quorum(store, topology.world_size)
+        progress = ProgressLog(f"pre-fault {config.layout}") if topology.rank == 0 else None
+        actor = RankActor(topology, config, list(kv_tensors), job_id, quorum, progress, backend,
+                          created_at=started)
+        descriptor = _describe(actor)
+        gathered: list[Any] | None = [None] * topology.world_size if topology.rank == 0 else None
+        dist.gather_object(descriptor, gathered, dst=0)
+        if topology.rank == 0:
+            assert gathered is not None
+            plan = _drive_setup(actor, rpc, gathered)
+        else:
+            _serve_setup(actor, rpc)
+            plan = actor._installed()
+        return cls(actor, rpc, plan)
+
+    @property
+    def topology(self) -> Topology:
+        return self.actor.topology
+
+    # ------------------------------------------------------------------ SPMD data path
+    def submit(self, job: CopyJob) -> None:
+        """Queue this rank's share of ``job``; every rank of the quorum submits the same job."""
+        self.actor.submit(job)
+
+    def poll(self) -> None:
+        """Report this rank's finished copies to the quorum (non-blocking)."""
+        self.actor.progress_copies()
+
+    def done(self, job_id: int) -> bool:
+        """True once every rank has finished its copy of ``job_id``."""
+        self.actor.progress_copies()
+        return self.actor.quorum.done(job_id)
+
+    def wait(self, job_ids: Sequence[int], timeout_s: float | None = None) -> None:
+        """Block until the quorum has reported every job (bounded by the tier's timeout)."""
+        deadline = time.monotonic() + (timeout_s or self.actor.config.timeout_s)
+        for job_id in job_ids:
+            while not self.done(job_id):
+                if time.monotonic() > deadline:
+                    self.actor.quorum.wait([job_id], 0.0)  # raises, naming the shortfall
+                time.sleep(0.0005)
+
+    # ------------------------------------------------------------------ driven data path
+    def run(self, job: CopyJob) -> None:
+        """Rank 0: every rank's actor copies ``job``; return once the quorum reported."""
+        self.rpc.call(RankActor.submit, job, actor=self.actor)
+        self.wait([job.job_id])
+        self.actor.quorum.forget(job.job_id)
+
+    def call(self, fn: Any, *args: Any) -> list[Any]:
+        """Rank 0: run ``fn(actor, *args)`` on every rank and gather the results."""
+        return self.rpc.call(fn, *args, actor=self.actor)
+
+    def serve(self) -> None:
+        """Ranks other than 0: execute rank 0's commands until it releases them."""
+        try:
+            self.rpc.serve(self.actor, idle=self.actor.progress_copies)
+        except BaseException:
+            self.actor.close()
+            raise
+
+    def release(self) -> None:
+        """Rank 0: end the other ranks' `serve`."""
+        self.rpc.release()
+
+    def abort(self, message: str) -> None:
+        """Rank 0: make the other ranks' `serve` fail with ``message``."""
+        self.rpc.abort(message)
+
+    # ------------------------------------------------------------------ close
+    def close(self) -> None:
+        """Collective: fence in-flight copies, barrier, unpin, unmap, unlink.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.actor.drain()
+            dist.barrier()
+        finally:
+            self.actor.close()
+            cleanup.unregister(self.actor.close)
+
+
+def _job_store(topology: Topology, config: TierConfig) -> tuple[str, dist.Store]:
+    """A fresh job id (rank 0's uuid, shared through the store) and this tier's store."""
+    base = default_store("offload", config.timeout_s)
+    store_timeout(base, config.timeout_s)
+    key = f"tier{next(_tier_seq)}/job_id"
+    if topology.rank == 0:
+        job_id = uuid.uuid4().hex[:16]
+        base.set(key, job_id)
+    else:
+        job_id = base.get(key).decode()
+    return job_id, dist.PrefixStore(job_id, base)
+
+
+def _describe(actor: RankActor) -> RankDescriptor | str:
+    """This rank's descriptor, or its one-line error (sent instead, so no rank hangs)."""
+    try:
+        return actor.describe()
+    except OffloadError as exc:
+        return f"rank {actor.topology.rank}: {exc}"
+
+
+def _drive_setup(actor: RankActor, rpc: CollectiveRPC, gathered: list[Any]) -> Plan:
+    try:
+        errors = [g for g in gathered if isinstance(g, str)]
+        if errors:
+            raise OffloadError(errors[0])
+        plan = compute_plan(gathered)
+        digests = rpc.call(RankActor.install_plan, plan, actor=actor)
+        wrong = [r for r, d in enumerate(digests) if d != plan.digest()]
+        if wrong:
+            raise PeerError(f"ranks {wrong} acknowledged a different plan; restart the job")
+        pinned = rpc.call(RankActor.build_region, actor=actor)
+        if any(pinned) and not all(pinned):
+            log.warning("ranks %s could not pin their region; the whole group runs unpinned",
+                        [r for r, p in enumerate(pinned) if not p])
+            rpc.call(RankActor.unpin, actor=actor)
+        rpc.call(RankActor.start_engine, actor=actor)
+        rpc.release()
+        return plan
+    except BaseException as exc:
+        rpc.abort(str(exc) or type(exc).__name__)
+        actor.close()
+        raise
+
+
+def _serve_setup(actor: RankActor, rpc: CollectiveRPC) -> None:
+    try:
+        rpc.serve(actor)
+    except BaseException:
+        actor.close()
+        raise

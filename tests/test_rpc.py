@@ -1,0 +1,113 @@
+"""Collective RPC over real gloo groups: results, remote exceptions, silent ranks, abort."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from offload.errors import OffloadError, PeerError
+from offload.quorum import default_store
+from offload.rpc import Aborted, CollectiveRPC, RPCError
+from tests.harness import run_group
+
+
+def _rpc(rank: int, world: int, timeout_s: float = 10.0) -> CollectiveRPC:
+    return CollectiveRPC(default_store("rpc-test"), rank, world, timeout_s)
+
+
+def _square_rank(actor: dict, offset: int) -> int:
+    return actor["rank"] ** 2 + offset
+
+
+def test_call_gathers_every_rank_result_in_order() -> None:
+    def body(rank: int) -> object:
+        rpc = _rpc(rank, 3)
+        actor = {"rank": rank}
+        if rank == 0:
+            first = rpc.call(_square_rank, 10, actor=actor)
+            second = rpc.call(lambda a: a["rank"] * 2, actor=actor)  # closures travel too
+            rpc.release()
+            return first, second
+        rpc.serve(actor)
+        return "released"
+
+    out = run_group(body, 3)
+    assert all(o.ok for o in out), [o.error for o in out]
+    assert out[0].value == ([10, 11, 14], [0, 2, 4])
+    assert out[1].value == out[2].value == "released"
+
+
+def test_remote_exception_names_the_rank_and_workers_keep_serving() -> None:
+    def fails_on_two(actor: dict) -> int:
+        if actor["rank"] == 2:
+            raise OffloadError("shm dir /x is too small")
+        return actor["rank"]
+
+    def body(rank: int) -> object:
+        rpc = _rpc(rank, 3)
+        actor = {"rank": rank}
+        if rank == 0:
+            with pytest.raises(RPCError) as info:
+                rpc.call(fails_on_two, actor=actor)
+            after = rpc.call(lambda a: a["rank"], actor=actor)
+            rpc.abort("giving up")
+            return str(info.value), [f.rank for f in info.value.failures], after
+        with pytest.raises(Aborted, match="giving up"):
+            rpc.serve(actor)
+        return "aborted"
+
+    out = run_group(body, 3)
+    assert all(o.ok for o in out), [o.error for o in out]
+    message, failed, after = out[0].value
+    assert message == "rank 2: shm dir /x is too small"
+    assert failed == [2] and after == [0, 1, 2]
+
+
+def test_bug_on_a_rank_reports_type_and_rank() -> None:
+    def body(rank: int) -> object:
+        rpc = _rpc(rank, 2)
+        if rank == 0:
+            with pytest.raises(RPCError, match=r"rank 1: ZeroDivisionError"):
+                rpc.call(lambda a: 1 // a, actor=1)
+            rpc.release()
+            return "ok"
+        rpc.serve(0)
+        return "served"
+
+    out = run_group(body, 2)
+    assert all(o.ok for o in out), [o.error for o in out]
+
+
+def test_a_rank_that_never_answers_fails_the_call_within_the_timeout() -> None:
+    def hang_on_one(actor: dict) -> int:
+        if actor["rank"] == 1:
+            time.sleep(6)
+        return actor["rank"]
+
+    def body(rank: int) -> object:
+        rpc = _rpc(rank, 3, timeout_s=2.0)
+        actor = {"rank": rank}
+        if rank == 0:
+            began = time.monotonic()
+            with pytest.raises(PeerError, match=r"ranks \[1\] did not answer hang_on_one"):
+                rpc.call(hang_on_one, actor=actor)
+            return time.monotonic() - began
+        rpc.serve(actor)
+        return None
+
+    out = run_group(body, 3, timeout=10, pg_timeout=10)
+    assert out[0].error is None and out[0].value is not None
+    assert 1.5 < out[0].value < 5.0
+
+
+def test_only_rank_zero_drives() -> None:
+    def body(rank: int) -> object:
+        rpc = _rpc(rank, 2)
+        if rank == 1:
+            with pytest.raises(RuntimeError, match="only rank 0 drives"):
+                rpc.call(_square_rank, 0, actor={})
+        return rank
+
+    out = run_group(body, 2)
+    assert all(o.ok for o in out), [o.error for o in out]
