@@ -16,7 +16,6 @@ import torch
 
 from launch import synthetic
 from offload.actor import CopyJob, RankActor
-from offload.manager import ChunkManager
 from offload.tier import HostTier
 
 Key = tuple[int, int]  # (round, chunk index of the synthetic cache)
@@ -101,9 +100,9 @@ def run_rounds(tier: HostTier, rounds: int, num_blocks: int) -> RoundStats:
         for start in range(0, n_chunks, tier.plan.chunk_count):
             batch = keys[start:start + tier.plan.chunk_count]
             job = manager.prepare_store(batch)
-            if not job.pairs:
+            if not job.chunks:
                 continue
-            copy = _copy_job(job.job_id, "store", job.pairs, bpc, num_blocks, replicated)
+            copy = _copy_job(job.job_id, "store", job.chunks, bpc, num_blocks, replicated)
             began = time.perf_counter()
             try:
                 tier.run(copy)
@@ -113,11 +112,11 @@ def run_rounds(tier: HostTier, rounds: int, num_blocks: int) -> RoundStats:
             stats.store_s += time.perf_counter() - began
             manager.complete_store(job.job_id, ok=True)
             stats.stored_bytes += len(copy.blocks) * block_bytes
-            stats.stored_chunks += len(job.pairs)
+            stats.stored_chunks += len(job.chunks)
         tier.call(_poison)
         held = [k for k in keys if manager.lookup_prefix([k]) == 1]
         load = manager.prepare_load(held)
-        copy = _copy_job(load.job_id, "load", load.pairs, bpc, num_blocks, False)
+        copy = _copy_job(load.job_id, "load", load.chunks, bpc, num_blocks, False)
         began = time.perf_counter()
         try:
             tier.run(copy)
@@ -125,14 +124,14 @@ def run_rounds(tier: HostTier, rounds: int, num_blocks: int) -> RoundStats:
             manager.complete_load(load.job_id)
         stats.load_s += time.perf_counter() - began
         stats.loaded_bytes += len(copy.blocks) * load_bytes
-        stats.loaded_chunks += len(load.pairs)
+        stats.loaded_chunks += len(load.chunks)
         bad = sum(tier.call(_verify, r, list(copy.blocks)))
         stats.mismatched_blocks += bad
         stats.checked_blocks += len(copy.blocks) * tier.topology.world_size
         evicted = manager.stats().evictions - evicted_before
         stats.evictions += evicted
         stats.per_round.append({"round": r, "stored_chunks": n_chunks,
-                                "loaded_chunks": len(load.pairs), "evicted": evicted,
+                                "loaded_chunks": len(load.chunks), "evicted": evicted,
                                 "mismatched_blocks": bad})
         stats.rounds += 1
     return stats

@@ -114,5 +114,6 @@ def run_group(fn: Callable[..., Any], world: int, *, args: Sequence[Any] = (),
 
 
 def shm_entries(directory: str = "/dev/shm") -> set[str]:
-    """The names in the shm directory, to compare before and after a test."""
-    return set(os.listdir(directory))
+    """offload's files in the shm directory, to compare before and after a test (other
+    programs, multiprocessing's semaphores included, come and go there concurrently)."""
+    return {name for name in os.listdir(directory) if name.startswith("offload")}

@@ -1,0 +1,110 @@
+"""The main job end to end under real torchrun: report contract, layouts, and user errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import free_port, shm_entries
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun(nproc: int, *args: str, env: dict[str, str] | None = None, timeout: float = 120
+             ) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+           "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(ROOT / "launch" / "run.py"),
+           "--device", "cpu", "--timeout", "30", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def our_errors(proc: subprocess.CompletedProcess[str]) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("offload: error:")]
+
+
+def test_tp2_pp2_report_matches_the_plan_formula(tmp_path: Path) -> None:
+    before = shm_entries()
+    report_path = tmp_path / "r.json"
+    proc = torchrun(4, "--tp", "2", "--pp", "2", "--cpu-bytes", "64MiB",
+                    "--report-json", str(report_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert (report["world_size"], report["tp"], report["pp"]) == (4, 2, 2)
+    assert len(report["nodes"]) == 1 and report["nodes"][0]["leader_rank"] == 0
+    assert report["nodes"][0]["ranks"] == [0, 1, 2, 3]
+    plan = report["plan"]
+    slot = 16 * 64 * 1024
+    assert plan["slot_bytes"] == {str(r): slot for r in range(4)}
+    (row,) = plan["row_bytes"].values()
+    assert row == 4 * slot and plan["chunk_count"] == (64 << 20) // row
+    assert [(r["rank"], r["tp_rank"], r["pp_rank"]) for r in report["ranks"]] == [
+        (0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
+    for r in report["ranks"]:
+        assert r["region_bytes"] == plan["chunk_count"] * slot
+        assert set(r["timings_s"]) >= {"plan", "create", "prefault", "pin", "total"}
+    assert report["transfer"]["verified"] and report["transfer"]["rounds"] == 2
+    assert report["shm_files_left"] == 0
+    assert "shm files left: 0" in proc.stdout
+    assert shm_entries() <= before
+
+
+@pytest.mark.parametrize("layout", ["shared", "replicated"])
+def test_node_layouts_with_eviction_verify(layout: str, tmp_path: Path) -> None:
+    report_path = tmp_path / "r.json"
+    # 40 chunks of work for a tier of 16 (shared) / 32 (replicated) chunks: eviction happens
+    proc = torchrun(2, "--layout", layout, "--cpu-bytes", "32MiB", "--num-gpu-blocks", "640",
+                    "--report-json", str(report_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    transfer = json.loads(report_path.read_text())["transfer"]
+    assert transfer["verified"] and transfer["evictions"] > 0
+    assert transfer["loaded_bytes"] < transfer["stored_bytes"] * (2 if layout == "shared" else 4)
+
+
+def test_heterogeneous_stages_share_one_chunk_count(tmp_path: Path) -> None:
+    report_path = tmp_path / "r.json"
+    proc = torchrun(2, "--tp", "1", "--pp", "2", "--stage-kv-bytes", "64KiB,16KiB",
+                    "--cpu-bytes", "16MiB", "--report-json", str(report_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads(report_path.read_text())["plan"]
+    assert plan["slot_bytes"] == {"0": 16 * 64 * 1024, "1": 16 * 16 * 1024}
+    assert plan["chunk_count"] == (16 << 20) // (16 * 80 * 1024)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--cpu-bytes", "1MiB"], "holds no chunk: one chunk needs 2097152 B"),
+    (["--tp", "3"], "--tp 3 x --pp 1 = 3 but the world has 2 ranks"),
+    (["--cpu-bytes", "12 parsecs"], "--cpu-bytes '12 parsecs' is not a size"),
+    (["--layout", "replicated", "--tp", "1", "--pp", "2", "--stage-kv-bytes", "64KiB,32KiB"],
+     "layout 'replicated' needs equal KV payloads"),
+    (["--stage-kv-bytes", "64KiB,32KiB,1KiB"], "--stage-kv-bytes gives 3 payloads but --pp is 1"),
+    (["--shm-dir", "/proc"], "/proc"),
+])
+def test_bad_input_is_one_line_nonzero_and_leaves_nothing(args: list[str], needle: str) -> None:
+    before = shm_entries()
+    proc = torchrun(2, *args)
+    assert proc.returncode != 0
+    errors = our_errors(proc)
+    assert len(errors) == 1 and needle in errors[0], proc.stderr[-3000:]
+    assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
+    assert shm_entries() <= before
+
+
+def test_unknown_layout_is_refused_by_the_parser() -> None:
+    proc = torchrun(1, "--layout", "striped")
+    assert proc.returncode != 0 and "invalid choice: 'striped'" in proc.stderr
+
+
+def test_help_lists_every_flag() -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "launch" / "run.py"), "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    for flag in ("--cpu-bytes", "--tp", "--pp", "--layout", "--kv-bytes-per-block",
+                 "--stage-kv-bytes", "--blocks-per-chunk", "--num-gpu-blocks", "--device",
+                 "--rounds", "--fs-tier", "--report-json", "OFFLOAD_NODE_ID"):
+        assert flag in out
