@@ -1,0 +1,272 @@
+"""Node start-up benchmark: our layouts against the naive design, pinned tensors and the floor.
+
+One run, one table.  For a budget B per node and N ranks on this host:
+
+* **ours/<layout>** — `HostTier.create` on every rank (secure files, multi-segment mapping,
+  sharded GIL-free pre-fault, selective pipelined pinning);
+* **naive** — one shared file of B bytes; every rank maps all of it, pre-faults all of it and
+  registers all of it (what a first implementation does);
+* **pin_memory** — every rank allocates its share with ``torch.empty(..., pin_memory=True)``
+  (PyTorch's caching host allocator rounds each request up to a power of two);
+* **floor** — one process populating the same B bytes with ``MADV_POPULATE_WRITE`` over 16 files
+  from 16 threads, nothing else: how fast this host can make B bytes resident.
+
+Node start-up = from the moment every rank starts (barrier) until the last rank is ready.
+Resident bytes are the growth of used memory (``MemTotal - MemFree``) while the variant holds
+its memory.  The VM's RAM grows on first touch, so the script first warms ``--warm`` bytes.
+
+    python3 scripts/bench_startup.py --nproc 2 --cpu-bytes 32GiB --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from offload.config import TierConfig
+from offload.geometry import ByteRange, RegionGeometry, segment_ranges
+from offload.region.prefault import plan_pieces, prefault
+from offload.region.shm import Mapping, close_fds, create_segments, open_segment, unlink_quiet
+from offload.sizes import format_size, parse_size
+
+GiB = 1 << 30
+
+
+def used_bytes() -> int:
+    info = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            info[key] = int(value.split()[0]) * 1024
+    return info["MemTotal"] - info["MemFree"]
+
+
+def device_for(rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        index = rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+# ------------------------------------------------------------------ variants (run on every rank)
+def ours(rank: int, world: int, args: argparse.Namespace, layout: str) -> dict[str, Any]:
+    from offload.tier import HostTier
+
+    device = device_for(rank)
+    payload = parse_size(args.kv_bytes_per_block)
+    kv = [torch.zeros((args.blocks_per_chunk, payload // 2), dtype=torch.uint8, device=device)
+          for _ in range(2)]
+    config = TierConfig(cpu_bytes_per_node=args.cpu_bytes, layout=layout,
+                        blocks_per_chunk=args.blocks_per_chunk, tp=world,
+                        prefault_threads=args.threads, timeout_s=600)
+    start, baseline = begin(rank)
+    tier = HostTier.create(kv, config)
+    ready = time.time()
+    stats = tier.actor.region.stats if tier.actor.region else None
+    result = {"start": start, "ready": ready,
+              "registered": stats.pinned_bytes if stats else 0,
+              "own_bytes": tier.plan.slots[rank].slot_bytes * tier.plan.chunk_count,
+              "timings": dict(stats.timings_s) if stats else {}}
+    hold(rank, result, baseline)
+    tier.close()
+    return result
+
+
+def naive(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    from offload.region.pin import choose_registrar
+
+    device = device_for(rank)
+    size = args.cpu_bytes // 4096 * 4096
+    path = os.path.join("/dev/shm", f"offload-bench-naive-{os.getppid()}")
+    registrar = choose_registrar(device)
+    start, baseline = begin(rank)
+    fds = create_segments("/dev/shm", [path], [size]) if rank == 0 else []
+    dist.barrier()
+    if rank != 0:
+        fds = [open_segment(path, size)]
+    mapping = Mapping(fds, [size])
+    close_fds(fds)
+    dist.barrier()
+    if rank == 0:
+        unlink_quiet(path)
+    prefault(mapping.address, [ByteRange(0, size)], threads=1)
+    cap = 64 * GiB
+    for offset in range(0, size, cap):
+        registrar.register(mapping.address + offset, min(cap, size - offset))
+    ready = time.time()
+    result = {"start": start, "ready": ready, "registered": size, "own_bytes": size // world}
+    hold(rank, result, baseline)
+    for offset in range(0, size, cap):
+        registrar.unregister(mapping.address + offset)
+    mapping.close()
+    return result
+
+
+def pinned(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    device_for(rank)
+    share = args.cpu_bytes // world
+    if torch.cuda.is_available():
+        torch.empty(1, pin_memory=True)  # the allocator's own set-up is not the tier's cost
+    start, baseline = begin(rank)
+    buffer = torch.empty(share, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    if not torch.cuda.is_available():
+        buffer.fill_(0)  # CPU stand-in: make it resident
+    ready = time.time()
+    result = {"start": start, "ready": ready, "registered": share, "own_bytes": share}
+    hold(rank, result, baseline)
+    del buffer
+    return result
+
+
+def begin(rank: int) -> tuple[float, int]:
+    """Every rank is initialised (torch, CUDA context): read the node's memory, then start
+    the clock together."""
+    dist.barrier()
+    baseline = used_bytes() if rank == 0 else 0
+    dist.barrier()
+    return time.time(), baseline
+
+
+def hold(rank: int, result: dict[str, Any], baseline: int) -> None:
+    """Keep the memory while rank 0 reads how much the node holds."""
+    dist.barrier()
+    if rank == 0:
+        result["resident"] = used_bytes() - baseline
+    dist.barrier()
+
+
+# ------------------------------------------------------------------ process plumbing
+def _rank_main(rank: int, world: int, port: int, fn: Callable[..., dict[str, Any]],
+               extra: tuple[Any, ...], queue: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=900))
+    queue.put((rank, fn(rank, world, *extra)))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_variant(world: int, fn: Callable[..., dict[str, Any]], *extra: Any) -> dict[str, Any]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, extra, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=1800) for _ in range(world))
+    for p in procs:
+        p.join()
+        if p.exitcode != 0:
+            raise SystemExit(f"a rank of {fn.__name__} exited with {p.exitcode}")
+    seconds = max(r["ready"] for r in results.values()) - min(r["start"] for r in results.values())
+    return {"seconds": seconds, "resident": results[0]["resident"],
+            "registered_per_rank": max(r["registered"] for r in results.values()),
+            "own_per_rank": max(r["own_bytes"] for r in results.values()),
+            "ranks": [results[r] for r in range(world)]}
+
+
+def floor(args: argparse.Namespace) -> dict[str, Any]:
+    """Raw parallel pre-fault of the same bytes: 16 files, 16 threads, nothing else."""
+    files = 16
+    geometry = RegionGeometry("private", files, args.cpu_bytes // files // 4096 * 4096, 0,
+                              args.cpu_bytes // files // 4096 * 4096, 4096)
+    config = TierConfig(cpu_bytes_per_node=args.cpu_bytes, segment_threshold=1,
+                        min_segment_bytes=geometry.row_stride, max_segments=files)
+    segments = segment_ranges(geometry, config)
+    paths = [f"/dev/shm/offload-bench-floor-{os.getpid()}-{i}" for i in range(len(segments))]
+    baseline = used_bytes()
+    start = time.perf_counter()
+    fds = create_segments("/dev/shm", paths, [s.length for s in segments], unlink=True)
+    mapping = Mapping(fds, [s.length for s in segments])
+    close_fds(fds)
+    pieces = plan_pieces([ByteRange(0, geometry.total_bytes)], segments, files, 4096)
+    prefault(mapping.address, pieces, threads=files)
+    seconds = time.perf_counter() - start
+    resident = used_bytes() - baseline
+    mapping.close()
+    return {"seconds": seconds, "resident": resident, "registered_per_rank": 0,
+            "own_per_rank": 0}
+
+
+def warm(nbytes: int) -> float:
+    """Touch ``nbytes`` once so the VM has grown its RAM before anything is timed."""
+    if nbytes <= 0:
+        return 0.0
+    return floor(argparse.Namespace(cpu_bytes=nbytes))["seconds"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=2, help="ranks on this node (TP size)")
+    p.add_argument("--cpu-bytes", default="32GiB", help="budget per node")
+    p.add_argument("--kv-bytes-per-block", default="512KiB")
+    p.add_argument("--blocks-per-chunk", type=int, default=16)
+    p.add_argument("--threads", type=int, default=16, help="pre-fault threads per rank")
+    p.add_argument("--layouts", default="private,shared,replicated")
+    p.add_argument("--variants", default="floor,ours,naive,pin_memory")
+    p.add_argument("--warm", default=None, help="bytes to touch first (default 2 x budget)")
+    p.add_argument("--json", default=None, help="write all figures there")
+    args = p.parse_args()
+    args.cpu_bytes = parse_size(args.cpu_bytes)
+    variants = args.variants.split(",")
+    warm_s = warm(parse_size(args.warm) if args.warm else 2 * args.cpu_bytes)
+    rows: dict[str, dict[str, Any]] = {}
+    if "floor" in variants:
+        rows["floor"] = floor(args)
+    if "ours" in variants:
+        for layout in args.layouts.split(","):
+            rows[f"ours/{layout}"] = run_variant(args.nproc, ours, args, layout)
+    if "naive" in variants:
+        rows["naive"] = run_variant(args.nproc, naive, args)
+    if "pin_memory" in variants:
+        rows["pin_memory"] = run_variant(args.nproc, pinned, args)
+    report = {"date": datetime.date.today().isoformat(), "nproc": args.nproc,
+              "cpu_bytes": args.cpu_bytes, "cuda": torch.cuda.is_available(),
+              "gpus": torch.cuda.device_count(), "warm_s": warm_s, "variants": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    print_table(report)
+
+
+def print_table(report: dict[str, Any]) -> None:
+    rows = report["variants"]
+    budget = report["cpu_bytes"]
+    floor_s = rows.get("floor", {}).get("seconds")
+    pin_s = rows.get("pin_memory", {}).get("seconds")
+    naive_s = rows.get("naive", {}).get("seconds")
+    print(f"\nnode start-up, {report['nproc']} ranks, budget {format_size(budget)}, "
+          f"{report['gpus']} GPU(s), warm-up {report['warm_s']:.1f} s")
+    header = ("variant", "seconds", "GiB/s", "reg/rank", "own/rank", "resident/B", "vs floor",
+              "pin_mem/x", "naive/x")
+    print("{:<16}{:>9}{:>8}{:>11}{:>11}{:>11}{:>10}{:>10}{:>9}".format(*header))
+    for name, r in rows.items():
+        s = r["seconds"]
+        print("{:<16}{:>9.2f}{:>8.2f}{:>11}{:>11}{:>11.3f}{:>10}{:>10}{:>9}".format(
+            name, s, budget / s / GiB, format_size(r["registered_per_rank"]),
+            format_size(r["own_per_rank"]), r["resident"] / budget,
+            f"{s / floor_s:.2f}" if floor_s else "-", f"{pin_s / s:.2f}" if pin_s else "-",
+            f"{naive_s / s:.2f}" if naive_s else "-"))
+
+
+if __name__ == "__main__":
+    main()
