@@ -10,13 +10,16 @@ byte against the seeded contents.
 from __future__ import annotations
 
 import time
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
 from launch import synthetic
 from offload.actor import CopyJob, RankActor
 from offload.tier import HostTier
+from offload.transfer.base import Direction
 
 Key = tuple[int, int]  # (round, chunk index of the synthetic cache)
 
@@ -36,7 +39,8 @@ class RoundStats:
     per_round: list[dict[str, int]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, object]:
-        gbps = (lambda b, s: round(b / s / 1e9, 3) if s > 0 else 0.0)
+        def gbps(b, s):
+            return (round(b / s / 1e9, 3) if s > 0 else 0.0)
         return {
             "rounds": self.rounds, "stored_bytes": self.stored_bytes,
             "loaded_bytes": self.loaded_bytes,
@@ -137,11 +141,12 @@ def run_rounds(tier: HostTier, rounds: int, num_blocks: int) -> RoundStats:
     return stats
 
 
-def _copy_job(job_id: int, direction: str, pairs: list[tuple[Key, int]], bpc: int,
+def _copy_job(job_id: int, direction: Direction, pairs: Sequence[tuple[Hashable, int]], bpc: int,
               num_blocks: int, writer_only: bool) -> CopyJob:
     """Expand (key, chunk id) pairs to the blocks of each key's chunk of the synthetic cache."""
     blocks, chunks, positions = [], [], []
-    for (_, index), chunk in pairs:
+    for key, chunk in pairs:
+        _, index = cast(Key, key)
         for pos, block in enumerate(range(index * bpc, min(num_blocks, (index + 1) * bpc))):
             blocks.append(block)
             chunks.append(chunk)

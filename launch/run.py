@@ -28,8 +28,8 @@ from offload.actor import RankActor
 from offload.config import LAYOUTS, TierConfig
 from offload.errors import OffloadError, PeerError
 from offload.log import setup_logging
-from offload.rpc import Aborted
 from offload.report import count_shm_files, render_table, write_json
+from offload.rpc import Aborted
 from offload.sizes import parse_size
 from offload.tier import HostTier
 
@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="enable the file tier under DIR (not available yet: refused)")
     p.add_argument("--report-json", default=None, metavar="PATH",
                    help="rank 0 writes the JSON report there")
+    p.add_argument("--audit", action="store_true",
+                   help="hash every block before store and after load; count mismatches in the "
+                        "report (exit 1 on any)")
     p.add_argument("--backend", default="auto", choices=("auto", "host", "triton", "per_block"),
                    help="transfer backend (auto picks by device and pinning)")
     p.add_argument("--shm-dir", default="/dev/shm", help="where region files are created")
@@ -124,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     device = pick_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
     payload = payload_for(args, rank // config.tp, config.pp)
     kv = synthetic.make_kv(payload, args.num_gpu_blocks, device)
-    tier = HostTier.create(kv, config, backend=args.backend)
+    tier = HostTier.create(kv, config, backend=args.backend, audit=args.audit)
     report: dict[str, Any] = {}
     if rank == 0:
         try:
@@ -140,6 +143,9 @@ def run(args: argparse.Namespace) -> int:
             "nodes": tier.topology.to_json(), "plan": tier.plan.to_json(),
             "ranks": ranks, "transfer": stats.to_json(),
         }
+        if args.audit:
+            report["audit"] = {key: sum(r["audit"][key] for r in ranks)
+                               for key in ("checked_blocks", "mismatched_blocks")}
     else:
         tier.serve()
     tier.close()
@@ -150,10 +156,12 @@ def run(args: argparse.Namespace) -> int:
     print(render_table(report), flush=True)
     if args.report_json:
         write_json(args.report_json, report)
-    ok = report["transfer"]["verified"] and report["shm_files_left"] == 0
+    audit_bad = report.get("audit", {}).get("mismatched_blocks", 0)
+    ok = report["transfer"]["verified"] and report["shm_files_left"] == 0 and not audit_bad
     if not ok:
-        log.error("verification failed: %d mismatched blocks, %d shm files left",
-                  report["transfer"]["mismatched_blocks"], report["shm_files_left"])
+        log.error("verification failed: %d mismatched blocks, %d audit mismatches, %d shm "
+                  "files left", report["transfer"]["mismatched_blocks"], audit_bad,
+                  report["shm_files_left"])
     return 0 if ok else 1
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from offload.audit import Auditor
 from offload.config import TierConfig
 from offload.errors import OffloadError
 from offload.plan import Plan, RankDescriptor
@@ -25,6 +26,7 @@ from offload.region.host_region import HostRegion
 from offload.region.pin import choose_registrar
 from offload.topology import Topology
 from offload.transfer import SlotLayout, TransferEngine, make_engine
+from offload.transfer.base import Direction
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ class CopyJob:
     writer report the job done without copying: the node holds one copy."""
 
     job_id: int
-    direction: str
+    direction: Direction
     blocks: tuple[int, ...]
     chunks: tuple[int, ...]
     positions: tuple[int, ...]
@@ -65,12 +67,13 @@ class RankActor:
     quorum: Quorum
     progress: Callable[[int, int, float], None] | None = None
     backend: str = "auto"
+    auditor: Auditor | None = None
     plan: Plan | None = None
     region: HostRegion | None = None
     engine: TransferEngine | None = None
     timings_s: dict[str, float] = field(default_factory=dict)
     created_at: float = field(default_factory=time.perf_counter)
-    _pending: set[int] = field(default_factory=set)
+    _pending: dict[int, CopyJob] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ set-up
     def describe(self) -> RankDescriptor:
@@ -112,13 +115,16 @@ class RankActor:
     def submit(self, job: CopyJob) -> None:
         """Queue a copy on this rank (non-blocking where the backend allows)."""
         engine = self._engine()
+        if self.auditor is not None and job.direction == "store":
+            # hashed on the compute stream's view of the blocks, like the copy itself
+            self.auditor.record(self.kv_tensors, job.blocks, job.chunks, job.positions)
         if job.writer_only and not self.topology.is_leader:
             self.quorum.report(job.job_id)
             return
         engine.submit(job.job_id, job.direction, torch.tensor(job.blocks, dtype=torch.int64),
                       torch.tensor(job.chunks, dtype=torch.int64),
                       torch.tensor(job.positions, dtype=torch.int64))
-        self._pending.add(job.job_id)
+        self._pending[job.job_id] = job
         self.progress_copies()
 
     def progress_copies(self) -> float:
@@ -126,16 +132,21 @@ class RankActor:
         if self.engine is None or not self._pending:
             return 0.02
         for job_id in self.engine.poll():
-            self._pending.discard(job_id)
-            self.quorum.report(job_id)
+            self._finish(job_id)
         return 0.0005 if self._pending else 0.02
 
     def drain(self) -> None:
         """Wait for every copy this rank has in flight (the compute fence before close)."""
         if self.engine is not None and self._pending:
             for job_id in self.engine.wait_all():
-                self._pending.discard(job_id)
-                self.quorum.report(job_id)
+                self._finish(job_id)
+
+    def _finish(self, job_id: int) -> None:
+        """A copy finished on this rank: audit a load, then tell the quorum."""
+        job = self._pending.pop(job_id)
+        if self.auditor is not None and job.direction == "load":
+            self.auditor.check(self.kv_tensors, job.blocks, job.chunks, job.positions)
+        self.quorum.report(job_id)
 
     # ------------------------------------------------------------------ reporting and close
     def report(self) -> dict[str, Any]:
@@ -151,6 +162,7 @@ class RankActor:
             "registrations": stats.registrations, "segments": stats.segments,
             "pinned": region.pinned,
             "engine": self.engine.name if self.engine else None,
+            "audit": self.auditor.to_json() if self.auditor else None,
             "timings_s": timings,
         }
 

@@ -108,14 +108,15 @@ def registration_ranges(geometry: RegionGeometry, config: TierConfig) -> list[By
     per_slot = (geometry.layout == "shared"
                 and geometry.slot_bytes <= geometry.row_stride - geometry.page_size
                 and geometry.rows <= config.max_slot_rows)
-    if per_slot:
-        return slot_ranges(geometry)
-    if geometry.row_stride > config.max_registration_bytes:
+    unit, what = (geometry.slot_bytes, "slot") if per_slot else (geometry.row_stride, "row")
+    if unit > config.max_registration_bytes:
         raise OffloadError(
-            f"one row of {format_size(geometry.row_stride)} exceeds the "
+            f"one {what} of {format_size(unit)} exceeds the "
             f"{format_size(config.max_registration_bytes)} registration cap; lower "
             "--blocks-per-chunk"
         )
+    if per_slot:
+        return slot_ranges(geometry)
     rows_per = config.max_registration_bytes // geometry.row_stride
     return [ByteRange(r * geometry.row_stride,
                       min(rows_per, geometry.rows - r) * geometry.row_stride)

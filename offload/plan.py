@@ -128,10 +128,11 @@ def check_layout_fits(descriptors: Sequence[RankDescriptor]) -> None:
     first = descriptors[0].page_bytes
     differ = [d.rank for d in descriptors if d.page_bytes != first]
     if differ:
+        other = descriptors[differ[0]]
         raise OffloadError(
             f"layout 'replicated' needs equal KV payloads on every rank but ranks "
-            f"{_ranks(differ)} have {format_size(descriptors[differ[0]].payload)} per block "
-            f"against rank 0's {format_size(descriptors[0].payload)}; use layout 'private'"
+            f"{_ranks(differ)} have {_payload(other)} per block against rank 0's "
+            f"{_payload(descriptors[0])}; use layout 'private'"
         )
 
 
@@ -145,6 +146,8 @@ def slot_index(d: RankDescriptor, layout: str, tp: int) -> int:
 
 def compute_plan(descriptors: Sequence[RankDescriptor]) -> Plan:
     """Rank 0's computation: check agreement, place slots and size the chunk count."""
+    if not descriptors:
+        raise OffloadError("no rank descriptors to plan from; every rank must describe itself")
     descriptors = sorted(descriptors, key=lambda d: d.rank)
     if [d.rank for d in descriptors] != list(range(len(descriptors))):
         raise OffloadError(f"descriptors cover ranks {[d.rank for d in descriptors]}, not 0..n-1")
@@ -204,6 +207,13 @@ def _check_unique_slots(node_id: str, index: dict[int, int]) -> None:
                 "place consecutive model-parallel ranks on one node or use layout 'private'"
             )
         seen[slot] = rank
+
+
+def _payload(d: RankDescriptor) -> str:
+    """A payload as the user configured it: its total, and its KV page sizes when there are
+    several tensors (two payloads of equal total but different tensors still differ)."""
+    pages = f" (KV pages {list(d.page_bytes)} B)" if len(d.page_bytes) > 1 else ""
+    return f"{format_size(d.payload)}{pages}"
 
 
 def _ranks(ranks: Sequence[int]) -> str:

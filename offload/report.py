@@ -49,6 +49,10 @@ def render_table(report: dict[str, Any]) -> str:
             f"at {transfer['load_GBps']} GB/s, evictions {transfer['evictions']}, "
             f"verified={transfer['verified']} ({transfer['mismatched_blocks']} bad of "
             f"{transfer['checked_blocks']} blocks)")
+    audit = report.get("audit")
+    if audit:
+        lines.append(f"audit: {audit['checked_blocks']} blocks hashed on load, "
+                     f"{audit['mismatched_blocks']} mismatched")
     lines.append(f"shm files left: {report['shm_files_left']}")
     return "\n".join(lines)
 

@@ -108,10 +108,20 @@ class CollectiveRPC:
         self._require_driver()
         self._post(_RELEASE, None)
 
-    def abort(self, message: str) -> None:
-        """Make every worker's `serve` raise ``PeerError(message)``."""
+    def abort(self, message: str, grace_s: float = 5.0) -> None:
+        """Make every worker's `serve` raise ``Aborted(message)``.
+
+        Waits up to ``grace_s`` for the workers to acknowledge: when rank 0's process hosts the
+        store (``tcp://`` or ``env://`` rendezvous outside torchrun), exiting at once would take
+        the message down with it and leave the workers with a connection error instead.
+        """
         self._require_driver()
-        self._post(_ABORT, message)
+        seq = self._post(_ABORT, message)
+        keys = [f"ack/{seq}/{r}" for r in range(1, self.world_size)]
+        deadline = time.monotonic() + grace_s
+        while keys and time.monotonic() < deadline:
+            keys = [k for k in keys if not self.store.check([k])]
+            time.sleep(self.poll_s)
 
     # ------------------------------------------------------------------ workers
     def serve(self, actor: Any, idle: Callable[[], float] | None = None) -> None:
@@ -139,6 +149,7 @@ class CollectiveRPC:
             if kind == _RELEASE:
                 return
             if kind == _ABORT:
+                self.store.set(f"ack/{self._seq}/{self.rank}", "1")
                 raise Aborted(body)
             fn, args = body
             try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 from offload.errors import OffloadError
 
@@ -38,8 +39,8 @@ def parse_size(text: str | int, what: str = "size") -> int:
         raise OffloadError(
             f"{what} {text!r} is not a size; write a byte count such as 4096, 64KiB, 256MiB or 4GiB"
         )
-    value = float(match.group(1)) * _UNITS[unit]
-    if value != int(value):
+    value = Fraction(match.group(1)) * _UNITS[unit]
+    if value.denominator != 1:
         raise OffloadError(f"{what} {text!r} is not a whole number of bytes; round it")
     return int(value)
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from offload import cleanup
 from offload.actor import CopyJob, RankActor
+from offload.audit import Auditor
 from offload.config import TierConfig
 from offload.errors import OffloadError, PeerError
 from offload.log import ProgressLog
@@ -54,8 +55,12 @@ class HostTier:
     # ------------------------------------------------------------------ creation
     @classmethod
     def create(cls, kv_tensors: Sequence[torch.Tensor], config: TierConfig, *,
-               backend: str = "auto") -> HostTier:
-        """Collective: every rank calls it with its own KV tensors and the same config."""
+               backend: str = "auto", audit: bool = False) -> HostTier:
+        """Collective: every rank calls it with its own KV tensors and the same config.
+
+        ``backend`` picks the transfer backend (``auto``: by device and pinning); ``audit``
+        hashes every block before store and after load and counts mismatches
+        (`offload.audit`)."""
         started = time.perf_counter()
         topology = discover(config.tp, config.pp)
         job_id, store = _job_store(topology, config)
@@ -64,7 +69,7 @@ class HostTier:
         quorum = Quorum(store, topology.world_size)
         progress = ProgressLog(f"pre-fault {config.layout}") if topology.rank == 0 else None
         actor = RankActor(topology, config, list(kv_tensors), job_id, quorum, progress, backend,
-                          created_at=started)
+                          auditor=Auditor() if audit else None, created_at=started)
         descriptor = _describe(actor)
         gathered: list[Any] | None = [None] * topology.world_size if topology.rank == 0 else None
         dist.gather_object(descriptor, gathered, dst=0)

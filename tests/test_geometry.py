@@ -1,0 +1,309 @@
+"""Region geometry against DESIGN.md sections 4 and 5: segments, shares, registrations, work."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Sequence
+from itertools import pairwise
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from offload.config import TierConfig
+from offload.errors import OffloadError
+from offload.geometry import (
+    ByteRange,
+    RegionGeometry,
+    interleave_by_segment,
+    merge_ranges,
+    prefault_ranges,
+    registration_ranges,
+    segment_ranges,
+    shard_range,
+    slot_ranges,
+    split_work,
+)
+from offload.plan import Plan, RankDescriptor, compute_plan
+from tests.test_plan import grids
+
+PAGES = (512, 4096)
+
+
+def geometry_of(plan: Plan, rank: int) -> RegionGeometry:
+    slot = plan.slots[rank]
+    return RegionGeometry(plan.layout, plan.chunk_count, plan.row_stride(rank),
+                          slot.slot_offset, slot.slot_bytes, plan.page_size)
+
+
+@st.composite
+def node_geometries(draw: st.DrawFn, layout: str | None = None) -> list[RegionGeometry]:
+    """The geometries of every rank of one node: private regions are per rank (one each
+    here), shared and replicated ranks all map one region."""
+    layout = layout or draw(st.sampled_from(("private", "shared", "replicated")))
+    page = draw(st.sampled_from(PAGES))
+    rows = draw(st.integers(0, 600))
+    ranks = draw(st.integers(1, 5))
+    if layout != "shared":
+        slot = page * draw(st.integers(1, 40))
+        return [RegionGeometry(layout, rows, slot, 0, slot, page) for _ in range(ranks)]
+    slots = [page * draw(st.integers(1, 40)) for _ in range(ranks)]
+    offsets = [sum(slots[:i]) for i in range(ranks)]
+    return [RegionGeometry(layout, rows, sum(slots), offsets[i], slots[i], page)
+            for i in range(ranks)]
+
+
+@st.composite
+def configs(draw: st.DrawFn, geometry: RegionGeometry) -> TierConfig:
+    """Thresholds scaled to the region, as tests shrink GiB settings to MiB."""
+    total, row = max(1, geometry.total_bytes), geometry.row_stride
+    return TierConfig(
+        cpu_bytes_per_node=max(1, total),
+        page_size=geometry.page_size,
+        segment_threshold=draw(st.integers(1, 2 * total)),
+        min_segment_bytes=draw(st.integers(1, total)),
+        max_segments=draw(st.integers(1, 40)),
+        max_registration_bytes=draw(st.integers(max(1, row // 2), max(row, 4 * total))),
+        max_slot_rows=draw(st.integers(1, 800)),
+    )
+
+
+@st.composite
+def geometry_and_config(draw: st.DrawFn, layout: str | None = None
+                        ) -> tuple[RegionGeometry, TierConfig]:
+    nodes = draw(node_geometries(layout))
+    geometry = nodes[draw(st.integers(0, len(nodes) - 1))]
+    return geometry, draw(configs(geometry))
+
+
+def covered(ranges: Iterable[ByteRange]) -> list[ByteRange]:
+    return merge_ranges(ranges)
+
+
+def assert_tiles(ranges: Sequence[ByteRange], start: int, end: int) -> None:
+    """``ranges`` in order are back to back and cover ``[start, end)`` exactly."""
+    position = start
+    for r in ranges:
+        assert r.offset == position and r.length >= 0
+        position = r.end
+    assert position == end
+
+
+def contains(outer: Sequence[ByteRange], inner: Iterable[ByteRange]) -> bool:
+    merged = covered(outer)
+    starts = [m.offset for m in merged]
+    for r in inner:
+        i = bisect.bisect_right(starts, r.offset) - 1
+        if r.length and (i < 0 or r.end > merged[i].end):
+            return False
+    return True
+
+
+# ---------------------------------------------------------------- segments
+
+
+@settings(max_examples=300, deadline=None)
+@given(geometry_and_config())
+def test_segments_split_whole_rows(case: tuple[RegionGeometry, TierConfig]) -> None:
+    geometry, config = case
+    segments = segment_ranges(geometry, config)
+    assert_tiles(segments, 0, geometry.total_bytes)
+    assert all(s.length % geometry.row_stride == 0 for s in segments)
+    assert 1 <= len(segments) <= max(1, min(config.max_segments, geometry.rows))
+    if geometry.total_bytes < config.segment_threshold:
+        assert len(segments) == 1
+    if len(segments) > 1:
+        rows = [s.length // geometry.row_stride for s in segments]
+        assert rows == sorted(rows, reverse=True) and rows[0] - rows[-1] <= 1
+        assert min(s.length for s in segments) > config.min_segment_bytes - geometry.row_stride
+    elif geometry.total_bytes >= config.segment_threshold and geometry.rows > 1:
+        assert min(config.max_segments, geometry.total_bytes // config.min_segment_bytes) <= 1
+
+
+def test_segments_at_the_documented_scale() -> None:
+    config = TierConfig(cpu_bytes_per_node=1)
+    row = 2 << 20
+    assert len(segment_ranges(RegionGeometry("private", 1023, row, 0, row, 4096), config)) == 1
+    assert len(segment_ranges(RegionGeometry("private", 1024, row, 0, row, 4096), config)) == 2
+    assert len(segment_ranges(RegionGeometry("private", 128 << 10, row, 0, row, 4096),
+                              config)) == 32
+
+
+# ---------------------------------------------------------------- replicated shares
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 1 << 24), st.integers(1, 20), st.sampled_from(PAGES))
+def test_shards_cover_the_region_once(total: int, count: int, page: int) -> None:
+    shards = [shard_range(total, count, i, page) for i in range(count)]
+    assert_tiles(shards, 0, total)
+    nonempty = [s for s in shards if s.length]
+    assert all(s.offset % page == 0 for s in nonempty)
+    assert all(not s.length for s in shards[len(nonempty):])  # only trailing shares are empty
+    assert all(s.length == nonempty[0].length for s in nonempty[:-1])
+    assert all(s.length <= -(-total // count) + page for s in shards)
+
+
+@pytest.mark.parametrize("index", [-1, 3])
+def test_shard_index_out_of_range(index: int) -> None:
+    with pytest.raises(ValueError, match="outside 0..2"):
+        shard_range(4096, 3, index, 4096)
+
+
+# ---------------------------------------------------------------- pre-fault
+
+
+@settings(max_examples=300, deadline=None)
+@given(node_geometries())
+def test_prefault_covers_each_node_region_once(node: list[RegionGeometry]) -> None:
+    """Together a node's ranks populate every byte of a shared or replicated region exactly
+    once, each on page boundaries; a private region is populated whole by its owner."""
+    page = node[0].page_size
+    per_rank = [prefault_ranges(g, i, len(node)) for i, g in enumerate(node)]
+    for ranges in per_rank:
+        assert all(r.offset % page == 0 and r.length % page == 0 for r in ranges)
+    if node[0].layout == "private":
+        for g, ranges in zip(node, per_rank, strict=True):
+            assert covered(ranges) == covered([ByteRange(0, g.total_bytes)])
+        return
+    pieces = sorted(r for ranges in per_rank for r in ranges if r.length)
+    assert_tiles(pieces, 0, node[0].total_bytes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(node_geometries(layout="shared"))
+def test_shared_prefault_touches_only_the_own_slot(node: list[RegionGeometry]) -> None:
+    for i, g in enumerate(node):
+        own = [ByteRange(r * g.row_stride + g.slot_offset, g.slot_bytes) for r in range(g.rows)]
+        assert covered(prefault_ranges(g, i, len(node))) == covered(own)
+
+
+# ---------------------------------------------------------------- registrations
+
+
+def per_slot(g: RegionGeometry, config: TierConfig) -> bool:
+    """DESIGN.md section 5's condition for registering slots instead of rows."""
+    return (g.layout == "shared" and g.slot_bytes <= g.row_stride - g.page_size
+            and g.rows <= config.max_slot_rows)
+
+
+@settings(max_examples=500, deadline=None)
+@given(geometry_and_config())
+def test_registrations(case: tuple[RegionGeometry, TierConfig]) -> None:
+    g, config = case
+    unit = g.slot_bytes if per_slot(g, config) else g.row_stride
+    if g.rows and unit > config.max_registration_bytes:
+        with pytest.raises(OffloadError, match="registration cap"):
+            registration_ranges(g, config)
+        return
+    regs = registration_ranges(g, config)
+    assert all(0 < r.length <= config.max_registration_bytes for r in regs)
+    assert contains(regs, slot_ranges(g))  # every byte this rank touches is registered
+    if per_slot(g, config):
+        assert regs == [ByteRange(r * g.row_stride + g.slot_offset, g.slot_bytes)
+                        for r in range(g.rows)]
+        assert all(r.offset % g.page_size == 0 for r in regs)
+        assert all(r.offset // g.row_stride == (r.end - 1) // g.row_stride for r in regs)
+        assert sum(r.length for r in regs) == g.rows * g.slot_bytes
+    else:
+        assert_tiles(regs, 0, g.total_bytes)
+        assert all(r.offset % g.row_stride == 0 and r.length % g.row_stride == 0 for r in regs)
+        rows_per = config.max_registration_bytes // g.row_stride if g.rows else 1
+        assert len(regs) == -(-g.rows // rows_per)
+
+
+@settings(max_examples=200, deadline=None)
+@given(grids())
+def test_registered_bytes_per_rank_equal_slot_bytes(descriptors: list[RankDescriptor]) -> None:
+    """Section 8: registered bytes per rank = its own slot in every row (1.00x); for the
+    replicated layout that slot is the whole single copy, which every rank reads."""
+    plan = compute_plan(descriptors)
+    config = descriptors[0].config
+    for d in descriptors:
+        registered = registration_ranges(geometry_of(plan, d.rank), config)
+        assert sum(r.length for r in registered) == (
+            plan.chunk_count * plan.slots[d.rank].slot_bytes)
+
+
+def test_shared_falls_back_to_rows_when_there_are_too_many_rows() -> None:
+    g = RegionGeometry("shared", 10, 3 * 4096, 4096, 4096, 4096)
+    config = TierConfig(cpu_bytes_per_node=1, max_slot_rows=9, max_registration_bytes=4 * 12288)
+    assert registration_ranges(g, config) == [ByteRange(0, 4 * 12288),
+                                              ByteRange(4 * 12288, 4 * 12288),
+                                              ByteRange(8 * 12288, 2 * 12288)]
+
+
+def test_row_larger_than_the_cap_is_a_clear_error() -> None:
+    g = RegionGeometry("private", 4, 8192, 0, 8192, 4096)
+    config = TierConfig(cpu_bytes_per_node=1, max_registration_bytes=4096)
+    with pytest.raises(OffloadError, match=r"8.00 KiB exceeds the 4.00 KiB registration cap"):
+        registration_ranges(g, config)
+
+
+def test_slot_larger_than_the_cap_is_a_clear_error() -> None:
+    # per-slot registrations obey the cap too (they used to be returned unchecked)
+    g = RegionGeometry("shared", 4, 3 * 8192, 8192, 8192, 4096)
+    config = TierConfig(cpu_bytes_per_node=1, max_registration_bytes=4096)
+    with pytest.raises(OffloadError, match=r"one slot of 8.00 KiB exceeds"):
+        registration_ranges(g, config)
+
+
+# ---------------------------------------------------------------- work lists
+
+small_ranges = st.lists(st.builds(ByteRange, st.integers(0, 300), st.integers(0, 40)),
+                        max_size=12)
+
+
+def points(ranges: Iterable[ByteRange]) -> set[int]:
+    return {b for r in ranges for b in range(r.offset, r.end)}
+
+
+@given(small_ranges)
+def test_merge_ranges(ranges: list[ByteRange]) -> None:
+    merged = merge_ranges(ranges)
+    assert points(merged) == points(ranges)
+    assert all(r.length > 0 for r in merged)
+    assert all(a.end < b.offset for a, b in pairwise(merged))
+
+
+@st.composite
+def page_ranges(draw: st.DrawFn) -> tuple[list[ByteRange], int]:
+    page = draw(st.sampled_from((1, 8, 64)))
+    starts = sorted(draw(st.sets(st.integers(0, 200), max_size=8)))
+    ranges = [ByteRange(s * page, draw(st.integers(0, 12)) * page
+                        + draw(st.integers(0, page - 1)))
+              for s in starts]
+    return merge_ranges(ranges), page
+
+
+@given(page_ranges(), st.integers(-5, 600))
+def test_split_work(case: tuple[list[ByteRange], int], piece_bytes: int) -> None:
+    ranges, page = case
+    pieces = split_work(ranges, piece_bytes, page)
+    limit = max(page, piece_bytes - piece_bytes % page)
+    assert points(pieces) == points(ranges)
+    assert sum(p.length for p in pieces) == sum(r.length for r in ranges)
+    assert all(0 < p.length <= limit and p.offset % page == 0 for p in pieces)
+    assert all(any(r.offset <= p.offset and p.end <= r.end for r in ranges) for p in pieces)
+    assert pieces == sorted(pieces)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 30), min_size=1, max_size=8), st.integers(1, 25))
+def test_interleave_by_segment(segment_rows: list[int], piece: int) -> None:
+    segments, offset = [], 0
+    for rows in segment_rows:
+        segments.append(ByteRange(offset, rows * 10))
+        offset += rows * 10
+    pieces = split_work([ByteRange(0, offset)], piece, 1)
+    order = interleave_by_segment(pieces, segments)
+    assert sorted(order) == sorted(pieces)
+
+    def seg(p: ByteRange) -> int:
+        return next(i for i, s in enumerate(segments) if s.offset <= p.offset < s.end)
+
+    for i in range(len(segments)):
+        mine = [p for p in order if seg(p) == i]
+        assert mine == sorted(mine)  # each file is still populated front to back
+    starting = {seg(p) for p in pieces}
+    assert len({seg(p) for p in order[:len(starting)]}) == len(starting)

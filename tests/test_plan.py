@@ -1,0 +1,281 @@
+"""compute_plan against the rules of DESIGN.md sections 2 and 4, on random TP × PP grids."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from collections import defaultdict
+from collections.abc import Sequence
+from itertools import pairwise
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from offload.config import LAYOUTS, TierConfig
+from offload.errors import OffloadError
+from offload.plan import Plan, RankDescriptor, compute_plan
+from offload.sizes import round_up
+
+PAGES = (512, 4096, 65536)
+
+
+def build_descriptors(config: TierConfig, node_sizes: Sequence[int],
+                      stage_pages: Sequence[tuple[int, ...]]) -> list[RankDescriptor]:
+    """Ranks ``pp_rank * tp + tp_rank``, placed on nodes of ``node_sizes`` consecutive ranks
+    (as torchrun places them); pipeline stage ``s`` has KV page sizes ``stage_pages[s]``."""
+    out = []
+    rank = 0
+    for n, size in enumerate(node_sizes):
+        for local in range(size):
+            pp_rank, tp_rank = divmod(rank, config.tp)
+            out.append(RankDescriptor(rank, f"node{n}", local, size, tp_rank, pp_rank,
+                                      stage_pages[pp_rank], config))
+            rank += 1
+    return out
+
+
+@st.composite
+def node_split(draw: st.DrawFn, world: int) -> list[int]:
+    """Sizes of consecutive-rank nodes summing to ``world``."""
+    cuts = sorted(draw(st.sets(st.integers(1, world - 1), max_size=3))) if world > 1 else []
+    bounds = [0, *cuts, world]
+    return [b - a for a, b in pairwise(bounds)]
+
+
+@st.composite
+def grids(draw: st.DrawFn, layout: str | None = None, feasible: bool = True
+          ) -> list[RankDescriptor]:
+    """Descriptors of a random job; ``feasible`` keeps the budget at one chunk or more."""
+    layout = layout or draw(st.sampled_from(LAYOUTS))
+    tp, pp = draw(st.integers(1, 4)), draw(st.integers(1, 3))
+    page = draw(st.sampled_from(PAGES))
+    bpc = draw(st.integers(1, 16))
+    tensors = draw(st.integers(1, 3))
+    pages = st.tuples(*[st.integers(1, 70_000)] * tensors)
+    stage_pages = [draw(pages)] * pp if layout == "replicated" else [draw(pages)
+                                                                    for _ in range(pp)]
+    nodes = draw(node_split(tp * pp))
+    worst_row = max(_reference_rows(layout, nodes, tp, stage_pages, bpc, page).values())
+    low = worst_row if feasible else 1
+    high = worst_row * 40 if feasible else max(1, worst_row - 1)
+    config = TierConfig(cpu_bytes_per_node=draw(st.integers(low, high)), layout=layout,
+                        blocks_per_chunk=bpc, tp=tp, pp=pp, page_size=page)
+    return build_descriptors(config, nodes, stage_pages)
+
+
+def _reference_rows(layout: str, nodes: Sequence[int], tp: int,
+                    stage_pages: Sequence[tuple[int, ...]], bpc: int, page: int
+                    ) -> dict[str, int]:
+    """Row bytes per node, straight from the definition in DESIGN.md section 2."""
+    rows: dict[str, int] = {}
+    rank = 0
+    for n, size in enumerate(nodes):
+        slots = [round_up(bpc * sum(stage_pages[(rank + i) // tp]), page) for i in range(size)]
+        rows[f"node{n}"] = slots[0] if layout == "replicated" else sum(slots)
+        rank += size
+    return rows
+
+
+def by_node(descriptors: Sequence[RankDescriptor]) -> dict[str, list[RankDescriptor]]:
+    nodes: dict[str, list[RankDescriptor]] = defaultdict(list)
+    for d in descriptors:
+        nodes[d.node_id].append(d)
+    return nodes
+
+
+def node_bytes(plan: Plan, members: Sequence[RankDescriptor]) -> int:
+    """Host bytes one node maps: private regions add up; a shared or replicated region is one
+    mapping however many ranks map it."""
+    if plan.layout == "private":
+        return sum(plan.region_bytes(d.rank) for d in members)
+    sizes = {plan.region_bytes(d.rank) for d in members}
+    assert len(sizes) == 1
+    return sizes.pop()
+
+
+@settings(max_examples=300, deadline=None)
+@given(grids())
+def test_budget_and_chunk_count(descriptors: list[RankDescriptor]) -> None:
+    plan = compute_plan(descriptors)
+    config = descriptors[0].config
+    rows = {node: plan.node_row_bytes(node) for node in by_node(descriptors)}
+    assert plan.chunk_count == min(config.cpu_bytes_per_node // r for r in rows.values()) >= 1
+    for node, members in by_node(descriptors).items():
+        used = node_bytes(plan, members)
+        assert used == plan.chunk_count * rows[node] <= config.cpu_bytes_per_node
+    assert json.loads(json.dumps(plan.to_json()))["chunk_count"] == plan.chunk_count
+
+
+@settings(max_examples=300, deadline=None)
+@given(grids())
+def test_slots(descriptors: list[RankDescriptor]) -> None:
+    plan = compute_plan(descriptors)
+    config = descriptors[0].config
+    bpc, page = config.blocks_per_chunk, config.page_size
+    for d in descriptors:
+        slot = plan.slots[d.rank]
+        assert (slot.rank, slot.node_id, slot.page_bytes) == (d.rank, d.node_id, d.page_bytes)
+        assert slot.slot_bytes % page == 0
+        assert bpc * d.payload <= slot.slot_bytes < bpc * d.payload + page
+        assert slot.tensor_offsets == tuple(bpc * sum(d.page_bytes[:t])
+                                            for t in range(len(d.page_bytes)))
+        assert slot.tensor_offsets[-1] + bpc * d.page_bytes[-1] == bpc * d.payload
+        assert slot.slot_offset % page == 0
+        assert slot.slot_offset + slot.slot_bytes <= plan.row_stride(d.rank)
+        if plan.layout == "private":
+            assert (slot.slot, slot.slot_offset) == (0, 0)
+            assert plan.row_stride(d.rank) == slot.slot_bytes
+        if plan.layout == "replicated":
+            assert (slot.slot, slot.slot_offset) == (0, 0)
+            assert plan.row_stride(d.rank) == slot.slot_bytes
+
+
+@settings(max_examples=300, deadline=None)
+@given(grids(layout="shared"))
+def test_shared_slots_are_disjoint_and_indexed_by_model_parallel_rank(
+        descriptors: list[RankDescriptor]) -> None:
+    plan = compute_plan(descriptors)
+    tp = descriptors[0].config.tp
+    for node, members in by_node(descriptors).items():
+        slots = sorted((plan.slots[d.rank] for d in members), key=lambda s: s.slot_offset)
+        for d in members:
+            assert plan.slots[d.rank].slot == (d.pp_rank * tp + d.tp_rank) % d.local_world_size
+        assert sorted(s.slot for s in slots) == list(range(len(members)))
+        assert [s.slot for s in slots] == sorted(s.slot for s in slots)
+        assert slots[0].slot_offset == 0
+        for a, b in pairwise(slots):
+            assert a.slot_offset + a.slot_bytes == b.slot_offset
+        assert slots[-1].slot_offset + slots[-1].slot_bytes == plan.node_row_bytes(node)
+
+
+@settings(max_examples=200, deadline=None)
+@given(grids(layout="replicated"))
+def test_replicated_counts_one_slot_per_node(descriptors: list[RankDescriptor]) -> None:
+    plan = compute_plan(descriptors)
+    for node, members in by_node(descriptors).items():
+        assert plan.node_row_bytes(node) == plan.slots[members[0].rank].slot_bytes
+        assert node_bytes(plan, members) <= descriptors[0].config.cpu_bytes_per_node
+
+
+def test_heterogeneous_stages_share_one_chunk_count_limited_by_the_heaviest_node() -> None:
+    config = TierConfig(cpu_bytes_per_node=10 << 20, tp=2, pp=2, blocks_per_chunk=4)
+    stage_pages = [(16384, 16384), (4096,)]  # stage 0: 128 KiB a chunk, stage 1: 16 KiB
+    plan = compute_plan(build_descriptors(config, [2, 2], stage_pages))
+    assert [s.slot_bytes for s in plan.slots] == [128 << 10] * 2 + [16 << 10] * 2
+    assert dict(plan.row_bytes) == {"node0": 256 << 10, "node1": 32 << 10}
+    assert plan.chunk_count == (10 << 20) // (256 << 10) == 40
+
+
+def test_shared_rows_count_local_ranks_not_the_world() -> None:
+    config = TierConfig(cpu_bytes_per_node=1 << 20, layout="shared", tp=8, blocks_per_chunk=1)
+    plan = compute_plan(build_descriptors(config, [4, 4], [(4096,)]))
+    assert dict(plan.row_bytes) == {"node0": 4 * 4096, "node1": 4 * 4096}
+    assert [s.slot for s in plan.slots] == [0, 1, 2, 3] * 2
+
+
+def test_page_rounding_never_exceeds_the_budget() -> None:
+    # 3 × 1000 B rounds to one 4 KiB page; a budget of 3 pages minus one byte holds 2 chunks
+    config = TierConfig(cpu_bytes_per_node=3 * 4096 - 1, blocks_per_chunk=3)
+    plan = compute_plan(build_descriptors(config, [1], [(1000,)]))
+    assert plan.slots[0].slot_bytes == 4096 and plan.chunk_count == 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(grids(feasible=False))
+def test_zero_chunks_names_the_bytes_one_chunk_needs(descriptors: list[RankDescriptor]) -> None:
+    config = descriptors[0].config
+    rows = _reference_rows(config.layout, [len(m) for m in by_node(descriptors).values()],
+                           config.tp, [d.page_bytes for d in descriptors[::config.tp]],
+                           config.blocks_per_chunk, config.page_size)
+    worst_node, worst = max(rows.items(), key=lambda item: item[1])
+    with pytest.raises(OffloadError) as info:
+        compute_plan(descriptors)
+    message = str(info.value)
+    assert f"needs {worst} B" in message and worst_node in message
+    assert str(config.cpu_bytes_per_node) in message and "\n" not in message
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("blocks_per_chunk", 8), ("layout", "shared"), ("page_size", 8192),
+    ("cpu_bytes_per_node", 1 << 30), ("timeout_s", 5.0),
+])
+def test_disagreeing_ranks_are_named_with_the_field(field: str, value: object) -> None:
+    config = TierConfig(cpu_bytes_per_node=64 << 20, tp=4, pp=2)
+    other = dataclasses.replace(config, **{field: value})  # type: ignore[arg-type]
+    descriptors = build_descriptors(config, [4, 4], [(4096,), (4096,)])
+    descriptors[3] = dataclasses.replace(descriptors[3], config=other)
+    descriptors[6] = dataclasses.replace(descriptors[6], config=other)
+    random.Random(0).shuffle(descriptors)  # gathered order must not matter
+    with pytest.raises(OffloadError) as info:
+        compute_plan(descriptors)
+    message = str(info.value)
+    assert message.startswith("ranks 3, 6 ") and field in message and repr(value) in message
+
+
+def test_replicated_with_unequal_payloads_is_an_error() -> None:
+    config = TierConfig(cpu_bytes_per_node=64 << 20, layout="replicated", tp=2, pp=2)
+    with pytest.raises(OffloadError, match=r"replicated.*ranks 2, 3.*private"):
+        compute_plan(build_descriptors(config, [4], [(4096,), (8192,)]))
+
+
+def test_replicated_with_equal_totals_but_different_tensors_says_why() -> None:
+    config = TierConfig(cpu_bytes_per_node=64 << 20, layout="replicated", tp=2)
+    descriptors = build_descriptors(config, [2], [(1024, 2048)])
+    descriptors[1] = dataclasses.replace(descriptors[1], page_bytes=(2048, 1024))
+    with pytest.raises(OffloadError, match=r"ranks 1 have .*\[2048, 1024\].*\[1024, 2048\]"):
+        compute_plan(descriptors)
+
+
+@pytest.mark.parametrize("pages", [(), (4096, 0), (-1,)])
+def test_empty_or_non_positive_pages_are_an_error(pages: tuple[int, ...]) -> None:
+    config = TierConfig(cpu_bytes_per_node=64 << 20, tp=2)
+    descriptors = build_descriptors(config, [2], [(4096,)])
+    descriptors[1] = dataclasses.replace(descriptors[1], page_bytes=pages)
+    with pytest.raises(OffloadError, match="rank 1 has KV page sizes"):
+        compute_plan(descriptors)
+
+
+def test_missing_rank_is_an_error() -> None:
+    config = TierConfig(cpu_bytes_per_node=64 << 20, tp=3)
+    descriptors = build_descriptors(config, [3], [(4096,)])
+    with pytest.raises(OffloadError, match=r"\[0, 2\]"):
+        compute_plan([descriptors[0], descriptors[2]])
+
+
+def test_no_descriptors_is_an_error() -> None:
+    with pytest.raises(OffloadError, match="no rank"):
+        compute_plan([])
+
+
+def test_shared_slot_collision_is_an_error() -> None:
+    # ranks 0 and 2 alone on a node: model-parallel ranks 0 and 2 modulo 2 collide
+    config = TierConfig(cpu_bytes_per_node=64 << 20, layout="shared", tp=4)
+    descriptors = [RankDescriptor(r, "a" if r % 2 == 0 else "b", r // 2, 2, r, 0, (4096,),
+                                  config) for r in range(4)]
+    with pytest.raises(OffloadError, match="ranks 0 and 2 on node a both map to shared slot 0"):
+        compute_plan(descriptors)
+
+
+@settings(max_examples=100, deadline=None)
+@given(grids(), st.randoms(use_true_random=False))
+def test_digest_is_a_function_of_the_plan(descriptors: list[RankDescriptor],
+                                          rnd: random.Random) -> None:
+    plan = compute_plan(descriptors)
+    shuffled = list(descriptors)
+    rnd.shuffle(shuffled)
+    again = compute_plan(shuffled)
+    assert again == plan and again.digest() == plan.digest()
+    config = descriptors[0].config
+    bigger = dataclasses.replace(config, cpu_bytes_per_node=config.cpu_bytes_per_node + 1)
+    other = compute_plan([dataclasses.replace(d, config=bigger) for d in descriptors])
+    assert other != plan and other.digest() != plan.digest()
+
+
+@settings(max_examples=100, deadline=None)
+@given(grids(), grids())
+def test_digests_differ_exactly_when_plans_differ(a: list[RankDescriptor],
+                                                  b: list[RankDescriptor]) -> None:
+    plan_a, plan_b = compute_plan(a), compute_plan(b)
+    assert (plan_a.digest() == plan_b.digest()) == (plan_a == plan_b)

@@ -1,0 +1,142 @@
+"""The library API across real gloo ranks: SPMD round trips in every layout with hybrid KV
+tensors, the quorum, audit mode and set-up errors."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from offload.config import TierConfig
+from tests.harness import run_group, shm_entries
+
+MiB = 1 << 20
+
+
+def _hybrid_kv(rank: int, num_blocks: int, same_on_all_ranks: bool = False) -> list:
+    """Two KV tensors with different page sizes (8000 B of fp16 and 4096 B of bytes)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0 if same_on_all_ranks else rank + 1)
+    k = torch.randn((num_blocks, 2, 2000), generator=gen).to(torch.float16)
+    v = torch.randint(0, 256, (num_blocks, 4096), generator=gen, dtype=torch.uint8)
+    return [k, v]
+
+
+@pytest.mark.parametrize("layout", ["private", "shared", "replicated"])
+def test_spmd_store_poison_load_restores_every_byte(layout: str) -> None:
+    before = shm_entries()
+
+    def body(rank: int) -> object:
+        import torch
+
+        from offload import CopyJob, HostTier
+
+        kv = _hybrid_kv(rank, 24, same_on_all_ranks=layout == "replicated")
+        original = [t.clone() for t in kv]
+        config = TierConfig(cpu_bytes_per_node=4 * MiB, layout=layout, blocks_per_chunk=4,
+                            tp=2, timeout_s=20)
+        tier = HostTier.create(kv, config)
+        blocks = tuple(range(24))
+        chunks = tuple(5 - b // 4 for b in blocks)  # scattered: reversed chunk order
+        positions = tuple(b % 4 for b in blocks)
+        tier.submit(CopyJob(1, "store", blocks, chunks, positions,
+                            writer_only=layout == "replicated"))
+        tier.wait([1])
+        for t in kv:
+            t.zero_()
+        tier.submit(CopyJob(2, "load", blocks, chunks, positions))
+        tier.wait([2])
+        same = all(torch.equal(a, b) for a, b in zip(kv, original, strict=True))
+        view = tier.actor.region.tensor_view(1)  # tensor 1 of chunk 5, position 0 = block 0
+        raw_ok = torch.equal(view[5, 0], original[1][0])
+        chunk_count = tier.plan.chunk_count
+        tier.close()
+        return same, raw_ok, chunk_count
+
+    out = run_group(body, 2)
+    assert all(o.ok for o in out), [o.error for o in out]
+    assert all(o.value[0] and o.value[1] for o in out)
+    assert shm_entries() <= before
+
+
+def test_a_job_is_done_only_when_the_last_rank_reported() -> None:
+    def body(rank: int) -> object:
+        import torch.distributed as dist
+
+        from offload import CopyJob, HostTier
+
+        kv = _hybrid_kv(rank, 8)
+        tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=4 * MiB, blocks_per_chunk=4,
+                                              tp=3, timeout_s=20))
+        job = CopyJob(7, "store", (0, 1), (0, 0), (0, 1))
+        seen = []
+        if rank != 2:
+            tier.submit(job)
+        dist.barrier()  # ranks 0 and 1 have copied; rank 2 has not
+        seen.append(tier.done(7))
+        dist.barrier()
+        if rank == 2:
+            time.sleep(0.2)
+            tier.submit(job)
+        tier.wait([7])
+        seen.append(tier.done(7))
+        tier.close()
+        return seen
+
+    out = run_group(body, 3)
+    assert all(o.ok for o in out), [o.error for o in out]
+    assert all(o.value == [False, True] for o in out)
+
+
+def test_audit_counts_blocks_corrupted_in_host_memory() -> None:
+    def body(rank: int) -> object:
+        from offload import CopyJob, HostTier
+
+        kv = _hybrid_kv(rank, 8)
+        tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=4 * MiB, blocks_per_chunk=4,
+                                              tp=2, timeout_s=20), audit=True)
+        blocks, chunks, positions = (0, 1, 2, 3), (2, 2, 2, 2), (0, 1, 2, 3)
+        tier.submit(CopyJob(1, "store", blocks, chunks, positions))
+        tier.wait([1])
+        if rank == 1:
+            tier.actor.region.tensor_view(0)[2, 3, 17] ^= 0xFF  # flip a byte of block 3
+        tier.submit(CopyJob(2, "load", blocks, chunks, positions))
+        tier.wait([2])
+        audit = tier.actor.auditor.to_json()
+        tier.close()
+        return audit
+
+    out = run_group(body, 2)
+    assert all(o.ok for o in out), [o.error for o in out]
+    assert out[0].value == {"checked_blocks": 4, "mismatched_blocks": 0}
+    assert out[1].value == {"checked_blocks": 4, "mismatched_blocks": 1}
+
+
+def test_ranks_with_different_settings_fail_on_every_rank_naming_them() -> None:
+    before = shm_entries()
+
+    def body(rank: int) -> object:
+        from offload import HostTier
+
+        config = TierConfig(cpu_bytes_per_node=4 * MiB, blocks_per_chunk=8 if rank == 2 else 4,
+                            tp=3, timeout_s=20)
+        HostTier.create(_hybrid_kv(rank, 8), config)
+
+    out = run_group(body, 3)
+    assert all(not o.ok for o in out)
+    assert "ranks 2 run with blocks_per_chunk = 8 but rank 0 with 4" in (out[0].error or "")
+    assert all(o.error_type == "Aborted" for o in out[1:])
+    assert shm_entries() <= before
+
+
+def test_a_rank_without_kv_tensors_is_named_by_rank_zero() -> None:
+    def body(rank: int) -> object:
+        from offload import HostTier
+
+        kv = [] if rank == 1 else _hybrid_kv(rank, 8)
+        HostTier.create(kv, TierConfig(cpu_bytes_per_node=4 * MiB, tp=2, timeout_s=20))
+
+    out = run_group(body, 2)
+    assert "rank 1: no KV tensors given" in (out[0].error or "")
+    assert out[1].error_type == "Aborted"
