@@ -32,6 +32,7 @@ from offload.report import count_shm_files, render_table, write_json
 from offload.rpc import Aborted
 from offload.sizes import parse_size
 from offload.tier import HostTier
+from offload.timeline import draw_timeline
 
 log = logging.getLogger("launch.run")
 
@@ -65,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="enable the file tier under DIR (not available yet: refused)")
     p.add_argument("--report-json", default=None, metavar="PATH",
                    help="rank 0 writes the JSON report there")
+    p.add_argument("--timeline", default=None, metavar="PATH",
+                   help="rank 0 draws the per-rank phase timeline there (PNG; needs matplotlib)")
     p.add_argument("--audit", action="store_true",
                    help="hash every block before store and after load; count mismatches in the "
                         "report (exit 1 on any)")
@@ -156,6 +159,9 @@ def run(args: argparse.Namespace) -> int:
     print(render_table(report), flush=True)
     if args.report_json:
         write_json(args.report_json, report)
+    if args.timeline:
+        draw_timeline(report["ranks"], args.timeline,
+                      f"{config.layout}, {world} ranks, {args.cpu_bytes} per node")
     audit_bad = report.get("audit", {}).get("mismatched_blocks", 0)
     ok = report["transfer"]["verified"] and report["shm_files_left"] == 0 and not audit_bad
     if not ok:

@@ -40,6 +40,7 @@ from offload.geometry import ByteRange, RegionGeometry, segment_ranges
 from offload.region.prefault import plan_pieces, prefault
 from offload.region.shm import Mapping, close_fds, create_segments, open_segment, unlink_quiet
 from offload.sizes import format_size, parse_size
+from offload.timeline import draw_timeline
 
 GiB = 1 << 30
 
@@ -75,11 +76,9 @@ def ours(rank: int, world: int, args: argparse.Namespace, layout: str) -> dict[s
     start, baseline = begin(rank)
     tier = HostTier.create(kv, config)
     ready = time.time()
-    stats = tier.actor.region.stats if tier.actor.region else None
-    result = {"start": start, "ready": ready,
-              "registered": stats.pinned_bytes if stats else 0,
-              "own_bytes": tier.plan.slots[rank].slot_bytes * tier.plan.chunk_count,
-              "timings": dict(stats.timings_s) if stats else {}}
+    row = tier.actor.report()
+    result = {"start": start, "ready": ready, "registered": row["pinned_bytes"],
+              "own_bytes": tier.plan.slots[rank].slot_bytes * tier.plan.chunk_count, "row": row}
     hold(rank, result, baseline)
     tier.close()
     return result
@@ -225,6 +224,8 @@ def main() -> None:
     p.add_argument("--variants", default="floor,ours,naive,pin_memory")
     p.add_argument("--warm", default=None, help="bytes to touch first (default 2 x budget)")
     p.add_argument("--json", default=None, help="write all figures there")
+    p.add_argument("--timeline", default=None, metavar="PREFIX",
+                   help="draw each of our layouts' per-rank timeline to PREFIX-<layout>.png")
     args = p.parse_args()
     args.cpu_bytes = parse_size(args.cpu_bytes)
     variants = args.variants.split(",")
@@ -235,6 +236,10 @@ def main() -> None:
     if "ours" in variants:
         for layout in args.layouts.split(","):
             rows[f"ours/{layout}"] = run_variant(args.nproc, ours, args, layout)
+            if args.timeline:
+                draw_timeline([r["row"] for r in rows[f"ours/{layout}"]["ranks"]],
+                              f"{args.timeline}-{layout}.png",
+                              f"{layout}, {args.nproc} ranks, {format_size(args.cpu_bytes)}")
     if "naive" in variants:
         rows["naive"] = run_variant(args.nproc, naive, args)
     if "pin_memory" in variants:

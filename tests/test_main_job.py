@@ -33,7 +33,7 @@ def test_tp2_pp2_report_matches_the_plan_formula(tmp_path: Path) -> None:
     before = shm_entries()
     report_path = tmp_path / "r.json"
     proc = torchrun(4, "--tp", "2", "--pp", "2", "--cpu-bytes", "64MiB",
-                    "--report-json", str(report_path))
+                    "--report-json", str(report_path), "--timeline", str(tmp_path / "t.png"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(report_path.read_text())
     assert (report["world_size"], report["tp"], report["pp"]) == (4, 2, 2)
@@ -52,6 +52,7 @@ def test_tp2_pp2_report_matches_the_plan_formula(tmp_path: Path) -> None:
     assert report["transfer"]["verified"] and report["transfer"]["rounds"] == 2
     assert report["shm_files_left"] == 0
     assert "shm files left: 0" in proc.stdout
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert shm_entries() <= before
 
 
@@ -108,3 +109,34 @@ def test_help_lists_every_flag() -> None:
                  "--stage-kv-bytes", "--blocks-per-chunk", "--num-gpu-blocks", "--device",
                  "--rounds", "--fs-tier", "--report-json", "OFFLOAD_NODE_ID"):
         assert flag in out
+
+
+@pytest.mark.parametrize("layout", ["shared", "replicated"])
+def test_two_simulated_nodes_elect_two_leaders_and_size_rows_per_node(
+        layout: str, tmp_path: Path) -> None:
+    report_path = tmp_path / "r.json"
+    port = str(free_port())
+
+    def node(rank: int) -> subprocess.Popen[str]:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+               str(rank), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", port, str(ROOT / "launch" / "run.py"), "--device", "cpu",
+               "--tp", "2", "--pp", "2", "--layout", layout, "--cpu-bytes", "8MiB",
+               "--timeout", "30", "--report-json", str(report_path)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "OFFLOAD_NODE_ID": f"host{rank}"}
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+
+    procs = [node(0), node(1)]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["nodes"] == [{"node_id": "host0", "leader_rank": 0, "ranks": [0, 1]},
+                               {"node_id": "host1", "leader_rank": 2, "ranks": [2, 3]}]
+    slot = 16 * 64 * 1024
+    per_node = 2 * slot if layout == "shared" else slot
+    assert report["plan"]["row_bytes"] == {"host0": per_node, "host1": per_node}
+    assert report["plan"]["chunk_count"] == (8 << 20) // per_node
+    assert [r["slot"] for r in report["ranks"]] == ([0, 1, 0, 1] if layout == "shared"
+                                                     else [0, 0, 0, 0])
+    assert report["transfer"]["verified"] and report["shm_files_left"] == 0
