@@ -30,10 +30,10 @@ from offload.actor import CopyJob, RankActor
 from offload.audit import Auditor
 from offload.config import TierConfig
 from offload.errors import OffloadError, PeerError
-from offload.log import ProgressLog
 from offload.manager import ChunkManager
 from offload.plan import Plan, RankDescriptor, compute_plan
 from offload.quorum import Quorum, default_store
+from offload.region.prefault import progress_logger
 from offload.rpc import CollectiveRPC, store_timeout
 from offload.topology import Topology, discover
 
@@ -67,7 +67,8 @@ class HostTier:
         rpc = CollectiveRPC(dist.PrefixStore("rpc", store), topology.rank,
                             topology.world_size, config.timeout_s)
         quorum = Quorum(store, topology.world_size)
-        progress = ProgressLog(f"pre-fault {config.layout}") if topology.rank == 0 else None
+        progress = (progress_logger(log, f"pre-fault ({config.layout})")
+                    if topology.rank == 0 else None)
         actor = RankActor(topology, config, list(kv_tensors), job_id, quorum, progress, backend,
                           auditor=Auditor() if audit else None, created_at=started)
         descriptor = _describe(actor)

@@ -140,3 +140,36 @@ def test_two_simulated_nodes_elect_two_leaders_and_size_rows_per_node(
     assert [r["slot"] for r in report["ranks"]] == ([0, 1, 0, 1] if layout == "shared"
                                                      else [0, 0, 0, 0])
     assert report["transfer"]["verified"] and report["shm_files_left"] == 0
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
+                         text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+@pytest.mark.parametrize("layout", ["private", "shared"])
+def test_a_killed_rank_fails_the_job_quickly_and_leaves_nothing(layout: str) -> None:
+    import signal
+    import time
+
+    before = shm_entries()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+           "3", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(ROOT / "launch" / "run.py"), "--device", "cpu", "--layout", layout,
+           "--cpu-bytes", "48MiB", "--rounds", "100000", "--timeout", "20"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 60
+    workers: list[int] = []
+    while time.monotonic() < deadline and len(workers) < 3:
+        workers = _children(proc.pid)
+        time.sleep(0.2)
+    time.sleep(6)  # past set-up: the ranks are serving rounds
+    assert proc.poll() is None, proc.communicate()[1][-2000:]
+    os.kill(sorted(workers)[-1], signal.SIGKILL)
+    killed_at = time.monotonic()
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode != 0
+    assert time.monotonic() - killed_at < 45, err[-2000:]
+    assert shm_entries() <= before
