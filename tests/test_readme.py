@@ -1,0 +1,29 @@
+"""The README's library example runs as written (2 ranks under torchrun)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.harness import free_port, shm_entries
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_library_example_runs(tmp_path: Path) -> None:
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    example = next(b for b in blocks if "HostTier.create" in b)
+    script = tmp_path / "example.py"
+    script.write_text(example)
+    before = shm_entries()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+         "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert shm_entries() <= before
