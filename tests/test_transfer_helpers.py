@@ -1,0 +1,83 @@
+"""Helpers shared by the host and GPU transfer tests (no tests here, and no hypothesis, so the
+GPU tests import it on hosts without it): KV sets of several page sizes, scattered jobs, and a
+byte-by-byte reference of the region."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from offload.config import TierConfig
+from offload.plan import RankDescriptor, compute_plan
+from offload.transfer import SlotLayout
+from offload.transfer.base import TransferEngine
+
+Job = tuple[np.ndarray, np.ndarray, np.ndarray]
+HYBRID_PAGES = (512, 60, 1000)  # bf16 attention pages, an odd fp32 state, a uint8 blob
+
+
+def kv_set(num_blocks: int, pages: Sequence[int], device: str = "cpu",
+           seed: int = 0) -> list[torch.Tensor]:
+    """Random KV tensors, one per page size, of mixed dtypes (tensor ``t`` tries bf16, float32,
+    uint8 from position ``t % 3`` on and takes the first that divides its page)."""
+    generator = torch.Generator().manual_seed(seed)
+    dtypes = (torch.bfloat16, torch.float32, torch.uint8)
+    out = []
+    for t, page in enumerate(pages):
+        dtype = next(d for d in dtypes[t % 3:] if page % d.itemsize == 0)
+        raw = torch.randint(0, 256, (num_blocks, page), dtype=torch.uint8, generator=generator)
+        out.append(raw.view(dtype).to(device))
+    return out
+
+
+def slot_layout(pages: Sequence[int], bpc: int, rank: int = 1) -> SlotLayout:
+    """Rank ``rank``'s slot in a two-rank shared-layout plan, so the slot does not start at the
+    row's first byte."""
+    config = TierConfig(cpu_bytes_per_node=1 << 30, layout="shared", blocks_per_chunk=bpc, tp=2)
+    plan = compute_plan([RankDescriptor(r, "n0", r, 2, r, 0, tuple(pages), config)
+                         for r in range(2)])
+    return SlotLayout.from_plan(plan, rank)
+
+
+def scattered_job(rng: np.random.Generator, n: int, num_blocks: int, chunk_count: int,
+                  bpc: int) -> Job:
+    """``n`` distinct blocks to ``n`` distinct host pages, both in random order."""
+    blocks = rng.permutation(num_blocks)[:n]
+    slots = rng.permutation(chunk_count * bpc)[:n]
+    return blocks, slots // bpc, slots % bpc
+
+
+def expected_region(before: torch.Tensor, kv: Sequence[torch.Tensor], layout: SlotLayout,
+                    job: Job) -> torch.Tensor:
+    """The region after storing ``job``, written one page at a time from the slot formula."""
+    region = before.clone()
+    for t, tensor in enumerate(kv):
+        page, raw = layout.page_bytes[t], tensor.cpu().view(tensor.shape[0], -1).view(torch.uint8)
+        for block, chunk, pos in zip(*job, strict=True):
+            start = (chunk * layout.row_stride + layout.slot_offset + layout.tensor_offsets[t]
+                     + pos * page)
+            region[start:start + page] = raw[block]
+    return region
+
+
+def round_trip(engine: TransferEngine, kv: list[torch.Tensor], region: torch.Tensor,
+               layout: SlotLayout, job: Job) -> None:
+    """Store ``job``, check the region byte for byte, wipe the KV tensors, load the job back and
+    check the loaded blocks match and the others stayed wiped."""
+    original = [t.clone() for t in kv]
+    expected = expected_region(region, kv, layout, job)
+    engine.submit(1, "store", *job)
+    assert engine.wait_all() == [1]
+    assert torch.equal(region, expected)
+    for t in kv:
+        t.view(torch.uint8).fill_(0xA5)
+    engine.submit(2, "load", *job)
+    assert engine.wait_all() == [2]
+    loaded = torch.zeros(kv[0].shape[0], dtype=torch.bool)
+    loaded[torch.from_numpy(np.asarray(job[0]))] = True
+    for now, before in zip(kv, original, strict=True):
+        now_bytes, before_bytes = now.cpu().view(torch.uint8), before.cpu().view(torch.uint8)
+        assert torch.equal(now_bytes[loaded], before_bytes[loaded])
+        assert (now_bytes[~loaded] == 0xA5).all()
