@@ -1,0 +1,248 @@
+"""Secure shm segment files and their mapping into one contiguous address range.
+
+A region is one or several files in ``shm_dir`` (one file serialises page-cache insertion, so
+large regions are split).  Files are created with ``O_CREAT|O_EXCL|O_NOFOLLOW`` and mode 0600 so
+another user can neither pre-plant nor read them, space is checked and reserved up front so a
+full ``/dev/shm`` is a clear error instead of a SIGBUS later, and joiners verify what they open.
+
+The files are mapped ``MAP_SHARED|MAP_FIXED`` back to back into one anonymous ``PROT_NONE``
+reservation so the region stays a single address range (one registration or one copy may cross
+a file seam).  ``mmap`` goes through libc via ctypes because Python's ``mmap`` module cannot map
+at a fixed address.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import ctypes
+import errno
+import mmap
+import os
+import re
+import stat
+from collections.abc import Sequence
+
+import torch
+
+from offload.errors import OffloadError
+from offload.sizes import format_size
+
+libc = ctypes.CDLL("libc.so.6", use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+libc.munmap.restype = ctypes.c_int
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+libc.madvise.restype = ctypes.c_int
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+# Linux values (identical on x86-64 and aarch64) that Python's mmap module lacks.
+PROT_NONE = 0
+MAP_FIXED = 0x10
+MAP_NORESERVE = 0x4000
+MAP_FAILED = ctypes.c_void_p(-1).value
+FILE_MODE = 0o600
+_JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def segment_paths(shm_dir: str, job_id: str, tag: str, count: int) -> list[str]:
+    """Deterministic segment paths: every rank that knows the job id knows them, so any
+    survivor can remove them after a peer dies."""
+    if not _JOB_ID_RE.match(job_id):
+        raise OffloadError(
+            f"job id {job_id!r} is not 1-64 characters of letters, digits, '_', '.' or '-'; "
+            "pass such an id"
+        )
+    return [os.path.join(shm_dir, f"offload-{job_id}-{tag}-s{i}") for i in range(count)]
+
+
+def check_free_space(directory: str, needed: int) -> None:
+    """Fail before anything is created when ``directory`` cannot hold ``needed`` bytes."""
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    if needed > free:
+        raise _no_space(directory, needed, free)
+
+
+def _no_space(directory: str, needed: int, free: int) -> OffloadError:
+    return OffloadError(
+        f"{directory} has {free} B ({format_size(free)}) free but the region needs {needed} B "
+        f"({format_size(needed)}); lower --cpu-bytes or enlarge the mount"
+    )
+
+
+def create_segments(directory: str, paths: Sequence[str], lengths: Sequence[int],
+                    threads: int = 1, unlink: bool = False) -> list[int]:
+    """Check space, then create and reserve every segment; return their open descriptors.
+
+    ``unlink`` removes each name right after it is created, before the (slow) reservation:
+    a private region then has no name to leak for more than a few microseconds, even on
+    SIGKILL.  On any failure every file this call created is closed and unlinked before the
+    error propagates.  Reservations run in parallel (``posix_fallocate`` releases the GIL and
+    each file allocates its pages independently).
+    """
+    check_free_space(directory, sum(lengths))
+    fds: list[int] = []
+    try:
+        for path in paths:
+            fds.append(_create_one(path))
+            if unlink:
+                os.unlink(path)
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(fds)))) as pool:
+            list(pool.map(lambda fd_len: _reserve(directory, *fd_len), zip(fds, lengths,
+                                                                           strict=True)))
+    except BaseException:
+        close_fds(fds)
+        for path in paths[:len(fds)]:
+            unlink_quiet(path)
+        raise
+    return fds
+
+
+def _create_one(path: str) -> int:
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_RDWR | os.O_CLOEXEC,
+                     FILE_MODE)
+    except FileExistsError:
+        what = "a symbolic link" if os.path.islink(path) else "an existing file"
+        raise OffloadError(
+            f"region path {path} is already {what}; refusing to reuse it: remove it or start "
+            "the job with a new id"
+        ) from None
+    os.fchmod(fd, FILE_MODE)  # the umask may have cleared bits; we want exactly 0600
+    return fd
+
+
+def _reserve(directory: str, fd: int, length: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, length)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        st = os.statvfs(directory)
+        raise _no_space(directory, length, st.f_bavail * st.f_frsize) from None
+
+
+def open_segment(path: str, length: int) -> int:
+    """Open a segment created by the node leader and check it is ours: a regular file owned
+    by this user, mode 0600, of the expected size.  Symlinks are refused (``O_NOFOLLOW``)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OffloadError(
+                f"region path {path} is a symbolic link; refusing to follow it: remove it and "
+                "restart the job"
+            ) from None
+        if exc.errno == errno.ENOENT:
+            raise OffloadError(
+                f"region path {path} does not exist (the node leader failed or removed it "
+                "early); check the leader's error"
+            ) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        problem = _foreign(st, length)
+        if problem:
+            raise OffloadError(
+                f"region path {path} is {problem}, not the job's own file; refusing to map it: "
+                "remove it and restart the job"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _foreign(st: os.stat_result, length: int) -> str | None:
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid} (we are {os.geteuid()})"
+    if stat.S_IMODE(st.st_mode) != FILE_MODE:
+        return f"mode {stat.S_IMODE(st.st_mode):04o} (expected 0600)"
+    if st.st_size != length:
+        return f"{st.st_size} B long (expected {length} B)"
+    return None
+
+
+def unlink_quiet(path: str) -> None:
+    """Unlink, ignoring a path that is already gone."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def unlink_if_ours(path: str) -> None:
+    """Error-path cleanup by a rank that may not have created ``path``: remove it only when it
+    looks like one of our segments, so a planted symlink or another user's file is left alone
+    (and reported by whoever tried to use it)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+            and stat.S_IMODE(st.st_mode) == FILE_MODE):
+        unlink_quiet(path)
+
+
+def close_fds(fds: Sequence[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def tensor_at(address: int, length: int) -> torch.Tensor:
+    """A uint8 tensor over ``length`` bytes at ``address`` (no copy, no ownership: the caller
+    keeps the memory mapped for the tensor's lifetime)."""
+    return torch.frombuffer((ctypes.c_uint8 * length).from_address(address), dtype=torch.uint8)
+
+
+class Mapping:
+    """Segment files mapped back to back into one reserved address range.
+
+    The descriptors may be closed (and the files unlinked) right after construction: the
+    mapping keeps the memory alive.  ``close`` unmaps once; using ``tensor`` afterwards is a
+    use-after-free, so owners drop their views before closing.
+    """
+
+    def __init__(self, fds: Sequence[int], lengths: Sequence[int]) -> None:
+        size = sum(lengths)
+        if size <= 0 or any(n % mmap.PAGESIZE for n in lengths):
+            raise ValueError(f"segment lengths {list(lengths)} must be positive multiples of "
+                             f"the {mmap.PAGESIZE} B system page")
+        base = libc.mmap(None, size, PROT_NONE,
+                         mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+        if base in (None, MAP_FAILED):
+            raise _os_error("mmap reservation")
+        self.address: int = base
+        self.size = size
+        try:
+            offset = 0
+            for fd, length in zip(fds, lengths, strict=True):
+                want = base + offset
+                got = libc.mmap(want, length, mmap.PROT_READ | mmap.PROT_WRITE,
+                                mmap.MAP_SHARED | MAP_FIXED, fd, 0)
+                if got != want:
+                    raise _os_error("mmap of a segment")
+                offset += length
+        except BaseException:
+            self.close()
+            raise
+        self.tensor = tensor_at(base, size)
+
+    @property
+    def mapped(self) -> bool:
+        return self.size > 0
+
+    def close(self) -> None:
+        """Unmap the whole range; idempotent and reentrant (the size is cleared first, so a
+        signal-handler call racing a normal one unmaps once)."""
+        size, self.size = self.size, 0
+        if size and libc.munmap(self.address, size) != 0:
+            raise _os_error("munmap")
+
+
+def _os_error(what: str) -> OSError:
+    err = ctypes.get_errno()
+    return OSError(err, f"{what} failed: {os.strerror(err)}")

@@ -1,0 +1,65 @@
+"""Node-wide status exchange: the barrier that cannot leave peers hanging.
+
+A plain barrier only says "everyone arrived"; a rank that failed before it would never arrive
+and its peers would wait for the whole process-group timeout, then fail with an unrelated
+message.  Here every rank runs its step, then all ranks of the node exchange ``None`` or a
+one-line error with ``all_gather_object``.  The failing rank re-raises its own error; every
+other rank raises ``PeerError`` naming it.  A rank that died makes the collective itself fail
+(connection reset, or the group's timeout), which becomes a ``PeerError`` too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from offload.errors import OffloadError, PeerError
+from offload.topology import Topology
+
+T = TypeVar("T")
+
+
+def one_line(exc: BaseException) -> str:
+    """The first line of an error; non-user errors keep their type, which says what broke."""
+    lines = str(exc).strip().splitlines()
+    if isinstance(exc, OffloadError) and lines:
+        return lines[0]
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+class NodeSync:
+    """Status exchanges over this rank's node group (the default group when the world is one
+    node)."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+
+    def step(self, what: str, action: Callable[[], T] | None = None) -> T | None:
+        """Run ``action`` (None: nothing to do on this rank), then agree on the outcome."""
+        error: Exception | None = None
+        result = None
+        try:
+            result = action() if action is not None else None
+        except Exception as exc:
+            error = exc
+        statuses: list[Any] = [None] * self.topology.local_world_size
+        try:
+            dist.all_gather_object(statuses, None if error is None else one_line(error),
+                                   group=self.topology.node_group)
+        except Exception as exc:
+            if error is not None:
+                raise error from None
+            raise PeerError(
+                f"rank {self.topology.rank}: peers on node {self.topology.node_id} stopped "
+                f"answering while {what} (a rank died or timed out): {one_line(exc)}"
+            ) from exc
+        if error is not None:
+            raise error
+        failed = [(self.topology.node.ranks[i], msg) for i, msg in enumerate(statuses) if msg]
+        if failed:
+            rank, msg = failed[0]
+            others = f" (ranks {[r for r, _ in failed[1:]]} failed too)" if failed[1:] else ""
+            raise PeerError(f"rank {rank} failed while {what}: {msg}{others}")
+        return result

@@ -1,0 +1,164 @@
+"""Pinning rules on the recording registrar, rollback, the pin pipeline, and (where CUDA is
+present) the driver-API registrar from a non-main thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from offload.geometry import ByteRange
+from offload.region import RecordingRegistrar, choose_registrar
+from offload.region.pin import CudaRegistrar, Pinner, pin_ranges
+from offload.region.pipeline import PinPipeline, split_rows
+from tests.test_region_host import single_rank_region
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+class FailingRegistrar(RecordingRegistrar):
+    """Pins for real as far as the books go (counts_as_pinned) and fails on call ``fail_on``."""
+
+    name = "failing"
+    counts_as_pinned = True
+
+    def __init__(self, fail_on: int) -> None:
+        super().__init__()
+        self.fail_on = fail_on
+
+    def register(self, address: int, length: int) -> None:
+        if self.calls + 1 == self.fail_on:
+            self.calls += 1
+            raise RuntimeError(f"injected registration failure on call {self.fail_on}")
+        super().register(address, length)
+
+
+def test_pin_ranges_registers_at_the_base_address() -> None:
+    registrar = RecordingRegistrar()
+    ranges = [ByteRange(0, 4096), ByteRange(8192, 4096)]
+    assert pin_ranges(registrar, 1 << 40, ranges) == ranges
+    assert registrar.registered == {1 << 40: 4096, (1 << 40) + 8192: 4096}
+
+
+def test_a_failed_registration_rolls_back_the_ones_before_it() -> None:
+    registrar = FailingRegistrar(fail_on=3)
+    ranges = [ByteRange(i * 4096, 4096) for i in range(5)]
+    with pytest.raises(RuntimeError, match="call 3"):
+        pin_ranges(registrar, 0, ranges)
+    assert registrar.registered == {} and registrar.calls == 3
+
+
+def test_unpin_all_tries_every_range_even_after_a_failure() -> None:
+    class StickyUnregister(RecordingRegistrar):
+        def unregister(self, address: int) -> None:
+            super().unregister(address)
+            if address == 4096:
+                raise RuntimeError("unregister failed")
+
+    registrar = StickyUnregister()
+    pinner = Pinner(registrar, 0)
+    for i in range(3):
+        pinner.pin(ByteRange(i * 4096, 4096))
+    with pytest.raises(RuntimeError, match="unregister failed"):
+        pinner.unpin_all()
+    assert registrar.registered == {} and pinner.registered == []
+
+
+def test_private_region_registrations_respect_the_cap_and_rows() -> None:
+    registrar = RecordingRegistrar()
+    region = single_rank_region("private", 3 * MiB, registrar, job_id=uuid.uuid4().hex[:12],
+                                max_registration_bytes=1 * MiB)
+    try:
+        stride = region.geometry.row_stride
+        got = sorted((a - region.address, n) for a, n in registrar.registered.items())
+        assert all(n <= 1 * MiB and off % stride == 0 and n % stride == 0 for off, n in got)
+        assert sum(n for _, n in got) == region.size == region.stats.pin_plan_bytes
+        assert region.stats.registrations == len(got) > 1
+        assert not region.pinned and region.stats.pinned_bytes == 0  # recording pins nothing
+    finally:
+        region.close()
+    assert registrar.registered == {}  # close unregistered everything
+
+
+def test_region_pin_failure_rolls_back_and_leaves_a_working_unpinned_region() -> None:
+    registrar = FailingRegistrar(fail_on=2)
+    region = single_rank_region("private", 3 * MiB, registrar, job_id=uuid.uuid4().hex[:12],
+                                max_registration_bytes=512 * KiB)
+    try:
+        assert not region.pinned and registrar.registered == {}
+        assert region.stats.pin_error and "call 2" in region.stats.pin_error
+        region.tensor_view(0).fill_(3)  # still usable
+    finally:
+        region.close()
+
+
+def test_pipeline_registers_a_range_as_soon_as_its_pieces_are_done() -> None:
+    registrar = RecordingRegistrar()
+    ranges = [ByteRange(0, 4 * MiB), ByteRange(4 * MiB, 4 * MiB)]
+    pieces = [ByteRange(i * 3 * MiB, min(3 * MiB, 8 * MiB - i * 3 * MiB)) for i in range(3)]
+    pipeline = PinPipeline(Pinner(registrar, 0), ranges, pieces)
+    pipeline.piece_done(pieces[2])  # [6, 8) MiB: range 1 still waits for [3, 6)
+    pipeline.piece_done(pieces[1])  # now range 1 is complete; range 0 waits for [0, 3)
+    deadline = time.monotonic() + 5
+    while 4 * MiB not in registrar.registered and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert list(registrar.registered) == [4 * MiB]
+    pipeline.piece_done(pieces[0])
+    pipeline.finish()
+    assert registrar.registered == {0: 4 * MiB, 4 * MiB: 4 * MiB}
+
+
+def test_pipeline_finish_reports_ranges_still_waiting() -> None:
+    pipeline = PinPipeline(Pinner(RecordingRegistrar(), 0), [ByteRange(0, 4096)],
+                           [ByteRange(0, 4096)])
+    with pytest.raises(RuntimeError, match="still wait"):
+        pipeline.finish()
+
+
+def test_split_rows_cuts_long_ranges_on_row_boundaries_only() -> None:
+    stride = 3 * 4096
+    ranges = [ByteRange(0, 10 * stride), ByteRange(4096, 4096)]  # rows, then one slot
+    got = split_rows(ranges, stride, 4 * stride + 100)
+    assert got == [ByteRange(0, 4 * stride), ByteRange(4 * stride, 4 * stride),
+                   ByteRange(8 * stride, 2 * stride), ByteRange(4096, 4096)]
+    assert split_rows([ByteRange(0, 2 * stride)], stride, 1) == [ByteRange(0, stride),
+                                                                  ByteRange(stride, stride)]
+
+
+def test_cpu_kv_gets_the_recording_registrar() -> None:
+    assert isinstance(choose_registrar("cpu"), RecordingRegistrar)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_registrar_works_from_a_non_main_thread() -> None:
+    registrar = choose_registrar("cuda")
+    assert isinstance(registrar, CudaRegistrar)
+    region = single_rank_region("private", 8 * MiB, registrar, job_id=uuid.uuid4().hex[:12])
+    try:
+        assert region.pinned and region.stats.pinned_bytes == region.size
+        region.unpin()
+        errors: list[BaseException] = []
+
+        def pin_in_thread() -> None:
+            try:
+                registrar.register(region.address, region.size)
+            except BaseException as exc:
+                errors.append(exc)
+
+        worker = threading.Thread(target=pin_in_thread)
+        worker.start()
+        worker.join()
+        assert not errors
+        data = torch.arange(region.size, device="cuda", dtype=torch.int64).to(torch.uint8)
+        region.tensor.copy_(data, non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(region.tensor.to("cuda"), data)
+        with pytest.raises(RuntimeError, match="cuMemHostRegister"):
+            registrar.register(region.address, region.size)  # already registered
+        registrar.unregister(region.address)
+    finally:
+        region.close()
