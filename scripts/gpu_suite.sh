@@ -19,7 +19,8 @@ step() {  # name, command...
     else echo "FAILED ($?)" | tee -a "$OUT/summary.txt"; status=1; fi
     tail -n "${TAIL:-15}" "$OUT/$name.log"
 }
-[ "${SKIP_TESTS:-0}" = 1 ] || step gpu_tests "$PY" -m pytest -q -p no:cacheprovider tests/gpu
+[ "${SKIP_TESTS:-0}" = 1 ] || step gpu_tests "$PY" -m pytest -q -p no:cacheprovider tests/gpu \
+    tests/test_region_pin.py
 if [ "${SKIP_JOB:-0}" != 1 ]; then
     for layout in private shared replicated; do
         step "job_$layout" "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
