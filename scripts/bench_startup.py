@@ -8,8 +8,9 @@ One run, one table.  For a budget B per node and N ranks on this host:
   registers all of it (what a first implementation does);
 * **pin_memory** — every rank allocates its share with ``torch.empty(..., pin_memory=True)``
   (PyTorch's caching host allocator rounds each request up to a power of two);
-* **floor** — one process populating the same B bytes with ``MADV_POPULATE_WRITE`` over 16 files
-  from 16 threads, nothing else: how fast this host can make B bytes resident.
+* **floor** — one process creating 16 files of B/16 bytes (``posix_fallocate`` from 16 threads;
+  on tmpfs that allocates the pages) and populating them with ``MADV_POPULATE_WRITE`` from 16
+  threads, nothing else: how fast this host can make B bytes resident, without pinning.
 
 Node start-up = from the moment every rank starts (barrier) until the last rank is ready.
 Resident bytes are the growth of used memory (``MemTotal - MemFree``) while the variant holds
@@ -194,7 +195,8 @@ def floor(args: argparse.Namespace) -> dict[str, Any]:
     paths = [f"/dev/shm/offload-bench-floor-{os.getpid()}-{i}" for i in range(len(segments))]
     baseline = used_bytes()
     start = time.perf_counter()
-    fds = create_segments("/dev/shm", paths, [s.length for s in segments], unlink=True)
+    fds = create_segments("/dev/shm", paths, [s.length for s in segments], threads=files,
+                          unlink=True)
     mapping = Mapping(fds, [s.length for s in segments])
     close_fds(fds)
     pieces = plan_pieces([ByteRange(0, geometry.total_bytes)], segments, files, 4096)

@@ -37,7 +37,7 @@ NUM_WARPS = 4
 _ELEMENT_TYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tiles"])  # one compilation whatever the job's size
 def _copy_tiles(table, base, n_tiles, ROWS: tl.constexpr, TILE: tl.constexpr,
                 VEC: tl.constexpr):
     """``table`` is [3, n_tiles]: per tile the source and destination element offsets from
