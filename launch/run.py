@@ -33,6 +33,7 @@ from offload.rpc import Aborted
 from offload.sizes import parse_size
 from offload.tier import HostTier
 from offload.timeline import draw_timeline
+from offload.transfer.engine import BACKENDS
 
 log = logging.getLogger("launch.run")
 
@@ -71,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--audit", action="store_true",
                    help="hash every block before store and after load; count mismatches in the "
                         "report (exit 1 on any)")
-    p.add_argument("--backend", default="auto", choices=("auto", "host", "triton", "per_block"),
+    p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="transfer backend (auto picks by device and pinning)")
     p.add_argument("--shm-dir", default="/dev/shm", help="where region files are created")
     p.add_argument("--prefault-threads", type=int, default=8,

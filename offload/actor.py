@@ -10,6 +10,7 @@ finished copy to the quorum.  Rank 0 drives actors through the collective RPC
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from offload.quorum import Quorum
 from offload.region.host_region import HostRegion
 from offload.region.pin import choose_registrar
 from offload.topology import Topology
-from offload.transfer import SlotLayout, TransferEngine, make_engine
+from offload.transfer import SlotLayout, TransferEngine, make_engine, triton_available
 from offload.transfer.base import Direction
 
 log = logging.getLogger(__name__)
@@ -91,12 +92,39 @@ class RankActor:
         return plan.digest()
 
     def build_region(self) -> bool:
-        """Create, pre-fault and pin this rank's region; return whether it is pinned."""
+        """Create, pre-fault and pin this rank's region; return whether it is pinned.
+
+        Meanwhile a thread compiles the copy kernel against a one-row scratch buffer: the JIT
+        (1-2 s on a cold cache) then overlaps the pre-fault instead of following it."""
         plan = self._installed()
         registrar = choose_registrar(self.kv_tensors[0].device)
-        self.region = HostRegion.create(plan, self.topology, self.config, self.job_id,
-                                        registrar, self.progress)
+        compiler = threading.Thread(target=self._compile_kernel, name="offload-jit",
+                                    daemon=True)
+        compiler.start()
+        try:
+            self.region = HostRegion.create(plan, self.topology, self.config, self.job_id,
+                                            registrar, self.progress)
+        finally:
+            compiler.join()
         return self.region.pinned
+
+    def _compile_kernel(self) -> None:
+        """Warm the kernel backend up on a pinned scratch row laid out like the region's rows
+        (same alignments, so the same compiled kernel serves the real engine)."""
+        kv = self.kv_tensors
+        if not (kv[0].is_cuda and self.backend in ("auto", "triton") and triton_available()):
+            return
+        try:
+            layout = SlotLayout.from_plan(self._installed(), self.topology.rank)
+            with torch.cuda.device(kv[0].device):
+                scratch = torch.empty(layout.region_bytes(1), dtype=torch.uint8,
+                                      pin_memory=True)
+                engine = make_engine(kv, scratch, None, layout, 1, True, "triton")
+                self._warm_up(engine)
+                engine.close()
+        except Exception as exc:  # the real engine's own warm-up reports real problems
+            log.warning("rank %d could not pre-compile the copy kernel: %s",
+                        self.topology.rank, exc)
 
     def unpin(self) -> None:
         """The group decided to run unpinned (some rank could not pin)."""

@@ -138,7 +138,11 @@ class Bench:
 def bench_size(b: Bench, size: int) -> list[Row]:
     """Both directions at one block size; each ends verified (the KV data is unchanged after
     the round trip and equals what the triton engine loads back from the host)."""
-    from offload.transfer.triton_copy import TritonEngine  # imports triton: after the CUDA check
+    from offload.transfer.triton_copy import (  # imports triton: after the CUDA check
+        NUM_WARPS,
+        STEP_ELEMENTS,
+        TritonEngine,
+    )
 
     n = b.gpu.numel() // size // BLOCKS_PER_CHUNK * BLOCKS_PER_CHUNK
     layout = SlotLayout(BLOCKS_PER_CHUNK * size, 0, BLOCKS_PER_CHUNK, (size,), (0,))
@@ -147,7 +151,14 @@ def bench_size(b: Bench, size: int) -> list[Row]:
     chunks = n // BLOCKS_PER_CHUNK
     programs: dict[Direction, int] = {"load": b.args.load_programs,
                                       "store": b.args.store_programs}
-    ours, checker = (TritonEngine([t], region, layout, chunks, programs) for t in (kv, kv_check))
+    checker = TritonEngine([kv_check], region, layout, chunks, programs)
+    if b.args.backend == "copy_engine":
+        from offload.transfer.batch_copy import BatchCopyEngine
+
+        ours: StreamEngine = BatchCopyEngine([kv], region, layout, chunks)
+    else:
+        ours = TritonEngine([kv], region, layout, chunks, programs,
+                            b.args.num_warps or NUM_WARPS, b.args.step_elements or STEP_ELEMENTS)
     slow = PerBlockEngine([kv], region, layout, chunks)
     slots = b.rng.permutation(n)
     job = (b.rng.permutation(n), slots // BLOCKS_PER_CHUNK, slots % BLOCKS_PER_CHUNK)
@@ -250,6 +261,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.add_argument(f"--{direction}-programs", type=int, default=programs,
                             help=f"programs (SMs) of the triton kernel for a {direction} "
                             f"(default {programs})")
+    parser.add_argument("--backend", default="triton", choices=("triton", "copy_engine"),
+                        help="our engine: the Triton kernel or one cuMemcpyBatchAsync per job")
+    parser.add_argument("--num-warps", type=int, default=None,
+                        help="warps per program of the triton kernel (default: the engine's)")
+    parser.add_argument("--step-elements", type=int, default=None,
+                        help="elements one triton program moves per step (default: the "
+                             "engine's)")
     parser.add_argument("--json", metavar="PATH", help="write the results there")
     args = parser.parse_args(argv)
     args.sizes = [parse_size(s, "--sizes") for s in args.sizes.split(",")]

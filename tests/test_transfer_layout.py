@@ -163,3 +163,31 @@ def test_split_tiles_covers_each_copy_in_order(counts: list[int], tile: int) -> 
     expected = [(int(a) + i, int(b) + i) for a, b, n in zip(src, dst, count, strict=True)
                 for i in range(n)]
     assert moved == expected
+
+
+def _byte_map(src: np.ndarray, dst: np.ndarray, count: np.ndarray) -> dict[int, int]:
+    return {int(s) + i: int(d) + i for s, d, n in zip(src, dst, count, strict=True)
+            for i in range(int(n))}
+
+
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=0, max_size=30,
+                unique_by=lambda t: t[0]),
+       st.integers(1, 8))
+def test_coalesce_moves_exactly_the_same_bytes(pairs: list[tuple[int, int]], page: int) -> None:
+    from offload.transfer.layout import coalesce
+
+    src = np.array([p[0] * page for p in pairs], dtype=np.int64)
+    dst = np.array([p[1] * page for p in pairs], dtype=np.int64)
+    count = np.full(len(pairs), page, dtype=np.int64)
+    merged = coalesce(src, dst, count)
+    assert _byte_map(*merged) == _byte_map(src, dst, count)
+    assert merged[0].size <= max(1, src.size)
+
+
+def test_coalesce_joins_a_chunk_of_consecutive_blocks_into_one_copy() -> None:
+    from offload.transfer.layout import coalesce
+
+    src = np.arange(16, dtype=np.int64)[::-1] * 4096 + 65536
+    dst = np.arange(16, dtype=np.int64)[::-1] * 4096 + 8192
+    src_m, dst_m, count_m = coalesce(src, dst, np.full(16, 4096, dtype=np.int64))
+    assert (src_m.tolist(), dst_m.tolist(), count_m.tolist()) == ([65536], [8192], [65536])

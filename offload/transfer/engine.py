@@ -11,7 +11,7 @@ from offload.errors import OffloadError
 from offload.transfer.base import TransferEngine
 from offload.transfer.layout import SlotLayout
 
-BACKENDS = ("auto", "host", "triton", "per_block")
+BACKENDS = ("auto", "host", "triton", "copy_engine", "per_block")
 
 
 def triton_available() -> bool:
@@ -36,9 +36,9 @@ def make_engine(kv_tensors: Sequence[torch.Tensor], region_tensor: torch.Tensor,
             f"region address {region_address:#x} is not where the region tensor starts "
             f"({region_tensor.data_ptr():#x}); pass a tensor over the whole mapping"
         )
-    if backend == "triton" and not pinned:
+    if backend in ("triton", "copy_engine") and not pinned:
         raise OffloadError(
-            "backend 'triton' reads host memory through unified addressing and needs a region "
+            f"backend {backend!r} moves host memory asynchronously and needs a region "
             "registered with CUDA; pin the region or use backend 'per_block'"
         )
     on_cuda = bool(kv_tensors) and kv_tensors[0].is_cuda
@@ -47,7 +47,7 @@ def make_engine(kv_tensors: Sequence[torch.Tensor], region_tensor: torch.Tensor,
             "triton" if pinned and triton_available() else "per_block")
     if backend == "host" and on_cuda:
         raise OffloadError("backend 'host' needs CPU KV tensors; use 'triton' or 'per_block'")
-    if backend in ("triton", "per_block") and not on_cuda:
+    if backend in ("triton", "copy_engine", "per_block") and not on_cuda:
         raise OffloadError(f"backend {backend!r} needs CUDA KV tensors; use 'host' or 'auto'")
     if backend == "host":
         from offload.transfer.host import HostEngine
@@ -55,6 +55,12 @@ def make_engine(kv_tensors: Sequence[torch.Tensor], region_tensor: torch.Tensor,
     if backend == "per_block":
         from offload.transfer.cuda import PerBlockEngine
         return PerBlockEngine(kv_tensors, region_tensor, layout, chunk_count)
+    if backend == "copy_engine":
+        from offload.transfer.batch_copy import BatchCopyEngine, batch_copy_available
+        if not batch_copy_available():
+            raise OffloadError("backend 'copy_engine' needs a CUDA 13 driver "
+                               "(cuMemcpyBatchAsync_v2); use 'triton' or 'per_block'")
+        return BatchCopyEngine(kv_tensors, region_tensor, layout, chunk_count)
     if not triton_available():
         raise OffloadError("backend 'triton' needs the triton package; install offload[gpu] "
                            "or use backend 'per_block'")

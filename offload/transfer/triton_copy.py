@@ -66,10 +66,13 @@ class TritonEngine(StreamEngine):
 
     def __init__(self, kv_tensors: Sequence[torch.Tensor], region: torch.Tensor,
                  layout: SlotLayout, chunk_count: int,
-                 programs: Mapping[Direction, int] | None = None) -> None:
+                 programs: Mapping[Direction, int] | None = None, num_warps: int = NUM_WARPS,
+                 step_elements: int = STEP_ELEMENTS) -> None:
         super().__init__(kv_tensors, region, layout, chunk_count)
         self._anchor = torch.empty(2, dtype=torch.int64, device=self._device)
         self._programs = {**DEFAULT_COPY_PROGRAMS, **(programs or {})}
+        self._num_warps = num_warps
+        self._step = step_elements
 
     def _launch(self, direction: Direction, sides: list[CopySide]) -> None:
         """Addresses become offsets from the anchor in units of the widest element dividing
@@ -85,7 +88,7 @@ class TritonEngine(StreamEngine):
         element = min(align, 8)
         shift = element.bit_length() - 1
         tile = min(MAX_TILE_ELEMENTS, _ceil_pow2(int(count.max()) >> shift))
-        rows = max(1, STEP_ELEMENTS // tile)
+        rows = max(1, self._step // tile)
         pieces = split_tiles(src >> shift, dst >> shift, count >> shift, tile)
         n_tiles = pieces[0].size
         table = torch.empty((3, n_tiles), dtype=torch.int64, pin_memory=True)
@@ -94,7 +97,7 @@ class TritonEngine(StreamEngine):
         device_table.copy_(table, non_blocking=True)
         grid = (min(self._programs[direction], triton.cdiv(n_tiles, rows)),)
         _copy_tiles[grid](device_table, self._anchor.view(_ELEMENT_TYPES[element]), n_tiles,
-                          ROWS=rows, TILE=tile, VEC=align // element, num_warps=NUM_WARPS)
+                          ROWS=rows, TILE=tile, VEC=align // element, num_warps=self._num_warps)
 
 
 def _ceil_pow2(n: int) -> int:

@@ -13,6 +13,7 @@ import torch
 
 from offload.transfer import make_engine, triton_available
 from offload.transfer.base import TransferEngine
+from offload.transfer.batch_copy import batch_copy_available
 from offload.transfer.registration import host_registered
 from tests.test_transfer_helpers import HYBRID_PAGES, kv_set, round_trip, scattered_job, slot_layout
 
@@ -28,12 +29,12 @@ def cuda_engine(backend: str, pages: Sequence[int], num_blocks: int, chunk_count
                 bpc: int = 4, skew: int = 0
                 ) -> Iterator[tuple[TransferEngine, list[torch.Tensor], torch.Tensor]]:
     """An engine over random CUDA KV tensors and a random host region starting ``skew`` bytes
-    into its allocation; registered with CUDA for the triton backend only."""
+    into its allocation; registered with CUDA for the pinned backends only."""
     layout = slot_layout(pages, bpc)
     kv = kv_set(num_blocks, pages, device="cuda")
     buffer = torch.randint(0, 256, (layout.region_bytes(chunk_count) + skew,), dtype=torch.uint8)
     region = buffer[skew:]
-    pinned = backend == "triton"
+    pinned = backend in ("triton", "copy_engine")
     with host_registered(buffer) if pinned else nullcontext():
         engine = make_engine(kv, region, region.data_ptr(), layout, chunk_count, pinned, backend)
         try:
@@ -41,7 +42,9 @@ def cuda_engine(backend: str, pages: Sequence[int], num_blocks: int, chunk_count
         finally:
             engine.close()
 
-BACKENDS = [pytest.param("triton", marks=needs_triton), "per_block"]
+needs_batch = pytest.mark.skipif(not batch_copy_available(), reason="needs a CUDA 13 driver")
+BACKENDS = [pytest.param("triton", marks=needs_triton),
+            pytest.param("copy_engine", marks=needs_batch), "per_block"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -90,7 +93,7 @@ def test_load_does_not_overtake_pending_compute_writes(backend: str) -> None:
         _slow_write(kv[0], 3, 0x11)
         engine.submit(1, "load", [3], [1], [2])
         seen = engine.poll()
-        if backend == "triton":  # pageable copies may block in submit; the kernel never does
+        if backend != "per_block":  # pageable copies may block in submit; pinned ones never do
             assert seen == []  # the compute stream is still asleep and poll must not wait
         assert seen + engine.wait_all() == [1]
         assert torch.equal(kv[0].view(torch.uint8)[3], stored)
