@@ -112,7 +112,8 @@ class RankActor:
         """Warm the kernel backend up on a pinned scratch row laid out like the region's rows
         (same alignments, so the same compiled kernel serves the real engine)."""
         kv = self.kv_tensors
-        if not (kv[0].is_cuda and self.backend in ("auto", "triton") and triton_available()):
+        kernel_backend = self.backend in ("auto", "hybrid", "triton")
+        if not (kv[0].is_cuda and kernel_backend and triton_available()):
             return
         try:
             layout = SlotLayout.from_plan(self._installed(), self.topology.rank)

@@ -9,10 +9,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Literal, NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from offload.errors import OffloadError
-from offload.transfer.layout import IndexArray, SlotLayout, TensorCopies, job_offsets
+from offload.transfer.layout import IndexArray, SlotLayout, TensorCopies, coalesce, job_offsets
 
 Direction = Literal["store", "load"]
 DIRECTIONS: tuple[Direction, ...] = ("store", "load")
@@ -46,6 +47,21 @@ class CopySide(NamedTuple):
     src: torch.Tensor
     src_offsets: IndexArray
     page_bytes: int
+
+
+def absolute_copies(sides: Sequence[CopySide]) -> tuple[IndexArray, IndexArray, IndexArray]:
+    """A job's copies as absolute (source address, destination address, bytes) arrays."""
+    src = np.concatenate([s.src_offsets + s.src.data_ptr() for s in sides])
+    dst = np.concatenate([s.dst_offsets + s.dst.data_ptr() for s in sides])
+    count = np.repeat(np.array([s.page_bytes for s in sides], dtype=np.int64),
+                      [s.src_offsets.size for s in sides])
+    return src, dst, count
+
+
+def mean_run_bytes(sides: Sequence[CopySide]) -> float:
+    """Average length of a job's copies once consecutive pages are merged (`coalesce`)."""
+    runs = coalesce(*absolute_copies(sides))[2] if sides else np.zeros(0, dtype=np.int64)
+    return float(runs.mean()) if runs.size else 0.0
 
 
 def flat_kv_bytes(kv_tensors: Sequence[torch.Tensor], layout: SlotLayout) -> list[torch.Tensor]:

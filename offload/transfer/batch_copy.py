@@ -21,7 +21,7 @@ from functools import cache
 import numpy as np
 import torch
 
-from offload.transfer.base import CopySide, Direction
+from offload.transfer.base import CopySide, Direction, absolute_copies
 from offload.transfer.cuda import StreamEngine
 from offload.transfer.layout import SlotLayout, coalesce
 
@@ -76,11 +76,7 @@ class BatchCopyEngine(StreamEngine):
         if not any(s.src_offsets.size for s in sides):
             self._keep.append(())
             return
-        src = np.concatenate([s.src_offsets + s.src.data_ptr() for s in sides])
-        dst = np.concatenate([s.dst_offsets + s.dst.data_ptr() for s in sides])
-        count = np.repeat(np.array([s.page_bytes for s in sides], dtype=np.int64),
-                          [s.src_offsets.size for s in sides])
-        srcs, dsts, sizes = (a.astype(np.uint64) for a in coalesce(src, dst, count))
+        srcs, dsts, sizes = (a.astype(np.uint64) for a in coalesce(*absolute_copies(sides)))
         stream = torch.cuda.current_stream().cuda_stream
         result = self._lib.cuMemcpyBatchAsync_v2(
             dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, srcs.size,

@@ -11,11 +11,27 @@ from offload.errors import OffloadError
 from offload.transfer.base import TransferEngine
 from offload.transfer.layout import SlotLayout
 
-BACKENDS = ("auto", "host", "triton", "copy_engine", "per_block")
+BACKENDS = ("auto", "host", "hybrid", "triton", "copy_engine", "per_block")
 
 
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+def choose_backend(on_cuda: bool, pinned: bool, has_triton: bool, has_batch_copy: bool
+                   ) -> str:
+    """``host`` for CPU KV tensors; for CUDA ones with a pinned region ``hybrid`` (copy engines
+    for long runs, the kernel for short ones) when both halves exist, else whichever exists;
+    ``per_block`` for an unpinned region, the only path that needs no pinning."""
+    if not on_cuda:
+        return "host"
+    if not pinned:
+        return "per_block"
+    if has_triton and has_batch_copy:
+        return "hybrid"
+    if has_triton:
+        return "triton"
+    return "copy_engine" if has_batch_copy else "per_block"
 
 
 def make_engine(kv_tensors: Sequence[torch.Tensor], region_tensor: torch.Tensor,
@@ -23,8 +39,7 @@ def make_engine(kv_tensors: Sequence[torch.Tensor], region_tensor: torch.Tensor,
                 backend: str = "auto") -> TransferEngine:
     """Build this rank's engine.
 
-    ``auto`` picks ``host`` for CPU KV tensors, ``triton`` for CUDA ones when the region is
-    registered with CUDA and Triton imports, else ``per_block``.  ``region_address`` is the
+    ``auto`` picks by `choose_backend`.  ``region_address`` is the
     mapping's virtual address (the address CUDA kernels use for registered memory); it must be
     where ``region_tensor`` starts.
     """
@@ -36,18 +51,18 @@ def make_engine(kv_tensors: Sequence[torch.Tensor], region_tensor: torch.Tensor,
             f"region address {region_address:#x} is not where the region tensor starts "
             f"({region_tensor.data_ptr():#x}); pass a tensor over the whole mapping"
         )
-    if backend in ("triton", "copy_engine") and not pinned:
+    if backend in ("hybrid", "triton", "copy_engine") and not pinned:
         raise OffloadError(
             f"backend {backend!r} moves host memory asynchronously and needs a region "
             "registered with CUDA; pin the region or use backend 'per_block'"
         )
     on_cuda = bool(kv_tensors) and kv_tensors[0].is_cuda
     if backend == "auto":
-        backend = "host" if not on_cuda else (
-            "triton" if pinned and triton_available() else "per_block")
+        from offload.transfer.batch_copy import batch_copy_available
+        backend = choose_backend(on_cuda, pinned, triton_available(), batch_copy_available())
     if backend == "host" and on_cuda:
         raise OffloadError("backend 'host' needs CPU KV tensors; use 'triton' or 'per_block'")
-    if backend in ("triton", "copy_engine", "per_block") and not on_cuda:
+    if backend in ("hybrid", "triton", "copy_engine", "per_block") and not on_cuda:
         raise OffloadError(f"backend {backend!r} needs CUDA KV tensors; use 'host' or 'auto'")
     if backend == "host":
         from offload.transfer.host import HostEngine
@@ -55,6 +70,13 @@ def make_engine(kv_tensors: Sequence[torch.Tensor], region_tensor: torch.Tensor,
     if backend == "per_block":
         from offload.transfer.cuda import PerBlockEngine
         return PerBlockEngine(kv_tensors, region_tensor, layout, chunk_count)
+    if backend == "hybrid":
+        from offload.transfer.batch_copy import batch_copy_available
+        if not (triton_available() and batch_copy_available()):
+            raise OffloadError("backend 'hybrid' needs triton and a CUDA 13 driver "
+                               "(cuMemcpyBatchAsync_v2); use 'triton' or 'per_block'")
+        from offload.transfer.hybrid import HybridEngine
+        return HybridEngine(kv_tensors, region_tensor, layout, chunk_count)
     if backend == "copy_engine":
         from offload.transfer.batch_copy import BatchCopyEngine, batch_copy_available
         if not batch_copy_available():

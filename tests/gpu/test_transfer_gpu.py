@@ -34,7 +34,7 @@ def cuda_engine(backend: str, pages: Sequence[int], num_blocks: int, chunk_count
     kv = kv_set(num_blocks, pages, device="cuda")
     buffer = torch.randint(0, 256, (layout.region_bytes(chunk_count) + skew,), dtype=torch.uint8)
     region = buffer[skew:]
-    pinned = backend in ("triton", "copy_engine")
+    pinned = backend in ("hybrid", "triton", "copy_engine")
     with host_registered(buffer) if pinned else nullcontext():
         engine = make_engine(kv, region, region.data_ptr(), layout, chunk_count, pinned, backend)
         try:
@@ -43,7 +43,8 @@ def cuda_engine(backend: str, pages: Sequence[int], num_blocks: int, chunk_count
             engine.close()
 
 needs_batch = pytest.mark.skipif(not batch_copy_available(), reason="needs a CUDA 13 driver")
-BACKENDS = [pytest.param("triton", marks=needs_triton),
+BACKENDS = [pytest.param("hybrid", marks=[needs_triton, needs_batch]),
+            pytest.param("triton", marks=needs_triton),
             pytest.param("copy_engine", marks=needs_batch), "per_block"]
 
 
@@ -70,7 +71,7 @@ def test_hybrid_pages_and_unaligned_regions(backend: str, skew: int) -> None:
 
 
 @pytest.mark.parametrize(("pinned", "expected"), [
-    pytest.param(True, "triton", marks=needs_triton), (False, "per_block")])
+    pytest.param(True, "hybrid", marks=[needs_triton, needs_batch]), (False, "per_block")])
 def test_auto_picks_by_pinning(pinned: bool, expected: str) -> None:
     layout = slot_layout([4096], 4)
     region = torch.zeros(layout.region_bytes(2), dtype=torch.uint8)
@@ -119,3 +120,26 @@ def test_jobs_complete_in_submission_order(backend: str) -> None:
         seen = engine.poll()
         seen += engine.wait_all()
         assert seen == list(range(5))
+
+
+@needs_triton
+@needs_batch
+def test_hybrid_routes_long_runs_to_copy_engines_and_keeps_order() -> None:
+    from offload.transfer import job_offsets
+    from offload.transfer.base import mean_run_bytes
+
+    with cuda_engine("hybrid", [64 * KiB], 64, 4, bpc=16) as (engine, kv, region):
+        original = kv[0].clone()
+        whole_chunk = (list(range(16)), [2] * 16, list(range(16)))  # one 1 MiB run per chunk
+        scattered = ([40, 7, 63], [0, 3, 1], [5, 9, 2])  # three separate 64 KiB pages
+        copies = job_offsets(engine.layout, *whole_chunk, num_blocks=64, chunk_count=4)
+        assert mean_run_bytes(list(engine._orient("store", copies))) == 1 * MiB
+        engine.submit(0, "store", *whole_chunk)
+        engine.submit(1, "store", *scattered)
+        assert engine.wait_all() == [0, 1]
+        kv[0].zero_()
+        engine.submit(2, "load", *scattered)
+        engine.submit(3, "load", *whole_chunk)
+        assert engine.wait_all() == [2, 3]
+        for block in [*range(16), 40, 7, 63]:
+            assert torch.equal(kv[0][block], original[block])
