@@ -28,6 +28,6 @@ def test_mean_run_bytes_merges_consecutive_pages_on_cpu_tensors() -> None:
     src, dst = torch.zeros(64 * 1024, dtype=torch.uint8), torch.zeros(64 * 1024, dtype=torch.uint8)
     chunk = CopySide(dst, np.arange(4, dtype=np.int64) * 4096, src,
                      np.arange(4, dtype=np.int64) * 4096, 4096)
-    lone = CopySide(dst, np.array([40960]), src, np.array([0]), 4096)
+    lone = CopySide(dst, np.array([40960]), src, np.array([49152]), 4096)
     assert mean_run_bytes([chunk]) == 16384
     assert mean_run_bytes([chunk, lone]) == (16384 + 4096) / 2
