@@ -10,6 +10,7 @@ byte-exact; user errors print one line and exit 1 with nothing left in the shm d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import logging
 import os
@@ -26,8 +27,9 @@ from launch import rounds, synthetic
 from offload import cleanup
 from offload.actor import RankActor
 from offload.config import LAYOUTS, TierConfig
-from offload.errors import OffloadError, PeerError
+from offload.errors import OffloadError
 from offload.log import setup_logging
+from offload.quorum import default_store
 from offload.report import count_shm_files, render_table, write_json
 from offload.rpc import Aborted
 from offload.sizes import parse_size
@@ -182,15 +184,37 @@ def main(argv: list[str] | None = None) -> int:
             _init_group(args.timeout)
         return run(args)
     except OffloadError as exc:
-        # Settings errors are seen alike on every rank and a worker's own errors reach rank 0
-        # through the RPC, so rank 0 alone prints them: one line per job, not per rank.
-        if rank == 0 or (isinstance(exc, PeerError) and not isinstance(exc, Aborted)):
-            print(f"offload: error: {exc}", file=sys.stderr, flush=True)
+        report_error(exc, rank)
         return 1
     finally:
         cleanup.run_all()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def report_error(exc: OffloadError, rank: int, grace_s: float = 5.0) -> None:
+    """One line per job, not per rank.  Settings errors are seen alike on every rank and a
+    worker's own errors reach rank 0 through the RPC, so rank 0 prints and says so in the
+    store; a worker prints only if rank 0 has not within ``grace_s`` (its error was its own).
+    Waiting also keeps torchrun from stopping rank 0 before it printed."""
+    if isinstance(exc, Aborted):
+        return  # rank 0 aborted the job and printed the cause
+    reported = _ERROR_KEY if dist.is_initialized() else None
+    if rank == 0:
+        print(f"offload: error: {exc}", file=sys.stderr, flush=True)
+        if reported:
+            with contextlib.suppress(Exception):
+                default_store("offload").set(reported, "1")
+        return
+    if reported:
+        with contextlib.suppress(Exception):
+            store = default_store("offload", grace_s)
+            store.wait([reported], datetime.timedelta(seconds=grace_s))
+            return
+    print(f"offload: error: [rank {rank}] {exc}", file=sys.stderr, flush=True)
+
+
+_ERROR_KEY = "main-job/error-reported"
 
 
 def _init_group(timeout_s: float) -> None:
