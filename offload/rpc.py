@@ -14,6 +14,7 @@ transport of our own is involved; payloads are small (plans, job descriptions, s
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import time
@@ -96,8 +97,10 @@ class CollectiveRPC:
                         results[r] = value
             if failures and pending:  # a failed peer: give the rest a short grace period
                 deadline = min(deadline, time.monotonic() + 5.0)
-            if pending:
-                time.sleep(self.poll_s)
+            if pending:  # block in the store until every answer is in, re-checking often
+                keys = [f"res/{seq}/{r}" for r in sorted(pending)]
+                with contextlib.suppress(dist.DistStoreError):
+                    self.store.wait(keys, datetime.timedelta(seconds=0.05))
         if failures or pending:
             raise _call_error(getattr(fn, "__name__", repr(fn)), failures, sorted(pending),
                               timeout_s or self.timeout_s)
@@ -138,7 +141,7 @@ class CollectiveRPC:
             waited = 0.0
             while not self.store.check([key]):
                 pause = idle() if idle is not None else 0.05
-                time.sleep(pause)
+                self._await(key, pause)
                 waited += pause
                 if waited > self.timeout_s * 20:
                     raise PeerError(
@@ -159,6 +162,15 @@ class CollectiveRPC:
             self.store.set(f"res/{self._seq}/{self.rank}", cloudpickle.dumps(reply))
 
     # ------------------------------------------------------------------ internals
+    def _await(self, key: str, pause: float) -> None:
+        """Wait up to ``pause`` for ``key``.  Long pauses (nothing in flight) block inside the
+        store, which wakes at once when the driver posts; short ones (copies to report) sleep,
+        so the caller polls its copies again soon."""
+        if pause < 0.005:
+            time.sleep(pause)
+            return
+        with contextlib.suppress(dist.DistStoreError):  # timed out: nothing posted yet
+            self.store.wait([key], datetime.timedelta(seconds=pause))
     def _post(self, kind: str, body: Any) -> int:
         self._seq += 1
         self.store.set(f"req/{self._seq}", cloudpickle.dumps((kind, body)))
