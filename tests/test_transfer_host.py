@@ -119,7 +119,8 @@ def test_region_errors() -> None:
 
 
 @pytest.mark.parametrize(("backend", "pinned", "message"), [
-    ("fast", False, "unknown transfer backend 'fast'; use one of auto, host, triton, per_block"),
+    ("fast", False, "unknown transfer backend 'fast'; use one of auto, host, hybrid, triton, "
+     "copy_engine, per_block"),
     ("triton", False, "needs a region registered with CUDA; pin the region"),
     ("triton", True, "backend 'triton' needs CUDA KV tensors"),
     ("per_block", False, "backend 'per_block' needs CUDA KV tensors"),
