@@ -29,5 +29,14 @@ def test_mean_run_bytes_merges_consecutive_pages_on_cpu_tensors() -> None:
     chunk = CopySide(dst, np.arange(4, dtype=np.int64) * 4096, src,
                      np.arange(4, dtype=np.int64) * 4096, 4096)
     lone = CopySide(dst, np.array([40960]), src, np.array([49152]), 4096)
-    assert mean_run_bytes([chunk]) == 16384
-    assert mean_run_bytes([chunk, lone]) == (16384 + 4096) / 2
+    assert mean_run_bytes([chunk], dst, 65536) == 16384
+    assert mean_run_bytes([chunk, lone], dst, 65536) == (16384 + 4096) / 2
+    assert mean_run_bytes([chunk], dst, 8192) == 8192  # rows of 8 KiB: runs stop at each row
+
+
+def test_coalesce_never_merges_across_a_host_row() -> None:
+    from offload.transfer.layout import coalesce
+
+    pages = np.arange(8, dtype=np.int64) * 4096
+    merged = coalesce(pages, pages + 65536, np.full(8, 4096, dtype=np.int64), pages // 16384)
+    assert merged[2].tolist() == [16384, 16384]

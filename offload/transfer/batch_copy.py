@@ -76,7 +76,8 @@ class BatchCopyEngine(StreamEngine):
         if not any(s.src_offsets.size for s in sides):
             self._keep.append(())
             return
-        srcs, dsts, sizes = (a.astype(np.uint64) for a in coalesce(*absolute_copies(sides)))
+        runs = coalesce(*absolute_copies(sides, self._region, self._layout.row_stride))
+        srcs, dsts, sizes = (a.astype(np.uint64) for a in runs)
         stream = torch.cuda.current_stream().cuda_stream
         result = self._lib.cuMemcpyBatchAsync_v2(
             dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, srcs.size,

@@ -26,8 +26,7 @@ class HybridEngine(TritonEngine, BatchCopyEngine):
     name = "hybrid"
 
     def _launch(self, direction: Direction, sides: list[CopySide]) -> None:
-        if any(s.src_offsets.size for s in sides) and \
-                mean_run_bytes(sides) >= COPY_ENGINE_MIN_RUN:
+        if mean_run_bytes(sides, self._region, self._layout.row_stride) >= COPY_ENGINE_MIN_RUN:
             BatchCopyEngine._launch(self, direction, sides)
         else:
             TritonEngine._launch(self, direction, sides)

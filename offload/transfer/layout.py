@@ -150,19 +150,24 @@ def split_tiles(src: IndexArray, dst: IndexArray, count: IndexArray, tile: int
     return src[page] + skip, dst[page] + skip, np.minimum(count[page] - skip, tile)
 
 
-def coalesce(src: IndexArray, dst: IndexArray, count: IndexArray
-             ) -> tuple[IndexArray, IndexArray, IndexArray]:
+def coalesce(src: IndexArray, dst: IndexArray, count: IndexArray,
+             row: IndexArray | None = None) -> tuple[IndexArray, IndexArray, IndexArray]:
     """Merge copies that continue each other on both sides into one longer copy.
 
     Copies are first ordered by source; copy ``i + 1`` joins copy ``i`` when it starts where
-    ``i`` ends in both the source and the destination.  A chunk's consecutive blocks going to
-    consecutive positions become one copy per KV tensor (16 blocks of 64 KiB → one 1 MiB copy),
-    which a copy engine moves far faster than sixteen small ones.  The bytes moved are the same.
+    ``i`` ends in both the source and the destination and, when ``row`` is given, lies in the
+    same host row: registrations end on row boundaries, and a batched copy that spans two of
+    them fails (DESIGN.md section 5).  A chunk's consecutive blocks going to consecutive
+    positions become one copy per KV tensor (16 blocks of 64 KiB → one 1 MiB copy), which a copy
+    engine moves far faster than sixteen small ones.  The bytes moved are the same.
     """
     if src.size <= 1:
         return src, dst, count
     order = np.argsort(src, kind="stable")
     src, dst, count = src[order], dst[order], count[order]
     joins = (src[1:] == src[:-1] + count[:-1]) & (dst[1:] == dst[:-1] + count[:-1])
+    if row is not None:
+        row = row[order]
+        joins &= row[1:] == row[:-1]
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
     return src[starts], dst[starts], np.add.reduceat(count, starts)

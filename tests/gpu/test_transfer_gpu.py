@@ -133,7 +133,8 @@ def test_hybrid_routes_long_runs_to_copy_engines_and_keeps_order() -> None:
         whole_chunk = (list(range(16)), [2] * 16, list(range(16)))  # one 1 MiB run per chunk
         scattered = ([40, 7, 63], [0, 3, 1], [5, 9, 2])  # three separate 64 KiB pages
         copies = job_offsets(engine.layout, *whole_chunk, num_blocks=64, chunk_count=4)
-        assert mean_run_bytes(list(engine._orient("store", copies))) == 1 * MiB
+        sides = list(engine._orient("store", copies))
+        assert mean_run_bytes(sides, engine._region, engine.layout.row_stride) == 1 * MiB
         engine.submit(0, "store", *whole_chunk)
         engine.submit(1, "store", *scattered)
         assert engine.wait_all() == [0, 1]
