@@ -9,10 +9,11 @@ finished copy to the quorum.  Rank 0 drives actors through the collective RPC
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,7 +75,8 @@ class RankActor:
     engine: TransferEngine | None = None
     timings_s: dict[str, float] = field(default_factory=dict)
     created_at: float = field(default_factory=time.perf_counter)
-    _pending: dict[int, CopyJob] = field(default_factory=dict)
+    _pending: dict[int, tuple[CopyJob, Quorum, int]] = field(default_factory=dict)
+    _local_ids: Iterator[int] = field(default_factory=itertools.count)
 
     # ------------------------------------------------------------------ set-up
     def describe(self) -> RankDescriptor:
@@ -153,19 +155,31 @@ class RankActor:
         engine.wait_all()
 
     # ------------------------------------------------------------------ serving
-    def submit(self, job: CopyJob) -> None:
-        """Queue a copy on this rank (non-blocking where the backend allows)."""
+    def submit(self, job: CopyJob, quorum: Quorum | None = None, key: int | None = None
+               ) -> None:
+        """Queue a copy on this rank (non-blocking where the backend allows); when it is done,
+        report ``key`` (default: the job id) to ``quorum`` (default: the driven-mode one)."""
         engine = self._engine()
-        if self.auditor is not None and job.direction == "store":
-            # hashed on the compute stream's view of the blocks, like the copy itself
-            self.auditor.record(self.kv_tensors, job.blocks, job.chunks, job.positions)
+        quorum = quorum or self.quorum
+        key = job.job_id if key is None else key
+        if job.writer_only and not (job.direction == "store" and self.config.layout ==
+                                    "replicated"):
+            raise OffloadError(f"job {job.job_id}: writer_only applies to stores in the "
+                               f"replicated layout, not a {job.direction} in "
+                               f"{self.config.layout!r}; drop writer_only")
+        blocks, chunks, positions = (torch.tensor(x, dtype=torch.int64)
+                                     for x in (job.blocks, job.chunks, job.positions))
+        local = next(self._local_ids)
         if job.writer_only and not self.topology.is_leader:
-            self.quorum.report(job.job_id)
-            return
-        engine.submit(job.job_id, job.direction, torch.tensor(job.blocks, dtype=torch.int64),
-                      torch.tensor(job.chunks, dtype=torch.int64),
-                      torch.tensor(job.positions, dtype=torch.int64))
-        self._pending[job.job_id] = job
+            engine.check(blocks, chunks, positions)  # the node's writer copies; we only check
+        else:
+            engine.submit(local, job.direction, blocks, chunks, positions)
+            self._pending[local] = (job, quorum, key)
+        if self.auditor is not None and job.direction == "store":
+            # after the job was checked; hashes read the blocks in compute-stream order
+            self.auditor.record(self.kv_tensors, job.blocks, job.chunks, job.positions)
+        if local not in self._pending:
+            quorum.report(key)
         self.progress_copies()
 
     def progress_copies(self) -> float:
@@ -182,12 +196,12 @@ class RankActor:
             for job_id in self.engine.wait_all():
                 self._finish(job_id)
 
-    def _finish(self, job_id: int) -> None:
-        """A copy finished on this rank: audit a load, then tell the quorum."""
-        job = self._pending.pop(job_id)
+    def _finish(self, local: int) -> None:
+        """A copy finished on this rank: audit a load, then tell the job's quorum."""
+        job, quorum, key = self._pending.pop(local)
         if self.auditor is not None and job.direction == "load":
             self.auditor.check(self.kv_tensors, job.blocks, job.chunks, job.positions)
-        self.quorum.report(job_id)
+        quorum.report(key)
 
     # ------------------------------------------------------------------ reporting and close
     def report(self) -> dict[str, Any]:

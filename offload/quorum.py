@@ -56,10 +56,11 @@ def _env_tcp_store(timeout_s: float) -> dist.Store:
 class Quorum:
     """Completion counters of jobs on a c10d store, one key per job under ``prefix``.
 
-    Every rank constructs one over the same store and prefix and reports its copies; only the
-    scheduling rank reads (`done`, `wait`) and then `forget`s a job, so no rank can read a
-    counter after it was deleted.  Job ids come from the scheduler
-    (`offload.manager.ChunkManager`), so they are unique for the life of a prefix.
+    Every rank constructs one over the same store and prefix and reports its copies.  Either
+    only the scheduling rank reads (`done`, `wait`) and then `forget`s a job, or every rank
+    reads and each `retire`s it once; either way no rank reads a counter after it was deleted.
+    Job ids must be unique for the life of a prefix (the scheduler's, or a sequence every rank
+    counts alike).
     """
 
     def __init__(self, store: dist.Store, members: int, prefix: str = "quorum") -> None:
@@ -105,6 +106,15 @@ class Quorum:
                 )
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 0.05)
+
+    def retire(self, job_id: int) -> None:
+        """Every-rank variant of `forget`, for jobs that all ranks read (the SPMD API): each
+        rank calls it once after it saw the job done; the last of the members deletes the
+        counters, so no rank ever reads a deleted counter."""
+        seen = f"{self._key(job_id)}/seen"
+        if int(self.store.add(seen, 1)) >= self.members:
+            self.store.delete_key(self._key(job_id))
+            self.store.delete_key(seen)
 
     def forget(self, job_id: int) -> None:
         """Delete the counter once the scheduler has consumed a done job, so the store does

@@ -49,6 +49,9 @@ class HostTier:
         self.rpc = rpc
         self.plan = plan
         self.manager = ChunkManager(plan.chunk_count) if actor.topology.rank == 0 else None
+        self._spmd = Quorum(actor.quorum.store, actor.quorum.members, prefix="spmd")
+        self._spmd_seq = itertools.count()
+        self._spmd_live: dict[int, int] = {}
         self._closed = False
         cleanup.register(self.actor.close)
 
@@ -88,17 +91,33 @@ class HostTier:
 
     # ------------------------------------------------------------------ SPMD data path
     def submit(self, job: CopyJob) -> None:
-        """Queue this rank's share of ``job``; every rank of the quorum submits the same job."""
-        self.actor.submit(job)
+        """Queue this rank's share of ``job``; every rank submits the same jobs in the same
+        order.  The quorum counts jobs by their place in that order, so a job id may be reused
+        once its previous job was seen done."""
+        if job.job_id in self._spmd_live:
+            raise OffloadError(f"job id {job.job_id} is still in flight; wait for it before "
+                               "reusing the id")
+        seq = next(self._spmd_seq)
+        self.actor.submit(job, self._spmd, seq)
+        self._spmd_live[job.job_id] = seq
 
     def poll(self) -> None:
         """Report this rank's finished copies to the quorum (non-blocking)."""
         self.actor.progress_copies()
 
     def done(self, job_id: int) -> bool:
-        """True once every rank has finished its copy of ``job_id``."""
+        """True once every rank has finished its copy of ``job_id`` (non-blocking).  The first
+        True retires the job on this rank; asking again about it is an error."""
+        seq = self._spmd_live.get(job_id)
+        if seq is None:
+            raise OffloadError(f"job id {job_id} is not in flight on rank "
+                               f"{self.topology.rank}; submit it first (a job reads done once)")
         self.actor.progress_copies()
-        return self.actor.quorum.done(job_id)
+        if not self._spmd.done(seq):
+            return False
+        del self._spmd_live[job_id]
+        self._spmd.retire(seq)
+        return True
 
     def wait(self, job_ids: Sequence[int], timeout_s: float | None = None) -> None:
         """Block until the quorum has reported every job (bounded by the tier's timeout)."""
@@ -106,15 +125,24 @@ class HostTier:
         for job_id in job_ids:
             while not self.done(job_id):
                 if time.monotonic() > deadline:
-                    self.actor.quorum.wait([job_id], 0.0)  # raises, naming the shortfall
+                    self._spmd.wait([self._spmd_live[job_id]], 0.0)  # raises, naming the count
                 time.sleep(0.0005)
 
     # ------------------------------------------------------------------ driven data path
     def run(self, job: CopyJob) -> None:
-        """Rank 0: every rank's actor copies ``job``; return once the quorum reported."""
-        self.rpc.call(RankActor.submit, job, actor=self.actor)
-        self.wait([job.job_id])
-        self.actor.quorum.forget(job.job_id)
+        """Rank 0: every rank's actor copies ``job``; return once the quorum reported.  The
+        job id must be unique for the tier (the chunk manager's ids are)."""
+        quorum, timeout = self.actor.quorum, self.actor.config.timeout_s
+        try:
+            self.rpc.call(RankActor.submit, job, actor=self.actor)
+            deadline = time.monotonic() + timeout
+            while not quorum.done(job.job_id):
+                self.actor.progress_copies()
+                if time.monotonic() > deadline:
+                    quorum.wait([job.job_id], 0.0)  # raises, naming how many reported
+                time.sleep(0.0005)
+        finally:
+            quorum.forget(job.job_id)
 
     def call(self, fn: Any, *args: Any) -> list[Any]:
         """Rank 0: run ``fn(actor, *args)`` on every rank and gather the results."""

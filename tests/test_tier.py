@@ -71,19 +71,58 @@ def test_a_job_is_done_only_when_the_last_rank_reported() -> None:
         if rank != 2:
             tier.submit(job)
         dist.barrier()  # ranks 0 and 1 have copied; rank 2 has not
-        seen.append(tier.done(7))
+        if rank != 2:
+            seen.append(tier.done(7))
         dist.barrier()
         if rank == 2:
             time.sleep(0.2)
             tier.submit(job)
         tier.wait([7])
-        seen.append(tier.done(7))
+        # the id may be reused once seen done; the new job is not done before it is copied
+        dist.barrier()
+        if rank != 2:
+            tier.submit(job)
+        dist.barrier()
+        if rank != 2:
+            seen.append(tier.done(7))
+        dist.barrier()
+        if rank == 2:
+            tier.submit(job)
+        tier.wait([7])
         tier.close()
         return seen
 
     out = run_group(body, 3)
     assert all(o.ok for o in out), [o.error for o in out]
-    assert all(o.value == [False, True] for o in out)
+    assert [o.value for o in out] == [[False, False], [False, False], []]
+
+
+def test_bad_jobs_are_clear_errors_before_anything_moves() -> None:
+    def body(rank: int) -> object:
+        import pytest
+
+        from offload import CopyJob, HostTier, OffloadError
+
+        tier = HostTier.create(_hybrid_kv(rank, 8), TierConfig(
+            cpu_bytes_per_node=4 * MiB, blocks_per_chunk=4, tp=2, timeout_s=20), audit=True)
+        messages = []
+        for job in (CopyJob(1, "store", (99,), (0,), (0,)),
+                    CopyJob(2, "store", (0,), (0,), (0,), writer_only=True),
+                    CopyJob(3, "load", (0,), (0,), (0,), writer_only=True)):
+            with pytest.raises(OffloadError) as info:
+                tier.submit(job)
+            messages.append(str(info.value))
+        with pytest.raises(OffloadError, match="job id 5 is not in flight"):
+            tier.done(5)
+        tier.close()
+        return messages
+
+    out = run_group(body, 2)
+    assert all(o.ok for o in out), [o.error for o in out]
+    bad_block, writer_private, writer_load = out[0].value
+    assert "99" in bad_block and "\n" not in bad_block
+    assert "writer_only applies to stores in the replicated layout" in writer_private
+    assert "not a load" in writer_load
 
 
 def test_audit_counts_blocks_corrupted_in_host_memory() -> None:

@@ -31,6 +31,8 @@ class TransferEngine(Protocol):
     def submit(self, job_id: int, direction: Direction, gpu_blocks: object, chunk_ids: object,
                positions: object) -> None: ...
 
+    def check(self, gpu_blocks: object, chunk_ids: object, positions: object) -> None: ...
+
     def poll(self) -> list[int]: ...
 
     def wait_all(self) -> list[int]: ...
@@ -149,9 +151,17 @@ class EngineBase:
             raise OffloadError(f"job {job_id} submitted to a closed {self.name} engine")
         if direction not in DIRECTIONS:
             raise OffloadError(f"job {job_id} has direction {direction!r}; use 'store' or 'load'")
-        copies = job_offsets(self._layout, gpu_blocks, chunk_ids, positions,
-                             num_blocks=self._num_blocks, chunk_count=self._chunk_count)
+        copies = self._offsets(gpu_blocks, chunk_ids, positions)
         self._issue(job_id, direction, list(self._orient(direction, copies)))
+
+    def check(self, gpu_blocks: object, chunk_ids: object, positions: object) -> None:
+        """Validate a job without moving anything (a replicated store's non-writer ranks)."""
+        self._offsets(gpu_blocks, chunk_ids, positions)
+
+    def _offsets(self, gpu_blocks: object, chunk_ids: object, positions: object
+                 ) -> tuple[TensorCopies, ...]:
+        return job_offsets(self._layout, gpu_blocks, chunk_ids, positions,
+                           num_blocks=self._num_blocks, chunk_count=self._chunk_count)
 
     def _orient(self, direction: Direction,
                 copies: Sequence[TensorCopies]) -> Iterator[CopySide]:
