@@ -35,6 +35,7 @@ from offload.rpc import Aborted
 from offload.sizes import parse_size
 from offload.tier import HostTier
 from offload.timeline import draw_timeline
+from offload.topology import check_grid
 from offload.transfer.engine import BACKENDS
 
 log = logging.getLogger("launch.run")
@@ -95,6 +96,7 @@ def config_from_args(args: argparse.Namespace, world: int) -> TierConfig:
             raise OffloadError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at "
                                "least 1")
     tp = args.tp if args.tp is not None else world // args.pp
+    check_grid(world, tp, args.pp)
     segment = parse_size(args.segment_bytes, "--segment-bytes")
     return TierConfig(
         cpu_bytes_per_node=parse_size(args.cpu_bytes, "--cpu-bytes"), layout=args.layout,
@@ -105,11 +107,16 @@ def config_from_args(args: argparse.Namespace, world: int) -> TierConfig:
 
 def payload_for(args: argparse.Namespace, pp_rank: int, pp: int) -> int:
     if args.stage_kv_bytes is None:
-        return parse_size(args.kv_bytes_per_block, "--kv-bytes-per-block")
-    stages = [parse_size(s, "--stage-kv-bytes entry") for s in args.stage_kv_bytes.split(",")]
+        stages = [parse_size(args.kv_bytes_per_block, "--kv-bytes-per-block")] * pp
+    else:
+        stages = [parse_size(s, "--stage-kv-bytes entry")
+                  for s in args.stage_kv_bytes.split(",")]
     if len(stages) != pp:
         raise OffloadError(f"--stage-kv-bytes gives {len(stages)} payloads but --pp is {pp}; "
                            "give one size per pipeline stage")
+    if min(stages) < 1:
+        raise OffloadError(f"a KV payload of {min(stages)} bytes per block is empty; give "
+                           "--kv-bytes-per-block / --stage-kv-bytes of at least 1 byte")
     return stages[pp_rank]
 
 
@@ -126,10 +133,7 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
 def run(args: argparse.Namespace) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     config = config_from_args(args, world)
-    if config.tp * config.pp != world:
-        raise OffloadError(f"--tp {config.tp} x --pp {config.pp} = {config.tp * config.pp} but "
-                           f"the world has {world} ranks; choose tp and pp whose product is "
-                           f"{world}")
+    assert config.tp is not None
     device = pick_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
     payload = payload_for(args, rank // config.tp, config.pp)
     kv = synthetic.make_kv(payload, args.num_gpu_blocks, device)

@@ -29,7 +29,7 @@ class TierConfig:
     cpu_bytes_per_node: int
     layout: str = "private"
     blocks_per_chunk: int = 16
-    tp: int = 1
+    tp: int | None = None
     pp: int = 1
     page_size: int = 4096
     shm_dir: str = "/dev/shm"
@@ -46,16 +46,35 @@ class TierConfig:
             raise OffloadError(
                 f"unknown layout {self.layout!r}; choose one of {', '.join(LAYOUTS)}"
             )
-        for name in ("cpu_bytes_per_node", "blocks_per_chunk", "tp", "pp", "page_size",
-                     "max_segments", "max_registration_bytes", "max_slot_rows",
-                     "prefault_threads"):
+        minimum = {"cpu_bytes_per_node": 1, "blocks_per_chunk": 1, "pp": 1, "page_size": 1,
+                   "max_segments": 1, "max_registration_bytes": self.page_size,
+                   "max_slot_rows": 1, "prefault_threads": 1, "segment_threshold": 1,
+                   "min_segment_bytes": self.page_size}
+        if self.tp is not None:
+            minimum["tp"] = 1
+        for name, limit in minimum.items():
             value = getattr(self, name)
-            if value < 1:
-                raise OffloadError(f"{name} = {value} must be at least 1")
+            if value < limit:
+                raise OffloadError(f"{_describe(name)} = {value} is below its minimum {limit}; "
+                                   f"give at least {limit}")
         if self.page_size & (self.page_size - 1):
-            raise OffloadError(f"page_size = {self.page_size} must be a power of two")
+            raise OffloadError(f"page_size = {self.page_size} is not a power of two; use 4096")
         if self.timeout_s <= 0:
-            raise OffloadError(f"timeout_s = {self.timeout_s} must be positive")
+            raise OffloadError(f"{_describe('timeout_s')} = {self.timeout_s} must be positive; "
+                               "give the seconds a rank may wait for a peer")
 
     def as_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
+
+
+_FLAGS = {"cpu_bytes_per_node": "--cpu-bytes", "blocks_per_chunk": "--blocks-per-chunk",
+          "tp": "--tp", "pp": "--pp", "prefault_threads": "--prefault-threads",
+          "min_segment_bytes": "--segment-bytes", "segment_threshold": "--segment-bytes",
+          "timeout_s": "--timeout"}
+
+
+def _describe(name: str) -> str:
+    """A setting's name as both library users (TierConfig field) and main-job users (flag)
+    know it."""
+    flag = _FLAGS.get(name)
+    return f"{name} ({flag})" if flag else name

@@ -163,7 +163,8 @@ def compute_plan(descriptors: Sequence[RankDescriptor]) -> Plan:
     slots: list[RankSlot] = []
     row_bytes: dict[str, int] = {}
     for node_id, members in nodes.items():
-        index = {d.rank: slot_index(d, config.layout, config.tp) for d in members}
+        tp = config.tp or len(descriptors) // config.pp
+        index = {d.rank: slot_index(d, config.layout, tp) for d in members}
         if config.layout == "shared":
             _check_unique_slots(node_id, index)
         sizes = {d.rank: round_up(bpc * d.payload, page) for d in members}

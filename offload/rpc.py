@@ -62,12 +62,13 @@ class CollectiveRPC:
     """One control channel.  Create it on every rank with the same store and world."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float,
-                 poll_s: float = 0.002):
+                 poll_s: float = 0.002, idle_limit_s: float = 24 * 3600.0):
         self.store = store
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.poll_s = poll_s
+        self.idle_limit_s = idle_limit_s
         self._seq = 0
 
     # ------------------------------------------------------------------ driver (rank 0)
@@ -83,7 +84,8 @@ class CollectiveRPC:
         except Exception as exc:  # the driver's own failure joins the others'
             failures.append(_failure(0, exc))
         pending = set(range(1, self.world_size))
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        started = time.monotonic()
+        deadline = started + (timeout_s or self.timeout_s)
         while pending and time.monotonic() < deadline:
             for r in sorted(pending):
                 key = f"res/{seq}/{r}"
@@ -101,9 +103,10 @@ class CollectiveRPC:
                 keys = [f"res/{seq}/{r}" for r in sorted(pending)]
                 with contextlib.suppress(dist.DistStoreError):
                     self.store.wait(keys, datetime.timedelta(seconds=0.05))
+        self.store.delete_key(f"req/{seq}")
         if failures or pending:
             raise _call_error(getattr(fn, "__name__", repr(fn)), failures, sorted(pending),
-                              timeout_s or self.timeout_s)
+                              time.monotonic() - started)
         return results
 
     def release(self) -> None:
@@ -121,10 +124,8 @@ class CollectiveRPC:
         self._require_driver()
         seq = self._post(_ABORT, message)
         keys = [f"ack/{seq}/{r}" for r in range(1, self.world_size)]
-        deadline = time.monotonic() + grace_s
-        while keys and time.monotonic() < deadline:
-            keys = [k for k in keys if not self.store.check([k])]
-            time.sleep(self.poll_s)
+        with contextlib.suppress(dist.DistError):
+            self.store.wait(keys, datetime.timedelta(seconds=grace_s))
 
     # ------------------------------------------------------------------ workers
     def serve(self, actor: Any, idle: Callable[[], float] | None = None) -> None:
@@ -138,16 +139,18 @@ class CollectiveRPC:
         while True:
             self._seq += 1
             key = f"req/{self._seq}"
-            waited = 0.0
-            while not self.store.check([key]):
-                pause = idle() if idle is not None else 0.05
-                self._await(key, pause)
-                waited += pause
-                if waited > self.timeout_s * 20:
-                    raise PeerError(
-                        f"rank {self.rank} heard nothing from rank 0 for {waited:.0f} s; the "
-                        "driver is gone"
-                    )
+            idle_since = time.monotonic()
+            try:
+                while not self.store.check([key]):
+                    self._await(key, idle() if idle is not None else 0.05)
+                    if time.monotonic() - idle_since > self.idle_limit_s:
+                        raise PeerError(
+                            f"rank {self.rank} heard nothing from rank 0 for "
+                            f"{self.idle_limit_s:.0f} s; the driver is gone (raise "
+                            "idle_limit_s for a longer-idle server)")
+            except dist.DistError as exc:
+                raise PeerError(f"rank {self.rank} lost the store rank 0 serves: "
+                                f"{str(exc).splitlines()[0]}; rank 0 is gone") from None
             kind, body = cloudpickle.loads(self.store.get(key))
             if kind == _RELEASE:
                 return
@@ -187,7 +190,7 @@ def _failure(rank: int, exc: BaseException) -> RemoteFailure:
 
 
 def _call_error(name: str, failures: list[RemoteFailure], silent: list[int],
-                timeout_s: float) -> RPCError:
+                waited_s: float) -> RPCError:
     failures = sorted(failures, key=lambda f: f.rank)
     for f in failures:
         if not f.user_error:
@@ -199,10 +202,5 @@ def _call_error(name: str, failures: list[RemoteFailure], silent: list[int],
         detail = first.message if first.user_error else f"{first.type_name}: {first.message}"
         parts.append(f"rank {first.rank}{others}: {detail}")
     if silent:
-        parts.append(f"ranks {silent} did not answer {name} within {timeout_s:.0f} s")
+        parts.append(f"ranks {silent} did not answer {name} within {waited_s:.0f} s")
     return RPCError("; ".join(parts), failures)
-
-
-def store_timeout(store: dist.Store, seconds: float) -> None:
-    """Bound blocking store calls (get/wait) so no rank can hang forever on a dead peer."""
-    store.set_timeout(datetime.timedelta(seconds=seconds))

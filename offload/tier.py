@@ -15,6 +15,8 @@ Two ways to move blocks afterwards:
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import itertools
 import logging
 import time
@@ -34,7 +36,7 @@ from offload.manager import ChunkManager
 from offload.plan import Plan, RankDescriptor, compute_plan
 from offload.quorum import Quorum, default_store
 from offload.region.prefault import progress_logger
-from offload.rpc import CollectiveRPC, store_timeout
+from offload.rpc import CollectiveRPC
 from offload.topology import Topology, discover
 
 log = logging.getLogger(__name__)
@@ -65,7 +67,8 @@ class HostTier:
         hashes every block before store and after load and counts mismatches
         (`offload.audit`)."""
         started = time.perf_counter()
-        topology = discover(config.tp, config.pp)
+        topology = discover(config.tp, config.pp, config.timeout_s)
+        config = dataclasses.replace(config, tp=topology.tp)  # None meant world // pp
         job_id, store = _job_store(topology, config)
         rpc = CollectiveRPC(dist.PrefixStore("rpc", store), topology.rank,
                             topology.world_size, config.timeout_s)
@@ -181,12 +184,16 @@ class HostTier:
 def _job_store(topology: Topology, config: TierConfig) -> tuple[str, dist.Store]:
     """A fresh job id (rank 0's uuid, shared through the store) and this tier's store."""
     base = default_store("offload", config.timeout_s)
-    store_timeout(base, config.timeout_s)
     key = f"tier{next(_tier_seq)}/job_id"
     if topology.rank == 0:
         job_id = uuid.uuid4().hex[:16]
         base.set(key, job_id)
     else:
+        try:  # bounded by the tier's timeout without touching the store's own setting
+            base.wait([key], datetime.timedelta(seconds=config.timeout_s))
+        except dist.DistError:
+            raise PeerError(f"rank {topology.rank} got no job id from rank 0 within "
+                            f"{config.timeout_s:g} s; rank 0 is not creating the tier") from None
         job_id = base.get(key).decode()
     return job_id, dist.PrefixStore(job_id, base)
 
@@ -197,6 +204,9 @@ def _describe(actor: RankActor) -> RankDescriptor | str:
         return actor.describe()
     except OffloadError as exc:
         return f"rank {actor.topology.rank}: {exc}"
+    except Exception as exc:  # e.g. something that is not a tensor among the KV tensors
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return f"rank {actor.topology.rank}: {type(exc).__name__}: {first}"
 
 
 def _drive_setup(actor: RankActor, rpc: CollectiveRPC, gathered: list[Any]) -> Plan:

@@ -8,6 +8,7 @@ its lowest global rank.
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 from collections.abc import Sequence
@@ -79,7 +80,7 @@ class Topology:
         return self.node.leader_rank == self.rank
 
     def node_barrier(self) -> None:
-        """Barrier over this rank's node (bounded by the process group's timeout)."""
+        """Barrier over this rank's node (bounded by the node group's timeout)."""
         dist.barrier(group=self.node_group)
 
     def to_json(self) -> list[dict[str, object]]:
@@ -118,11 +119,13 @@ def build_nodes(places: Sequence[RankPlace]) -> tuple[NodeInfo, ...]:
     return nodes
 
 
-def discover(tp: int | None = None, pp: int = 1) -> Topology:
+def discover(tp: int | None = None, pp: int = 1, timeout_s: float | None = None
+             ) -> Topology:
     """Collective over the default group: publish places, build nodes, create node groups.
 
     Every rank calls ``new_group`` for every node in the same order, as torch.distributed
-    requires.
+    requires; node groups get ``timeout_s`` so a dead peer fails node barriers in bounded
+    time (torch's own default for gloo groups is 30 minutes).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     tp = world // pp if tp is None else tp
@@ -133,9 +136,10 @@ def discover(tp: int | None = None, pp: int = 1) -> Topology:
     dist.all_gather_object(gathered, mine)
     nodes = build_nodes(gathered)
     node_group = None
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
     if len(nodes) > 1:
         for node in nodes:
-            group = dist.new_group(list(node.ranks))
+            group = dist.new_group(list(node.ranks), timeout=timeout)
             if rank in node.ranks:
                 node_group = group
     return Topology(rank, world, tp, pp, nodes, node_group)

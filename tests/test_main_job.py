@@ -85,6 +85,9 @@ def test_heterogeneous_stages_share_one_chunk_count(tmp_path: Path) -> None:
      "layout 'replicated' needs equal KV payloads"),
     (["--stage-kv-bytes", "64KiB,32KiB,1KiB"], "--stage-kv-bytes gives 3 payloads but --pp is 1"),
     (["--shm-dir", "/proc"], "/proc has 0 B (0 B) free but the region needs"),
+    (["--pp", "3"], "--tp 0 x --pp 3 = 0 but the world has 2 ranks"),
+    (["--segment-bytes", "0"], "(--segment-bytes) = 0 is below its minimum"),
+    (["--kv-bytes-per-block", "0"], "a KV payload of 0 bytes per block is empty"),
 ])
 def test_bad_input_is_one_line_nonzero_and_leaves_nothing(args: list[str], needle: str,
                                                           shm_dir: str) -> None:

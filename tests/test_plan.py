@@ -177,7 +177,7 @@ def test_shared_rows_count_local_ranks_not_the_world() -> None:
 
 def test_page_rounding_never_exceeds_the_budget() -> None:
     # 3 × 1000 B rounds to one 4 KiB page; a budget of 3 pages minus one byte holds 2 chunks
-    config = TierConfig(cpu_bytes_per_node=3 * 4096 - 1, blocks_per_chunk=3)
+    config = TierConfig(cpu_bytes_per_node=3 * 4096 - 1, blocks_per_chunk=3, tp=1)
     plan = compute_plan(build_descriptors(config, [1], [(1000,)]))
     assert plan.slots[0].slot_bytes == 4096 and plan.chunk_count == 2
 
