@@ -101,6 +101,7 @@ def run_rounds(tier: HostTier, rounds: int, num_blocks: int) -> RoundStats:
         tier.call(_fill, r)
         keys: list[Key] = [(r, c) for c in range(n_chunks)]
         evicted_before = manager.stats().evictions
+        stored_before = stats.stored_chunks
         for start in range(0, n_chunks, tier.plan.chunk_count):
             batch = keys[start:start + tier.plan.chunk_count]
             job = manager.prepare_store(batch)
@@ -134,7 +135,7 @@ def run_rounds(tier: HostTier, rounds: int, num_blocks: int) -> RoundStats:
         stats.checked_blocks += len(copy.blocks) * tier.topology.world_size
         evicted = manager.stats().evictions - evicted_before
         stats.evictions += evicted
-        stats.per_round.append({"round": r, "stored_chunks": n_chunks,
+        stats.per_round.append({"round": r, "stored_chunks": stats.stored_chunks - stored_before,
                                 "loaded_chunks": len(load.chunks), "evicted": evicted,
                                 "mismatched_blocks": bad})
         stats.rounds += 1

@@ -160,9 +160,10 @@ def run(args: argparse.Namespace) -> int:
         tier.serve()
     tier.close()
     dist.barrier()
+    left = shm_files_left(tier, config.shm_dir)
     if rank != 0:
         return 0
-    report["shm_files_left"] = count_shm_files(config.shm_dir, tier.actor.job_id)
+    report["shm_files_left"] = left
     print(render_table(report), flush=True)
     if args.report_json:
         write_json(args.report_json, report)
@@ -176,6 +177,15 @@ def run(args: argparse.Namespace) -> int:
                   "files left", report["transfer"]["mismatched_blocks"], audit_bad,
                   report["shm_files_left"])
     return 0 if ok else 1
+
+
+def shm_files_left(tier: HostTier, shm_dir: str) -> int:
+    """Collective: every node leader counts this job's files on its own host after close;
+    the total comes back on every rank (other nodes' /dev/shm is not visible from rank 0)."""
+    mine = count_shm_files(shm_dir, tier.actor.job_id) if tier.topology.is_leader else 0
+    counts: list[int] = [0] * tier.topology.world_size
+    dist.all_gather_object(counts, mine)
+    return sum(counts)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -111,8 +111,9 @@ class RankActor:
         return self.region.pinned
 
     def _compile_kernel(self) -> None:
-        """Warm the kernel backend up on a pinned scratch row laid out like the region's rows
-        (same alignments, so the same compiled kernel serves the real engine)."""
+        """Compile the copy kernel on scratch buffers shaped and aligned like the real ones
+        (one block per KV tensor, one pinned row), so the real engine finds it compiled and no
+        user block or region byte is touched."""
         kv = self.kv_tensors
         kernel_backend = self.backend in ("auto", "hybrid", "triton")
         if not (kv[0].is_cuda and kernel_backend and triton_available()):
@@ -120,12 +121,15 @@ class RankActor:
         try:
             layout = SlotLayout.from_plan(self._installed(), self.topology.rank)
             with torch.cuda.device(kv[0].device):
-                scratch = torch.empty(layout.region_bytes(1), dtype=torch.uint8,
-                                      pin_memory=True)
-                engine = make_engine(kv, scratch, None, layout, 1, True, "triton")
-                self._warm_up(engine)
+                scratch_kv = [torch.empty((1, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                              for t in kv]
+                row = torch.empty(layout.region_bytes(1), dtype=torch.uint8, pin_memory=True)
+                engine = make_engine(scratch_kv, row, None, layout, 1, True, "triton")
+                zero = torch.zeros(1, dtype=torch.int64)
+                engine.submit(0, "store", zero, zero, zero)
+                engine.submit(1, "load", zero, zero, zero)
                 engine.close()
-        except Exception as exc:  # the real engine's own warm-up reports real problems
+        except Exception as exc:  # the first real job then compiles it
             log.warning("rank %d could not pre-compile the copy kernel: %s",
                         self.topology.rank, exc)
 
@@ -139,20 +143,8 @@ class RankActor:
         layout = SlotLayout.from_plan(plan, self.topology.rank)
         self.engine = make_engine(self.kv_tensors, region.tensor, region.address, layout,
                                   plan.chunk_count, region.pinned, self.backend)
-        self._warm_up(self.engine)
         self.timed("total", self.created_at)
         return self.engine.name
-
-    @staticmethod
-    def _warm_up(engine: TransferEngine) -> None:
-        """Copy one block to chunk 0 and back before any data exists, so the first real job
-        does not pay the copy kernel's JIT compilation (0.3-0.5 s on an H200: it made the
-        first store of the main job look 8x slower than the link).  Chunk 0 holds nothing yet
-        and block 0 gets its own bytes back."""
-        zero = torch.zeros(1, dtype=torch.int64)
-        engine.submit(-2, "store", zero, zero, zero)
-        engine.submit(-1, "load", zero, zero, zero)
-        engine.wait_all()
 
     # ------------------------------------------------------------------ serving
     def submit(self, job: CopyJob, quorum: Quorum | None = None, key: int | None = None

@@ -156,6 +156,10 @@ def bench_size(b: Bench, size: int) -> list[Row]:
         from offload.transfer.batch_copy import BatchCopyEngine
 
         ours: StreamEngine = BatchCopyEngine([kv], region, layout, chunks)
+    elif b.args.backend == "hybrid":
+        from offload.transfer.hybrid import HybridEngine
+
+        ours = HybridEngine([kv], region, layout, chunks, programs)
     else:
         ours = TritonEngine([kv], region, layout, chunks, programs,
                             b.args.num_warps or NUM_WARPS, b.args.step_elements or STEP_ELEMENTS)
@@ -261,8 +265,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.add_argument(f"--{direction}-programs", type=int, default=programs,
                             help=f"programs (SMs) of the triton kernel for a {direction} "
                             f"(default {programs})")
-    parser.add_argument("--backend", default="triton", choices=("triton", "copy_engine"),
-                        help="our engine: the Triton kernel or one cuMemcpyBatchAsync per job")
+    parser.add_argument("--backend", default="hybrid",
+                        choices=("hybrid", "triton", "copy_engine"),
+                        help="our engine: hybrid (the tier's default), the Triton kernel alone "
+                             "or one cuMemcpyBatchAsync per job")
     parser.add_argument("--num-warps", type=int, default=None,
                         help="warps per program of the triton kernel (default: the engine's)")
     parser.add_argument("--step-elements", type=int, default=None,

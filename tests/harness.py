@@ -92,22 +92,31 @@ def run_group(fn: Callable[..., Any], world: int, *, args: Sequence[Any] = (),
         procs.append(p)
     outcomes = {r: Outcome(r, None) for r in range(world)}
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
-    pending = set(range(world))
-    while pending and datetime.datetime.now() < deadline:
+
+    def take(block_s: float) -> bool:
         try:
-            rank, value, error, etype = results.get(timeout=0.2)
+            rank, value, error, etype = results.get(timeout=block_s)
         except queue.Empty:
-            pending -= {r for r in pending if not procs[r].is_alive()}
-            continue
+            return False
         o = outcomes[rank]
         o.value = cloudpickle.loads(value) if value is not None else None
         o.error, o.error_type = error, etype
-        pending.discard(rank)
+        reported.add(rank)
+        return True
+
+    reported: set[int] = set()
+    while len(reported) < world and datetime.datetime.now() < deadline:
+        if not take(0.2) and not any(p.is_alive() for p in procs):
+            break
     for p in procs:
         p.join(timeout=max(0.1, (deadline - datetime.datetime.now()).total_seconds()))
         if p.is_alive():
             p.kill()
             p.join()
+    while take(0.1):  # results a rank queued just before it exited
+        pass
+    for rank in set(range(world)) - reported:
+        outcomes[rank].error = outcomes[rank].error or "no result (the rank died or hung)"
     for rank, p in enumerate(procs):
         outcomes[rank].exitcode = p.exitcode
     return [outcomes[r] for r in range(world)]
