@@ -1,9 +1,17 @@
 """Process-wide closers that must run however the process ends.
 
 torchrun sends SIGTERM to the surviving ranks when one dies, and a user presses Ctrl-C; without
-handlers Python would die without unmapping, unregistering or unlinking.  Regions register their
-``close`` here; ``run_all`` runs each closer once (newest first), on a signal, at exit, or when
-asked.  Closers must be idempotent and must not take locks a signal could interrupt.
+handlers Python would die without unlinking.  Two kinds of callbacks:
+
+* **unlinkers** remove names that would outlive the process (shm files between creation and
+  the mapping exchange).  A signal runs them at once: nothing else can leak, because the kernel
+  frees mappings and CUDA registrations with the process.
+* **closers** (``close`` of a region) unpin and unmap.  A signal does not run them: threads may
+  still be pre-faulting or copying into the mapping.  The signal raises ``SystemExit`` instead,
+  the main thread unwinds (joining its pools) and ``atexit`` runs the closers, newest first.
+
+Each callback runs once; callbacks must be idempotent and must not take locks a signal could
+interrupt.
 
 Python runs signal handlers between bytecodes of the main thread, so a main thread blocked
 inside a collective runs them only once that call returns or times out.
@@ -24,6 +32,7 @@ log = logging.getLogger(__name__)
 
 Closer = Callable[[], None]
 _closers: list[Closer] = []
+_unlinkers: list[Closer] = []
 _installed: set[int] = set()
 
 
@@ -37,22 +46,37 @@ def unregister(closer: Closer) -> None:
         _closers.remove(closer)
 
 
+def register_unlinker(unlinker: Closer) -> None:
+    _unlinkers.append(unlinker)
+
+
+def unregister_unlinker(unlinker: Closer) -> None:
+    with contextlib.suppress(ValueError):
+        _unlinkers.remove(unlinker)
+
+
 def run_all() -> None:
-    """Run every registered closer once, newest first; failures are logged, never raised.
-    Each closer is removed before it runs, so a re-entrant call never runs it twice."""
-    while _closers:
-        closer = _closers.pop()
+    """Run every registered unlinker and closer once, newest first; failures are logged, never
+    raised.  Each is removed before it runs, so a re-entrant call never runs it twice."""
+    _drain(_unlinkers)
+    _drain(_closers)
+
+
+def _drain(callbacks: list[Closer]) -> None:
+    while callbacks:
+        callback = callbacks.pop()
         try:
-            closer()
+            callback()
         except Exception:
-            log.exception("cleanup: %r failed", closer)
+            log.exception("cleanup: %r failed", callback)
 
 
 def install_signal_handlers(signums: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)
                             ) -> bool:
-    """On each signal run all closers, then hand over to the previous Python handler if there
-    was one, else exit with status 128 + signum.  Only the main thread may install handlers;
-    elsewhere this returns False and does nothing.  Installing twice is harmless."""
+    """On each signal run the unlinkers, then hand over to the previous Python handler if there
+    was one, else raise ``SystemExit(128 + signum)`` (closers then run at exit).  Only the
+    main thread may install handlers; elsewhere this returns False and does nothing.
+    Installing twice is harmless."""
     if threading.current_thread() is not threading.main_thread():
         return False
     for signum in set(signums) - _installed:
@@ -64,7 +88,7 @@ def install_signal_handlers(signums: tuple[int, ...] = (signal.SIGTERM, signal.S
 
 def _handler(signum: int, previous: Any) -> Callable[[int, FrameType | None], None]:
     def handle(received: int, frame: FrameType | None) -> None:
-        run_all()
+        _drain(_unlinkers)
         if callable(previous) and previous is not signal.default_int_handler:
             previous(received, frame)
             return

@@ -138,6 +138,7 @@ class HostRegion:
             )
         region = cls(plan, topology.rank, registrar)
         cleanup.register(region.close)
+        cleanup.register_unlinker(region.unlink_names)
         try:
             region._build(topology, config, job_id, progress)
         except BaseException:
@@ -270,14 +271,20 @@ class HostRegion:
         before acting, so a signal-handler call interleaved with another finishes the job
         without repeating a step.  Never raises: failures are logged."""
         cleanup.unregister(self.close)
-        paths, self._paths = self._paths, []
-        for path in paths:
-            _logged(unlink_if_ours, path)
+        self.unlink_names()
         _logged(self.unpin)
         mapping, self._mapping = self._mapping, None
         self.tensor = torch.empty(0, dtype=torch.uint8)
         if mapping is not None:
             _logged(mapping.close)
+
+    def unlink_names(self) -> None:
+        """Remove any of this region's file names still present (the only state that outlives
+        the process); safe from a signal handler.  Idempotent."""
+        cleanup.unregister_unlinker(self.unlink_names)
+        paths, self._paths = self._paths, []
+        for path in paths:
+            _logged(unlink_if_ours, path)
 
     def __enter__(self) -> HostRegion:
         return self
