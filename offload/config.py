@@ -47,9 +47,9 @@ class TierConfig:
                 f"unknown layout {self.layout!r}; choose one of {', '.join(LAYOUTS)}"
             )
         minimum = {"cpu_bytes_per_node": 1, "blocks_per_chunk": 1, "pp": 1, "page_size": 1,
-                   "max_segments": 1, "max_registration_bytes": self.page_size,
+                   "max_segments": 1, "max_registration_bytes": 1,
                    "max_slot_rows": 1, "prefault_threads": 1, "segment_threshold": 1,
-                   "min_segment_bytes": self.page_size}
+                   "min_segment_bytes": 1}
         if self.tp is not None:
             minimum["tp"] = 1
         for name, limit in minimum.items():
