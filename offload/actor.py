@@ -25,7 +25,7 @@ from offload.errors import OffloadError
 from offload.plan import Plan, RankDescriptor
 from offload.quorum import Quorum
 from offload.region.host_region import HostRegion
-from offload.region.pin import choose_registrar
+from offload.region.pin import Registrar, choose_registrar
 from offload.topology import Topology
 from offload.transfer import SlotLayout, TransferEngine, make_engine, triton_available
 from offload.transfer.base import Direction
@@ -70,6 +70,7 @@ class RankActor:
     progress: Callable[[int, int, float], None] | None = None
     backend: str = "auto"
     auditor: Auditor | None = None
+    registrar_factory: Callable[[torch.device], Registrar] = choose_registrar
     plan: Plan | None = None
     region: HostRegion | None = None
     engine: TransferEngine | None = None
@@ -99,7 +100,7 @@ class RankActor:
         Meanwhile a thread compiles the copy kernel against a one-row scratch buffer: the JIT
         (1-2 s on a cold cache) then overlaps the pre-fault instead of following it."""
         plan = self._installed()
-        registrar = choose_registrar(self.kv_tensors[0].device)
+        registrar = self.registrar_factory(self.kv_tensors[0].device)
         compiler = threading.Thread(target=self._compile_kernel, name="offload-jit",
                                     daemon=True)
         compiler.start()

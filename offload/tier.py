@@ -21,7 +21,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ from offload.errors import OffloadError, PeerError
 from offload.manager import ChunkManager
 from offload.plan import Plan, RankDescriptor, compute_plan
 from offload.quorum import Quorum, default_store
+from offload.region.pin import Registrar, choose_registrar
 from offload.region.prefault import progress_logger
 from offload.rpc import CollectiveRPC
 from offload.topology import Topology, discover
@@ -60,12 +61,15 @@ class HostTier:
     # ------------------------------------------------------------------ creation
     @classmethod
     def create(cls, kv_tensors: Sequence[torch.Tensor], config: TierConfig, *,
-               backend: str = "auto", audit: bool = False) -> HostTier:
+               backend: str = "auto", audit: bool = False,
+               registrar_factory: Callable[[torch.device], Registrar] = choose_registrar
+               ) -> HostTier:
         """Collective: every rank calls it with its own KV tensors and the same config.
 
         ``backend`` picks the transfer backend (``auto``: by device and pinning); ``audit``
         hashes every block before store and after load and counts mismatches
-        (`offload.audit`)."""
+        (`offload.audit`).  ``registrar_factory`` makes the object that pins host memory for
+        the KV device (default: CUDA's driver API for CUDA tensors, a recording no-op else)."""
         started = time.perf_counter()
         topology = discover(config.tp, config.pp, config.timeout_s)
         config = dataclasses.replace(config, tp=topology.tp)  # None meant world // pp
@@ -76,7 +80,8 @@ class HostTier:
         progress = (progress_logger(log, f"pre-fault ({config.layout})")
                     if topology.rank == 0 else None)
         actor = RankActor(topology, config, list(kv_tensors), job_id, quorum, progress, backend,
-                          auditor=Auditor() if audit else None, created_at=started)
+                          auditor=Auditor() if audit else None,
+                          registrar_factory=registrar_factory, created_at=started)
         descriptor = _describe(actor)
         gathered: list[Any] | None = [None] * topology.world_size if topology.rank == 0 else None
         dist.gather_object(descriptor, gathered, dst=0)

@@ -173,3 +173,63 @@ def test_a_rank_without_kv_tensors_is_named_by_rank_zero() -> None:
     out = run_group(body, 2)
     assert "rank 1: no KV tensors given" in (out[0].error or "")
     assert out[1].error_type == "Aborted"
+
+
+class _PinnedStandIn:
+    """A registrar that counts as pinning (as CUDA's does) and can refuse, for the group's
+    all-or-none decision on a machine without CUDA."""
+
+    name = "stand-in"
+    counts_as_pinned = True
+
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+        self.live: set[int] = set()
+
+    def register(self, address: int, length: int) -> None:
+        if self.fail:
+            raise RuntimeError("cuMemHostRegister failed: out of memory (stand-in)")
+        self.live.add(address)
+
+    def unregister(self, address: int) -> None:
+        self.live.remove(address)
+
+
+def test_one_rank_that_cannot_pin_makes_the_whole_group_run_unpinned() -> None:
+    def body(rank: int) -> object:
+        from offload import HostTier
+
+        registrars: list[_PinnedStandIn] = []
+
+        def factory(device: object) -> _PinnedStandIn:
+            registrars.append(_PinnedStandIn(fail=rank == 1))
+            return registrars[-1]
+
+        tier = HostTier.create(_hybrid_kv(rank, 8), TierConfig(
+            cpu_bytes_per_node=4 * MiB, blocks_per_chunk=4, tp=2, timeout_s=20),
+            registrar_factory=factory)
+        row = tier.actor.report()
+        still_registered = len(registrars[0].live)
+        tier.close()
+        return row["pinned"], row["pinned_bytes"], still_registered
+
+    out = run_group(body, 2)
+    assert all(o.ok for o in out), [o.error for o in out]
+    assert [o.value for o in out] == [(False, 0, 0), (False, 0, 0)]
+
+
+def test_a_group_that_can_pin_reports_own_bytes_pinned() -> None:
+    def body(rank: int) -> object:
+        from offload import HostTier
+
+        tier = HostTier.create(_hybrid_kv(rank, 8), TierConfig(
+            cpu_bytes_per_node=4 * MiB, layout="shared", blocks_per_chunk=4, tp=2,
+            timeout_s=20), registrar_factory=lambda device: _PinnedStandIn(fail=False))
+        row = tier.actor.report()
+        own = tier.plan.chunk_count * tier.plan.slots[rank].slot_bytes
+        tier.close()
+        return row["pinned"], row["pinned_bytes"] == own
+
+    out = run_group(body, 2)
+    assert all(o.ok for o in out), [o.error for o in out]
+    assert [o.value for o in out] == [(True, True), (True, True)]
