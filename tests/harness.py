@@ -126,3 +126,18 @@ def shm_entries(directory: str = "/dev/shm") -> set[str]:
     """offload's files in the shm directory, to compare before and after a test (other
     programs, multiprocessing's semaphores included, come and go there concurrently)."""
     return {name for name in os.listdir(directory) if name.startswith("offload")}
+
+
+def store_drop_load(tier: Any, kv: Sequence[Any], blocks: tuple[int, ...],
+                    chunks: tuple[int, ...], positions: tuple[int, ...]) -> None:
+    """SPMD round trip every rank runs: store the blocks (the node's writer only, in the
+    replicated layout), zero the KV tensors, load the blocks back."""
+    from offload import CopyJob
+
+    replicated = tier.plan.layout == "replicated"
+    tier.submit(CopyJob(1, "store", blocks, chunks, positions, writer_only=replicated))
+    tier.wait([1])
+    for t in kv:
+        t.zero_()
+    tier.submit(CopyJob(2, "load", blocks, chunks, positions))
+    tier.wait([2])

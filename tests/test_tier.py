@@ -8,7 +8,7 @@ import time
 import pytest
 
 from offload.config import TierConfig
-from tests.harness import run_group
+from tests.harness import run_group, store_drop_load
 
 MiB = 1 << 20
 
@@ -28,7 +28,7 @@ def test_spmd_store_poison_load_restores_every_byte(layout: str, shm_dir: str) -
     def body(rank: int) -> object:
         import torch
 
-        from offload import CopyJob, HostTier
+        from offload import HostTier
 
         kv = _hybrid_kv(rank, 24, same_on_all_ranks=layout == "replicated")
         original = [t.clone() for t in kv]
@@ -38,13 +38,7 @@ def test_spmd_store_poison_load_restores_every_byte(layout: str, shm_dir: str) -
         blocks = tuple(range(24))
         chunks = tuple(5 - b // 4 for b in blocks)  # scattered: reversed chunk order
         positions = tuple(b % 4 for b in blocks)
-        tier.submit(CopyJob(1, "store", blocks, chunks, positions,
-                            writer_only=layout == "replicated"))
-        tier.wait([1])
-        for t in kv:
-            t.zero_()
-        tier.submit(CopyJob(2, "load", blocks, chunks, positions))
-        tier.wait([2])
+        store_drop_load(tier, kv, blocks, chunks, positions)
         same = all(torch.equal(a, b) for a, b in zip(kv, original, strict=True))
         view = tier.actor.region.tensor_view(1)  # tensor 1 of chunk 5, position 0 = block 0
         raw_ok = torch.equal(view[5, 0], original[1][0])

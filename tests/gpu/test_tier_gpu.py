@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from offload.config import TierConfig
-from tests.harness import run_group
+from tests.harness import run_group, store_drop_load
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -21,7 +21,7 @@ def test_pinned_bytes_are_own_slot_bytes_and_blocks_round_trip(layout: str, shm_
     def body(rank: int) -> object:
         import torch
 
-        from offload import CopyJob, HostTier
+        from offload import HostTier
 
         torch.cuda.set_device(rank % torch.cuda.device_count())
         gen = torch.Generator(device="cuda").manual_seed(7 if layout == "replicated" else rank)
@@ -37,13 +37,7 @@ def test_pinned_bytes_are_own_slot_bytes_and_blocks_round_trip(layout: str, shm_
         blocks = tuple(range(64))
         chunks = tuple((7 * (b // 8)) % tier.plan.chunk_count for b in blocks)
         positions = tuple(b % 8 for b in blocks)
-        tier.submit(CopyJob(1, "store", blocks, chunks, positions,
-                            writer_only=layout == "replicated"))
-        tier.wait([1])
-        for t in kv:
-            t.zero_()
-        tier.submit(CopyJob(2, "load", blocks, chunks, positions))
-        tier.wait([2])
+        store_drop_load(tier, kv, blocks, chunks, positions)
         torch.cuda.synchronize()
         same = all(torch.equal(a, b) for a, b in zip(kv, original, strict=True))
         own = tier.plan.chunk_count * tier.plan.slots[rank].slot_bytes
