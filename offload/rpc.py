@@ -127,6 +127,9 @@ class CollectiveRPC:
         keys = [f"ack/{seq}/{r}" for r in range(1, self.world_size)]
         with contextlib.suppress(dist.DistError):
             self.store.wait(keys, datetime.timedelta(seconds=grace_s))
+        with contextlib.suppress(dist.DistError):
+            for key in [f"req/{seq}", *keys]:
+                self.store.delete_key(key)
 
     # ------------------------------------------------------------------ workers
     def serve(self, actor: Any, idle: Callable[[], float] | None = None) -> None:

@@ -222,8 +222,9 @@ def _drive_setup(actor: RankActor, rpc: CollectiveRPC, gathered: list[Any]) -> P
         plan = compute_plan(gathered)
         digests = rpc.call(RankActor.install_plan, plan, actor=actor)
         wrong = [r for r, d in enumerate(digests) if d != plan.digest()]
-        if wrong:
-            raise PeerError(f"ranks {wrong} acknowledged a different plan; restart the job")
+        if wrong:  # the plan travels pickled, so this is a bug, not a user error
+            raise RuntimeError(f"ranks {wrong} acknowledged a different plan than rank 0's "
+                               f"{plan.digest()}")
         pinned = rpc.call(RankActor.build_region, actor=actor)
         if any(pinned) and not all(pinned):
             log.warning("ranks %s could not pin their region; the whole group runs unpinned",

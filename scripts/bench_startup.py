@@ -68,11 +68,12 @@ def ours(rank: int, world: int, args: argparse.Namespace, layout: str) -> dict[s
     from offload.tier import HostTier
 
     device = device_for(rank)
-    payload = parse_size(args.kv_bytes_per_block)
+    tp = world // args.pp
+    payload = stage_payloads(args)[rank // tp]
     kv = [torch.zeros((args.blocks_per_chunk, payload // 2), dtype=torch.uint8, device=device)
           for _ in range(2)]
     config = TierConfig(cpu_bytes_per_node=args.cpu_bytes, layout=layout,
-                        blocks_per_chunk=args.blocks_per_chunk, tp=world,
+                        blocks_per_chunk=args.blocks_per_chunk, tp=tp, pp=args.pp,
                         prefault_threads=args.threads, timeout_s=600)
     start, baseline = begin(rank)
     tier = HostTier.create(kv, config)
@@ -83,6 +84,13 @@ def ours(rank: int, world: int, args: argparse.Namespace, layout: str) -> dict[s
     hold(rank, result, baseline)
     tier.close()
     return result
+
+
+def stage_payloads(args: argparse.Namespace) -> list[int]:
+    """Each pipeline stage's KV bytes per block (``--stage-kv-bytes`` or the common size)."""
+    if args.stage_kv_bytes:
+        return [parse_size(x) for x in args.stage_kv_bytes.split(",")]
+    return [parse_size(args.kv_bytes_per_block)] * args.pp
 
 
 def naive(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -185,8 +193,9 @@ def run_variant(world: int, fn: Callable[..., dict[str, Any]], *extra: Any) -> d
 
 
 def floor(args: argparse.Namespace) -> dict[str, Any]:
-    """Raw parallel pre-fault of the same bytes: 16 files, 16 threads, nothing else."""
-    files = 16
+    """Raw parallel pre-fault of the same bytes: ``--floor-files`` files populated by
+    ``--floor-threads`` threads, nothing else."""
+    files, threads = args.floor_files, args.floor_threads
     geometry = RegionGeometry("private", files, args.cpu_bytes // files // 4096 * 4096, 0,
                               args.cpu_bytes // files // 4096 * 4096, 4096)
     config = TierConfig(cpu_bytes_per_node=args.cpu_bytes, segment_threshold=1,
@@ -195,12 +204,12 @@ def floor(args: argparse.Namespace) -> dict[str, Any]:
     paths = [f"/dev/shm/offload-bench-floor-{os.getpid()}-{i}" for i in range(len(segments))]
     baseline = used_bytes()
     start = time.perf_counter()
-    fds = create_segments("/dev/shm", paths, [s.length for s in segments], threads=files,
+    fds = create_segments("/dev/shm", paths, [s.length for s in segments], threads=threads,
                           unlink=True)
     mapping = Mapping(fds, [s.length for s in segments])
     close_fds(fds)
-    pieces = plan_pieces([ByteRange(0, geometry.total_bytes)], segments, files, 4096)
-    prefault(mapping.address, pieces, threads=files)
+    pieces = plan_pieces([ByteRange(0, geometry.total_bytes)], segments, threads, 4096)
+    prefault(mapping.address, pieces, threads=threads)
     seconds = time.perf_counter() - start
     resident = used_bytes() - baseline
     mapping.close()
@@ -212,12 +221,18 @@ def warm(nbytes: int) -> float:
     """Touch ``nbytes`` once so the VM has grown its RAM before anything is timed."""
     if nbytes <= 0:
         return 0.0
-    return floor(argparse.Namespace(cpu_bytes=nbytes))["seconds"]
+    return floor(argparse.Namespace(cpu_bytes=nbytes, floor_files=16,
+                                    floor_threads=16))["seconds"]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nproc", type=int, default=2, help="ranks on this node (TP size)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks on this node (tp x pp)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (tp = nproc / pp)")
+    p.add_argument("--stage-kv-bytes", default=None, metavar="S0,S1,...",
+                   help="per-stage KV bytes per block (heterogeneous stages)")
+    p.add_argument("--floor-files", type=int, default=16, help="files of the floor variant")
+    p.add_argument("--floor-threads", type=int, default=16, help="threads of the floor variant")
     p.add_argument("--cpu-bytes", default="32GiB", help="budget per node")
     p.add_argument("--kv-bytes-per-block", default="512KiB")
     p.add_argument("--blocks-per-chunk", type=int, default=16)
@@ -237,6 +252,9 @@ def main() -> None:
         rows["floor"] = floor(args)
     if "ours" in variants:
         for layout in args.layouts.split(","):
+            if layout == "replicated" and len(set(stage_payloads(args))) > 1:
+                print("skipping ours/replicated: it needs equal payloads on every stage")
+                continue
             rows[f"ours/{layout}"] = run_variant(args.nproc, ours, args, layout)
             if args.timeline:
                 draw_timeline([r["row"] for r in rows[f"ours/{layout}"]["ranks"]],
