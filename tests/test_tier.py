@@ -227,3 +227,47 @@ def test_a_group_that_can_pin_reports_own_bytes_pinned() -> None:
     out = run_group(body, 2)
     assert all(o.ok for o in out), [o.error for o in out]
     assert [o.value for o in out] == [(True, True), (True, True)]
+
+
+def test_a_killed_rank_fails_the_driver_within_the_timeout_and_leaves_nothing(
+        shm_dir: str) -> None:
+    """No torchrun to stop the survivors: our own bounds must end the job."""
+
+    def body(rank: int) -> object:
+        import os
+        import signal
+        import threading
+
+        from offload import CopyJob, HostTier, PeerError
+        from offload.rpc import Aborted
+
+        tier = HostTier.create(_hybrid_kv(rank, 8), TierConfig(
+            cpu_bytes_per_node=4 * MiB, layout="shared", blocks_per_chunk=4, tp=3,
+            timeout_s=4, shm_dir=shm_dir))
+        if rank == 2:  # dies while serving, without a chance to clean up
+            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        if rank != 0:
+            try:
+                tier.serve()
+            except Aborted as exc:
+                return f"aborted: {exc}"
+            return "released"
+        began = time.monotonic()
+        job_id = 0
+        try:
+            while time.monotonic() - began < 30:
+                tier.run(CopyJob(job_id, "store", (0, 1), (0, 0), (0, 1)))
+                job_id += 1
+        except PeerError as exc:
+            failed_after = time.monotonic() - began
+            tier.abort(str(exc))
+            tier.actor.close()
+            return failed_after, str(exc)
+        return None
+
+    out = run_group(body, 3, timeout=60, pg_timeout=20)
+    failed_after, message = out[0].value
+    assert failed_after < 1.0 + 4 + 3, message  # kill at ~1 s, then the 4 s RPC timeout
+    assert "ranks [2] did not answer submit" in message
+    assert out[1].value.startswith("aborted: ranks [2] did not answer")
+    assert out[2].exitcode == -9
