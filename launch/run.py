@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import logging
 import os
+import socket
 import sys
 from typing import Any
 
@@ -95,6 +96,9 @@ def config_from_args(args: argparse.Namespace, world: int) -> TierConfig:
         if getattr(args, name) < 1:
             raise OffloadError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at "
                                "least 1")
+    if args.tp is None and world % args.pp:
+        raise OffloadError(f"--pp {args.pp} does not divide the {world} ranks; choose a pp "
+                           f"that divides {world} or give --tp")
     tp = args.tp if args.tp is not None else world // args.pp
     check_grid(world, tp, args.pp)
     segment = parse_size(args.segment_bytes, "--segment-bytes")
@@ -181,11 +185,14 @@ def run(args: argparse.Namespace) -> int:
 
 def shm_files_left(tier: HostTier, shm_dir: str) -> int:
     """Collective: every node leader counts this job's files on its own host after close;
-    the total comes back on every rank (other nodes' /dev/shm is not visible from rank 0)."""
+    the total comes back on every rank (other hosts' /dev/shm is not visible from rank 0)."""
     mine = count_shm_files(shm_dir, tier.actor.job_id) if tier.topology.is_leader else 0
-    counts: list[int] = [0] * tier.topology.world_size
-    dist.all_gather_object(counts, mine)
-    return sum(counts)
+    counts: list[Any] = [None] * tier.topology.world_size
+    dist.all_gather_object(counts, (socket.gethostname(), mine))
+    per_host: dict[str, int] = {}
+    for host, count in counts:  # simulated nodes share a host: count its directory once
+        per_host[host] = max(per_host.get(host, 0), count)
+    return sum(per_host.values())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -104,7 +104,8 @@ class CollectiveRPC:
             if pending:
                 time.sleep(min(self.poll_s, 0.0002 * 2 ** min(polls, 4)))
                 polls += 1
-        self.store.delete_key(f"req/{seq}")
+        if not pending:  # a rank that has not answered may not have read the request yet
+            self.store.delete_key(f"req/{seq}")
         if failures or pending:
             raise _call_error(getattr(fn, "__name__", repr(fn)), failures, sorted(pending),
                               time.monotonic() - started)
@@ -125,8 +126,10 @@ class CollectiveRPC:
         self._require_driver()
         seq = self._post(_ABORT, message)
         keys = [f"ack/{seq}/{r}" for r in range(1, self.world_size)]
-        with contextlib.suppress(dist.DistError):
+        try:
             self.store.wait(keys, datetime.timedelta(seconds=grace_s))
+        except dist.DistError:
+            return  # a worker still busy must find the abort later: leave it in the store
         with contextlib.suppress(dist.DistError):
             for key in [f"req/{seq}", *keys]:
                 self.store.delete_key(key)
@@ -172,10 +175,10 @@ class CollectiveRPC:
     # ------------------------------------------------------------------ internals
     def _await(self, key: str, pause: float) -> None:
         """Sleep until the next look at ``key``: at most ``pause`` (the caller's copies may need
-        reporting) and, while idle, backing off from 0.2 ms to 10 ms so a command that follows
+        reporting) and, while idle, backing off from 0.2 ms to 50 ms so a command that follows
         another is picked up at once and an idle worker costs almost nothing.  (The store's
         own timed ``wait`` would block better, but every timeout logs two C++ warnings.)"""
-        self._backoff = min(self._backoff * 2, 0.01) if self._backoff else 0.0002
+        self._backoff = min(self._backoff * 2, 0.05) if self._backoff else 0.0002
         time.sleep(min(pause, self._backoff))
 
     def _post(self, kind: str, body: Any) -> int:

@@ -15,6 +15,7 @@ Two ways to move blocks afterwards:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import itertools
@@ -149,8 +150,12 @@ class HostTier:
                 if time.monotonic() > deadline:
                     quorum.wait([job.job_id], 0.0)  # raises, naming how many reported
                 time.sleep(0.0005)
-        finally:
-            quorum.forget(job.job_id)
+        except BaseException:
+            # a slow rank may still report and recreate the key: one stray key per failed job
+            with contextlib.suppress(dist.DistError):
+                quorum.forget(job.job_id)
+            raise
+        quorum.forget(job.job_id)
 
     def call(self, fn: Any, *args: Any) -> list[Any]:
         """Rank 0: run ``fn(actor, *args)`` on every rank and gather the results."""

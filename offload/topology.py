@@ -88,6 +88,9 @@ class Topology:
                 for n in self.nodes]
 
 
+NODE_GROUP_MIN_TIMEOUT_S = 1800.0
+
+
 def local_node_id() -> str:
     return os.environ.get("OFFLOAD_NODE_ID") or socket.gethostname()
 
@@ -124,8 +127,10 @@ def discover(tp: int | None = None, pp: int = 1, timeout_s: float | None = None
     """Collective over the default group: publish places, build nodes, create node groups.
 
     Every rank calls ``new_group`` for every node in the same order, as torch.distributed
-    requires; node groups get ``timeout_s`` so a dead peer fails node barriers in bounded
-    time (torch's own default for gloo groups is 30 minutes).
+    requires.  Node groups wait at least 30 minutes (torch's gloo default) or ``timeout_s`` if
+    longer: their exchanges follow pre-fault and pinning, which on a large host can take
+    minutes for a healthy rank (8 ranks registering 1 TiB each at ~25 GiB/s host-wide: ~330 s),
+    while dead peers are caught sooner by the RPC and quorum timeouts (and torchrun).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     tp = world // pp if tp is None else tp
@@ -136,7 +141,7 @@ def discover(tp: int | None = None, pp: int = 1, timeout_s: float | None = None
     dist.all_gather_object(gathered, mine)
     nodes = build_nodes(gathered)
     node_group = None
-    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+    timeout = datetime.timedelta(seconds=max(timeout_s or 0.0, NODE_GROUP_MIN_TIMEOUT_S))
     if len(nodes) > 1:
         for node in nodes:
             group = dist.new_group(list(node.ranks), timeout=timeout)

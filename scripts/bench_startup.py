@@ -245,6 +245,10 @@ def main() -> None:
                    help="draw each of our layouts' per-rank timeline to PREFIX-<layout>.png")
     args = p.parse_args()
     args.cpu_bytes = parse_size(args.cpu_bytes)
+    if args.nproc % args.pp:
+        p.error(f"--pp {args.pp} does not divide --nproc {args.nproc}")
+    if len(stage_payloads(args)) != args.pp:
+        p.error(f"--stage-kv-bytes gives {len(stage_payloads(args))} sizes for --pp {args.pp}")
     variants = args.variants.split(",")
     warm_s = warm(parse_size(args.warm) if args.warm else 2 * args.cpu_bytes)
     rows: dict[str, dict[str, Any]] = {}

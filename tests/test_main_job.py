@@ -85,7 +85,8 @@ def test_heterogeneous_stages_share_one_chunk_count(tmp_path: Path) -> None:
      "layout 'replicated' needs equal KV payloads"),
     (["--stage-kv-bytes", "64KiB,32KiB,1KiB"], "--stage-kv-bytes gives 3 payloads but --pp is 1"),
     (["--shm-dir", "/proc"], "/proc has 0 B (0 B) free but the region needs"),
-    (["--pp", "3"], "--tp 0 x --pp 3 = 0 but the world has 2 ranks"),
+    (["--pp", "3"], "--pp 3 does not divide the 2 ranks"),
+    (["--tp", "1", "--pp", "3"], "--tp 1 x --pp 3 = 3 but the world has 2 ranks"),
     (["--segment-bytes", "0"], "(--segment-bytes) = 0 is below its minimum"),
     (["--kv-bytes-per-block", "0"], "a KV payload of 0 bytes per block is empty"),
 ])

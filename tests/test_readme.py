@@ -13,12 +13,14 @@ from tests.harness import free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_library_example_runs(tmp_path: Path) -> None:
+def test_library_example_runs(tmp_path: Path, shm_dir: str) -> None:
     readme = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
     example = next(b for b in blocks if "HostTier.create" in b)
     script = tmp_path / "example.py"
-    script.write_text(example)
+    assert example.count("TierConfig(") == 1
+    # the example as written, with its regions in this test's own shm dir for the leak check
+    script.write_text(example.replace("TierConfig(", f"TierConfig(shm_dir={shm_dir!r}, "))
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
          "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script)],
