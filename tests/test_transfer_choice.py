@@ -23,7 +23,10 @@ def test_auto_backend_choice(on_cuda: bool, pinned: bool, triton: bool, batch: b
 
 
 def test_mean_run_bytes_merges_consecutive_pages_on_cpu_tensors() -> None:
-    from offload.transfer.base import CopySide, mean_run_bytes
+    from offload.transfer.base import CopySide, job_runs
+
+    def mean_run_bytes(sides: list[CopySide], region: torch.Tensor, stride: int) -> float:
+        return float(job_runs(sides, region, stride)[2].mean())
 
     src, dst = torch.zeros(64 * 1024, dtype=torch.uint8), torch.zeros(64 * 1024, dtype=torch.uint8)
     chunk = CopySide(dst, np.arange(4, dtype=np.int64) * 4096, src,

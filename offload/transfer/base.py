@@ -51,24 +51,23 @@ class CopySide(NamedTuple):
     page_bytes: int
 
 
-def absolute_copies(sides: Sequence[CopySide], region: torch.Tensor, row_stride: int
-                    ) -> tuple[IndexArray, IndexArray, IndexArray, IndexArray]:
-    """A job's copies as absolute (source address, destination address, bytes) arrays, plus
-    the host row of each copy (``region`` is the side that is host memory)."""
+def absolute_copies(sides: Sequence[CopySide]
+                    ) -> tuple[IndexArray, IndexArray, IndexArray]:
+    """A job's copies as absolute (source address, destination address, bytes) arrays."""
     src = np.concatenate([s.src_offsets + s.src.data_ptr() for s in sides])
     dst = np.concatenate([s.dst_offsets + s.dst.data_ptr() for s in sides])
     count = np.repeat(np.array([s.page_bytes for s in sides], dtype=np.int64),
                       [s.src_offsets.size for s in sides])
+    return src, dst, count
+
+
+def job_runs(sides: Sequence[CopySide], region: torch.Tensor, row_stride: int
+             ) -> tuple[IndexArray, IndexArray, IndexArray]:
+    """A job's copies with consecutive pages of one host row merged (`coalesce`); ``region``
+    is the side that is host memory, whose rows bound every run."""
     row = np.concatenate([(s.dst_offsets if s.dst is region else s.src_offsets) // row_stride
                           for s in sides])
-    return src, dst, count, row
-
-
-def mean_run_bytes(sides: Sequence[CopySide], region: torch.Tensor, row_stride: int) -> float:
-    """Average length of a job's copies once consecutive pages of one row are merged."""
-    if not any(s.src_offsets.size for s in sides):
-        return 0.0
-    return float(coalesce(*absolute_copies(sides, region, row_stride))[2].mean())
+    return coalesce(*absolute_copies(sides), row)
 
 
 def flat_kv_bytes(kv_tensors: Sequence[torch.Tensor], layout: SlotLayout) -> list[torch.Tensor]:

@@ -21,9 +21,9 @@ from functools import cache
 import numpy as np
 import torch
 
-from offload.transfer.base import CopySide, Direction, absolute_copies
+from offload.transfer.base import CopySide, Direction, job_runs
 from offload.transfer.cuda import StreamEngine
-from offload.transfer.layout import SlotLayout, coalesce
+from offload.transfer.layout import SlotLayout
 
 CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
 
@@ -73,10 +73,13 @@ class BatchCopyEngine(StreamEngine):
         self._keep: deque[tuple[np.ndarray, ...]] = deque()
 
     def _launch(self, direction: Direction, sides: list[CopySide]) -> None:
-        if not any(s.src_offsets.size for s in sides):
+        self._launch_runs(job_runs(sides, self._region, self._layout.row_stride))
+
+    def _launch_runs(self, runs: tuple[np.ndarray, ...]) -> None:
+        """One driver call for the job's merged copies (source, destination, bytes)."""
+        if not runs[0].size:
             self._keep.append(())
             return
-        runs = coalesce(*absolute_copies(sides, self._region, self._layout.row_stride))
         srcs, dsts, sizes = (a.astype(np.uint64) for a in runs)
         stream = torch.cuda.current_stream().cuda_stream
         result = self._lib.cuMemcpyBatchAsync_v2(

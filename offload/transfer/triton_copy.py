@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from offload.transfer.base import CopySide, Direction
+from offload.transfer.base import CopySide, Direction, absolute_copies
 from offload.transfer.cuda import DEFAULT_COPY_PROGRAMS, StreamEngine
 from offload.transfer.layout import SlotLayout, lowest_common_alignment, split_tiles
 
@@ -81,9 +81,8 @@ class TritonEngine(StreamEngine):
         if not any(s.src_offsets.size for s in sides):
             return
         base = self._anchor.data_ptr()
-        src = np.concatenate([s.src_offsets + (s.src.data_ptr() - base) for s in sides])
-        dst = np.concatenate([s.dst_offsets + (s.dst.data_ptr() - base) for s in sides])
-        count = np.repeat([s.page_bytes for s in sides], [s.src_offsets.size for s in sides])
+        src, dst, count = absolute_copies(sides)
+        src, dst = src - base, dst - base
         align = lowest_common_alignment([src, dst, count], cap=16)
         element = min(align, 8)
         shift = element.bit_length() - 1

@@ -126,7 +126,7 @@ def test_jobs_complete_in_submission_order(backend: str) -> None:
 @needs_batch
 def test_hybrid_routes_long_runs_to_copy_engines_and_keeps_order() -> None:
     from offload.transfer import job_offsets
-    from offload.transfer.base import mean_run_bytes
+    from offload.transfer.base import job_runs
 
     with cuda_engine("hybrid", [64 * KiB], 64, 4, bpc=16) as (engine, kv, region):
         original = kv[0].view(torch.uint8).clone()  # bytes: random bf16 bits hold NaNs
@@ -134,7 +134,7 @@ def test_hybrid_routes_long_runs_to_copy_engines_and_keeps_order() -> None:
         scattered = ([40, 7, 63], [0, 3, 1], [5, 9, 2])  # three separate 64 KiB pages
         copies = job_offsets(engine.layout, *whole_chunk, num_blocks=64, chunk_count=4)
         sides = list(engine._orient("store", copies))
-        assert mean_run_bytes(sides, engine._region, engine.layout.row_stride) == 1 * MiB
+        assert job_runs(sides, engine._region, engine.layout.row_stride)[2].tolist() == [MiB]
         engine.submit(0, "store", *whole_chunk)
         engine.submit(1, "store", *scattered)
         assert engine.wait_all() == [0, 1]
