@@ -117,39 +117,50 @@ class HostTier:
     def done(self, job_id: int) -> bool:
         """True once every rank has finished its copy of ``job_id`` (non-blocking).  The first
         True retires the job on this rank; asking again about it is an error."""
-        seq = self._spmd_live.get(job_id)
-        if seq is None:
-            raise OffloadError(f"job id {job_id} is not in flight on rank "
-                               f"{self.topology.rank}; submit it first (a job reads done once)")
+        seq = self._live_seq(job_id)
         self.actor.progress_copies()
         if not self._spmd.done(seq):
             return False
-        del self._spmd_live[job_id]
-        self._spmd.retire(seq)
+        self._retire(job_id, seq)
         return True
 
     def wait(self, job_ids: Sequence[int], timeout_s: float | None = None) -> None:
         """Block until the quorum has reported every job (bounded by the tier's timeout)."""
         deadline = time.monotonic() + (timeout_s or self.actor.config.timeout_s)
         for job_id in job_ids:
-            while not self.done(job_id):
-                if time.monotonic() > deadline:
-                    self._spmd.wait([self._spmd_live[job_id]], 0.0)  # raises, naming the count
-                time.sleep(0.0005)
+            seq = self._live_seq(job_id)
+            self._await_quorum(self._spmd, seq, deadline)
+            self._retire(job_id, seq)
+
+    def _live_seq(self, job_id: int) -> int:
+        seq = self._spmd_live.get(job_id)
+        if seq is None:
+            raise OffloadError(f"job id {job_id} is not in flight on rank "
+                               f"{self.topology.rank}; submit it first (a job reads done once)")
+        return seq
+
+    def _retire(self, job_id: int, seq: int) -> None:
+        del self._spmd_live[job_id]
+        self._spmd.retire(seq)
+
+    def _await_quorum(self, quorum: Quorum, key: int, deadline: float) -> None:
+        """Report this rank's finished copies until every rank has reported ``key``; past
+        ``deadline`` raise `PeerError` naming how many did."""
+        while not quorum.done(key):
+            self.actor.progress_copies()
+            if time.monotonic() > deadline:
+                quorum.wait([key], 0.0)
+            time.sleep(0.0005)
 
     # ------------------------------------------------------------------ driven data path
     def run(self, job: CopyJob) -> None:
         """Rank 0: every rank's actor copies ``job``; return once the quorum reported.  The
         job id must be unique for the tier (the chunk manager's ids are)."""
-        quorum, timeout = self.actor.quorum, self.actor.config.timeout_s
+        quorum = self.actor.quorum
         try:
             self.rpc.call(RankActor.submit, job, actor=self.actor)
-            deadline = time.monotonic() + timeout
-            while not quorum.done(job.job_id):
-                self.actor.progress_copies()
-                if time.monotonic() > deadline:
-                    quorum.wait([job.job_id], 0.0)  # raises, naming how many reported
-                time.sleep(0.0005)
+            self._await_quorum(quorum, job.job_id,
+                               time.monotonic() + self.actor.config.timeout_s)
         except BaseException:
             # a slow rank may still report and recreate the key: one stray key per failed job
             with contextlib.suppress(dist.DistError):
