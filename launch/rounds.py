@@ -75,11 +75,6 @@ def _verify(actor: RankActor, round_index: int, blocks: list[int]) -> int:
     return synthetic.count_mismatches(actor.kv_tensors, seed, blocks)
 
 
-def _bytes_per_rank(actor: RankActor) -> int:
-    """Bytes one block moves on this rank."""
-    return sum(t[0].numel() * t.element_size() for t in actor.kv_tensors)
-
-
 def _sync(actor: RankActor) -> None:
     if actor.kv_tensors[0].is_cuda:
         torch.cuda.synchronize(actor.kv_tensors[0].device)
@@ -91,7 +86,7 @@ def run_rounds(tier: HostTier, rounds: int, num_blocks: int) -> RoundStats:
     assert manager is not None, "rounds are driven from rank 0"
     bpc = tier.plan.blocks_per_chunk
     replicated = tier.plan.layout == "replicated"
-    per_rank = tier.call(_bytes_per_rank)
+    per_rank = [sum(slot.page_bytes) for slot in tier.plan.slots]  # bytes one block moves
     writers = sum(per_rank[n.leader_rank] for n in tier.topology.nodes)
     block_bytes = writers if replicated else sum(per_rank)
     load_bytes = sum(per_rank)

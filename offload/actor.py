@@ -160,8 +160,7 @@ class RankActor:
             raise OffloadError(f"job {job.job_id}: writer_only applies to stores in the "
                                f"replicated layout, not a {job.direction} in "
                                f"{self.config.layout!r}; drop writer_only")
-        blocks, chunks, positions = (torch.tensor(x, dtype=torch.int64)
-                                     for x in (job.blocks, job.chunks, job.positions))
+        blocks, chunks, positions = job.blocks, job.chunks, job.positions
         local = next(self._local_ids)
         if job.writer_only and not self.topology.is_leader:
             engine.check(blocks, chunks, positions)  # the node's writer copies; we only check

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from offload.sizes import format_size
+from offload.timeline import PHASES
 
-_PHASES = ("plan", "create", "prefault", "pin", "total")
+_PHASES = (*(name for name, _ in PHASES), "total")
 
 
 def count_shm_files(shm_dir: str, job_id: str) -> int:
