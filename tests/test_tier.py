@@ -92,10 +92,10 @@ def replicated_stages_body(rank: int, tp: int, stage_pages: tuple[tuple[int, ...
     view = tier.actor.region.tensor_view(0)  # tensor 0 of chunk 5, position 0 = block 0
     raw_ok = torch.equal(view[5, 0].cpu(), original[0][0].cpu())
     row = tier.actor.report()
-    registers_own_stage = row["pin_plan_bytes"] == (tier.plan.chunk_count
-                                                    * tier.plan.slots[rank].slot_bytes)
+    own_slot_bytes = tier.plan.chunk_count * tier.plan.slots[rank].slot_bytes
     tier.close()
-    return own, raw_ok, registers_own_stage, row["slot"]
+    return (own, raw_ok, row["pin_plan_bytes"] == own_slot_bytes, row["slot"],
+            row["pinned_bytes"], own_slot_bytes)
 
 
 @pytest.mark.parametrize(("tp", "stages", "nodes"), [
