@@ -55,10 +55,14 @@ class RoundStats:
 
 
 # ---------------------------------------------------------------- run on every rank's actor
-def _fill(actor: RankActor, round_index: int) -> None:
-    seed = synthetic.round_seed(actor.topology.rank, round_index,
+def _seed(actor: RankActor, round_index: int) -> int:
+    t = actor.topology
+    return synthetic.round_seed(round_index, t.pp_rank, t.tp_rank,
                                 actor.config.layout == "replicated")
-    synthetic.fill(actor.kv_tensors, seed)
+
+
+def _fill(actor: RankActor, round_index: int) -> None:
+    synthetic.fill(actor.kv_tensors, _seed(actor, round_index))
     _sync(actor)
 
 
@@ -70,9 +74,7 @@ def _poison(actor: RankActor) -> None:
 def _verify(actor: RankActor, round_index: int, blocks: list[int]) -> int:
     actor.drain()
     _sync(actor)
-    seed = synthetic.round_seed(actor.topology.rank, round_index,
-                                actor.config.layout == "replicated")
-    return synthetic.count_mismatches(actor.kv_tensors, seed, blocks)
+    return synthetic.count_mismatches(actor.kv_tensors, _seed(actor, round_index), blocks)
 
 
 def _sync(actor: RankActor) -> None:
@@ -87,7 +89,8 @@ def run_rounds(tier: HostTier, rounds: int, num_blocks: int) -> RoundStats:
     bpc = tier.plan.blocks_per_chunk
     replicated = tier.plan.layout == "replicated"
     per_rank = [sum(slot.page_bytes) for slot in tier.plan.slots]  # bytes one block moves
-    writers = sum(per_rank[n.leader_rank] for n in tier.topology.nodes)
+    # replicated stores copy once per (node, stage): only the stage writers move bytes
+    writers = sum(per_rank[w] for w in tier.topology.stage_writers)
     block_bytes = writers if replicated else sum(per_rank)
     load_bytes = sum(per_rank)
     n_chunks = -(-num_blocks // bpc)

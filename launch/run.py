@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size; tp x pp = world")
     p.add_argument("--layout", default="private", choices=LAYOUTS,
                    help="private: one region per rank; shared: one node region of interleaved "
-                        "slots; replicated: one node copy of data identical on every rank")
+                        "slots; replicated: one node copy per pipeline stage of data "
+                        "identical on the stage's ranks")
     p.add_argument("--kv-bytes-per-block", default="64KiB", metavar="SIZE",
                    help="each rank's payload of one block (split into K and V tensors)")
     p.add_argument("--stage-kv-bytes", default=None, metavar="S0,S1,...",

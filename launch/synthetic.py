@@ -2,10 +2,12 @@
 
 Each rank holds two KV tensors (K and V halves of ``--kv-bytes-per-block``; one tensor when the
 payload is a single byte) shaped ``[num_gpu_blocks, page]`` of bytes.  Contents are a cheap
-integer hash of (rank, round, tensor, block, byte index), computed with whole-tensor ops on the
-tensor's own device, so the data differs per rank, block and round and can be regenerated for
-verification without keeping a copy.  The replicated layout holds one copy for every rank, so
-there the rank does not enter the hash.
+integer hash of (round, pipeline stage, tensor-parallel rank, tensor, block, byte index),
+computed with whole-tensor ops on the tensor's own device, so the data differs wherever real KV
+differs and can be regenerated for verification without keeping a copy.  The replicated layout
+holds one copy per pipeline stage (KV identical on a stage's TP ranks, as MLA latent KV is), so
+there the TP rank does not enter the hash, but the stage always does: a rank that loaded another
+stage's bytes fails verification.
 """
 
 from __future__ import annotations
@@ -34,8 +36,11 @@ def expected(seed: int, tensor: int, blocks: torch.Tensor, page: int) -> torch.T
     return ((value >> 16) ^ (value >> 5) ^ mix).remainder(256).to(torch.uint8)
 
 
-def round_seed(rank: int, round_index: int, replicated: bool) -> int:
-    return round_index * 1_000 + (0 if replicated else rank + 1)
+def round_seed(round_index: int, pp_rank: int, tp_rank: int, replicated: bool) -> int:
+    """Distinct for every (round, stage, TP rank) — TP rank left out in the replicated layout,
+    where a stage's ranks hold identical data."""
+    width = 1 << 10  # more stages or TP ranks than any grid has; keeps the hash in int64
+    return (round_index * width + pp_rank) * width + (0 if replicated else tp_rank + 1)
 
 
 def fill(kv: list[torch.Tensor], seed: int) -> None:

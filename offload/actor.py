@@ -162,7 +162,7 @@ class RankActor:
                                f"{self.config.layout!r}; drop writer_only")
         blocks, chunks, positions = job.blocks, job.chunks, job.positions
         local = next(self._local_ids)
-        if job.writer_only and not self.topology.is_leader:
+        if job.writer_only and not self.topology.is_stage_writer:
             engine.check(blocks, chunks, positions)  # the node's writer copies; we only check
         else:
             engine.submit(local, job.direction, blocks, chunks, positions)

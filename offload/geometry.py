@@ -87,8 +87,10 @@ def slot_ranges(geometry: RegionGeometry) -> list[ByteRange]:
 
 def prefault_ranges(geometry: RegionGeometry, local_index: int, local_count: int
                     ) -> list[ByteRange]:
-    """What this rank populates: replicated → its shard of the node's single copy; shared →
-    its own slots (pages are never shared between slots); private → everything."""
+    """What this rank populates: replicated → its shard of the node's region (a stage's ranks
+    share their slot, so shards over the whole region spread the work evenly whatever the
+    stages); shared → its own slots (pages are never shared between slots); private →
+    everything."""
     if geometry.layout == "replicated":
         shard = shard_range(geometry.total_bytes, local_count, local_index, geometry.page_size)
         return [shard] if shard.length else []
@@ -100,12 +102,14 @@ def registration_ranges(geometry: RegionGeometry, config: TierConfig) -> list[By
 
     Shared layout: one registration per row over the page-aligned slot when the slot is at least
     one page smaller than the row and there are at most ``max_slot_rows`` rows; otherwise whole
-    rows.  Every registration is at most ``max_registration_bytes`` and starts and ends on row
-    boundaries (or is exactly one slot), so no copy of one block ever spans two registrations.
+    rows.  Replicated: the same over its stage's slot, which every rank of the stage reads
+    (with one stage on the node the slot is the row: whole rows, i.e. the region).  Every
+    registration is at most ``max_registration_bytes`` and starts and ends on row boundaries
+    (or is exactly one slot), so no copy of one block ever spans two registrations.
     """
     if geometry.rows == 0:
         return []
-    per_slot = (geometry.layout == "shared"
+    per_slot = (geometry.layout in ("shared", "replicated")
                 and geometry.slot_bytes <= geometry.row_stride - geometry.page_size
                 and geometry.rows <= config.max_slot_rows)
     unit, what = (geometry.slot_bytes, "slot") if per_slot else (geometry.row_stride, "row")

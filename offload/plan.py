@@ -5,7 +5,8 @@ Every rank describes itself (`RankDescriptor`); rank 0 checks that they agree an
 
 * a rank's *payload* is the sum of its KV tensors' bytes per block; its *slot* holds
   ``blocks_per_chunk`` blocks, rounded up to the page so no page is shared by two ranks;
-* a node's *row* is the sum of its ranks' slots (``replicated``: one slot per node);
+* a node's *row* is the sum of its ranks' slots (``replicated``: one slot per pipeline stage
+  present on the node, shared by that stage's ranks, whose data is identical);
 * ``chunk_count = min over nodes floor(cpu_bytes_per_node / row_bytes(node))`` so every rank gets
   the same number of chunks and no node exceeds its budget.
 
@@ -122,26 +123,35 @@ def check_agreement(descriptors: Sequence[RankDescriptor]) -> None:
 
 
 def check_layout_fits(descriptors: Sequence[RankDescriptor]) -> None:
-    """The replicated layout stores one copy for all ranks, so payloads must be equal."""
+    """The replicated layout stores one copy per pipeline stage, so a stage's payloads must be
+    equal (different stages may differ)."""
     if descriptors[0].config.layout != "replicated":
         return
-    first = descriptors[0].page_bytes
-    differ = [d.rank for d in descriptors if d.page_bytes != first]
-    if differ:
-        other = descriptors[differ[0]]
-        raise OffloadError(
-            f"layout 'replicated' needs equal KV payloads on every rank but ranks "
-            f"{_ranks(differ)} have {_payload(other)} per block against rank 0's "
-            f"{_payload(descriptors[0])}; use layout 'private'"
-        )
+    stages: dict[int, list[RankDescriptor]] = {}
+    for d in descriptors:
+        stages.setdefault(d.pp_rank, []).append(d)
+    for stage, members in sorted(stages.items()):
+        first = members[0]
+        differ = [d.rank for d in members if d.page_bytes != first.page_bytes]
+        if differ:
+            other = next(d for d in members if d.rank == differ[0])
+            raise OffloadError(
+                f"layout 'replicated' needs equal KV payloads within pipeline stage {stage} "
+                f"but ranks {_ranks(differ)} have {_payload(other)} per block against rank "
+                f"{first.rank}'s {_payload(first)}; use layout 'private'"
+            )
 
 
-def slot_index(d: RankDescriptor, layout: str, tp: int) -> int:
-    """A rank's slot in its node's rows: its model-parallel rank modulo the node's local world
-    size (never its CUDA ordinal); 0 in the private and replicated layouts."""
-    if layout != "shared":
-        return 0
-    return (d.pp_rank * tp + d.tp_rank) % d.local_world_size
+def slot_index(d: RankDescriptor, layout: str, tp: int, stages: Sequence[int]) -> int:
+    """A rank's slot in its node's rows.  Shared: its model-parallel rank modulo the node's
+    local world size (never its CUDA ordinal).  Replicated: its pipeline stage's index among
+    ``stages``, the sorted stages present on its node (a stage's ranks share one slot).
+    Private: 0."""
+    if layout == "shared":
+        return (d.pp_rank * tp + d.tp_rank) % d.local_world_size
+    if layout == "replicated":
+        return stages.index(d.pp_rank)
+    return 0
 
 
 def compute_plan(descriptors: Sequence[RankDescriptor]) -> Plan:
@@ -162,22 +172,14 @@ def compute_plan(descriptors: Sequence[RankDescriptor]) -> Plan:
 
     slots: list[RankSlot] = []
     row_bytes: dict[str, int] = {}
+    tp = config.tp or len(descriptors) // config.pp
     for node_id, members in nodes.items():
-        tp = config.tp or len(descriptors) // config.pp
-        index = {d.rank: slot_index(d, config.layout, tp) for d in members}
+        stages = sorted({d.pp_rank for d in members})
+        index = {d.rank: slot_index(d, config.layout, tp, stages) for d in members}
         if config.layout == "shared":
             _check_unique_slots(node_id, index)
         sizes = {d.rank: round_up(bpc * d.payload, page) for d in members}
-        by_slot = sorted(members, key=lambda d: index[d.rank])
-        offsets: dict[int, int] = {}
-        offset = 0
-        for d in by_slot:
-            offsets[d.rank] = offset if config.layout == "shared" else 0
-            offset += sizes[d.rank]
-        if config.layout == "replicated":
-            row_bytes[node_id] = sizes[members[0].rank]
-        else:
-            row_bytes[node_id] = offset
+        offsets, row_bytes[node_id] = _place(config.layout, members, index, sizes)
         for d in members:
             tensor_offsets = tuple(
                 bpc * sum(d.page_bytes[:t]) for t in range(len(d.page_bytes))
@@ -197,6 +199,24 @@ def compute_plan(descriptors: Sequence[RankDescriptor]) -> Plan:
     slots.sort(key=lambda s: s.rank)
     return Plan(config.layout, chunk_count, bpc, budget, page, tuple(slots),
                 tuple(sorted(row_bytes.items())))
+
+
+def _place(layout: str, members: Sequence[RankDescriptor], index: dict[int, int],
+           sizes: dict[int, int]) -> tuple[dict[int, int], int]:
+    """Each member's slot offset in its rows, and the node's row bytes.
+
+    Private: every rank's region is its own row (offset 0) and the node maps all of them.
+    Shared and replicated: the slots lie back to back in slot-index order; ranks with one index
+    (a replicated stage's ranks, whose payloads are equal) share one slot."""
+    if layout == "private":
+        return {d.rank: 0 for d in members}, sum(sizes.values())
+    slot_bytes = {index[d.rank]: sizes[d.rank] for d in members}
+    starts: dict[int, int] = {}
+    offset = 0
+    for i in sorted(slot_bytes):
+        starts[i] = offset
+        offset += slot_bytes[i]
+    return {d.rank: starts[index[d.rank]] for d in members}, offset
 
 
 def _check_unique_slots(node_id: str, index: dict[int, int]) -> None:

@@ -3,7 +3,8 @@
 Rank order on the TP × PP grid is ``rank = pp_rank * tp + tp_rank`` (TP ranks of one pipeline
 stage are consecutive, as torchrun places them on one node).  The node id is the host name unless
 ``OFFLOAD_NODE_ID`` overrides it, which lets one host simulate several nodes.  A node's leader is
-its lowest global rank.
+its lowest global rank; a *stage writer* is the lowest global rank of one pipeline stage on one
+node (it stores that stage's copy in the replicated layout).
 """
 
 from __future__ import annotations
@@ -78,6 +79,22 @@ class Topology:
     @property
     def is_leader(self) -> bool:
         return self.node.leader_rank == self.rank
+
+    def stage_writer_of(self, rank: int) -> int:
+        """The lowest global rank on ``rank``'s node in ``rank``'s pipeline stage: in the
+        replicated layout the stage's ranks share one slot of the node's rows and this rank
+        alone stores into it (``writer_only`` jobs)."""
+        node = next(n for n in self.nodes if rank in n.ranks)
+        return min(r for r in node.ranks if r // self.tp == rank // self.tp)
+
+    @property
+    def stage_writers(self) -> tuple[int, ...]:
+        """Every (node, pipeline stage)'s writer, ascending."""
+        return tuple(sorted({self.stage_writer_of(r) for r in range(self.world_size)}))
+
+    @property
+    def is_stage_writer(self) -> bool:
+        return self.stage_writer_of(self.rank) == self.rank
 
     def node_barrier(self) -> None:
         """Barrier over this rank's node (bounded by the node group's timeout)."""

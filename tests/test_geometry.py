@@ -39,17 +39,24 @@ def geometry_of(plan: Plan, rank: int) -> RegionGeometry:
 @st.composite
 def node_geometries(draw: st.DrawFn, layout: str | None = None) -> list[RegionGeometry]:
     """The geometries of every rank of one node: private regions are per rank (one each
-    here), shared and replicated ranks all map one region."""
+    here), shared and replicated ranks all map one region.  A shared row holds one slot per
+    rank; a replicated row one slot per pipeline stage, shared by that stage's ranks."""
     layout = layout or draw(st.sampled_from(("private", "shared", "replicated")))
     page = draw(st.sampled_from(PAGES))
     rows = draw(st.integers(0, 600))
     ranks = draw(st.integers(1, 5))
-    if layout != "shared":
+    if layout == "private":
         slot = page * draw(st.integers(1, 40))
         return [RegionGeometry(layout, rows, slot, 0, slot, page) for _ in range(ranks)]
-    slots = [page * draw(st.integers(1, 40)) for _ in range(ranks)]
-    offsets = [sum(slots[:i]) for i in range(ranks)]
-    return [RegionGeometry(layout, rows, sum(slots), offsets[i], slots[i], page)
+    owner = list(range(ranks))  # shared: rank i owns slot i
+    if layout == "replicated":  # rank i belongs to stage owner[i]; stages ascend with ranks
+        stages = draw(st.integers(1, ranks))
+        cuts = sorted(draw(st.sets(st.integers(1, ranks - 1), min_size=stages - 1,
+                                   max_size=stages - 1))) if stages > 1 else []
+        owner = [sum(1 for c in cuts if c <= i) for i in range(ranks)]
+    slots = [page * draw(st.integers(1, 40)) for _ in range(owner[-1] + 1)]
+    offsets = [sum(slots[:i]) for i in range(len(slots))]
+    return [RegionGeometry(layout, rows, sum(slots), offsets[owner[i]], slots[owner[i]], page)
             for i in range(ranks)]
 
 
@@ -182,8 +189,9 @@ def test_shared_prefault_touches_only_the_own_slot(node: list[RegionGeometry]) -
 
 
 def per_slot(g: RegionGeometry, config: TierConfig) -> bool:
-    """DESIGN.md section 5's condition for registering slots instead of rows."""
-    return (g.layout == "shared" and g.slot_bytes <= g.row_stride - g.page_size
+    """DESIGN.md section 5's condition for registering slots (a shared rank's, a replicated
+    rank's stage's) instead of rows."""
+    return (g.layout in ("shared", "replicated") and g.slot_bytes <= g.row_stride - g.page_size
             and g.rows <= config.max_slot_rows)
 
 
@@ -216,13 +224,51 @@ def test_registrations(case: tuple[RegionGeometry, TierConfig]) -> None:
 @given(grids())
 def test_registered_bytes_per_rank_equal_slot_bytes(descriptors: list[RankDescriptor]) -> None:
     """Section 8: registered bytes per rank = its own slot in every row (1.00x); for the
-    replicated layout that slot is the whole single copy, which every rank reads."""
+    replicated layout that slot is its stage's, which every rank of the stage reads."""
     plan = compute_plan(descriptors)
     config = descriptors[0].config
     for d in descriptors:
         registered = registration_ranges(geometry_of(plan, d.rank), config)
         assert sum(r.length for r in registered) == (
             plan.chunk_count * plan.slots[d.rank].slot_bytes)
+
+
+@settings(max_examples=300, deadline=None)
+@given(node_geometries(layout="replicated"), st.integers(1, 800))
+def test_replicated_ranks_register_their_stage_slot_and_shards_cover_the_region(
+        node: list[RegionGeometry], max_slot_rows: int) -> None:
+    """A stage's ranks register the same ranges: their stage's slot in every row, or whole rows
+    when the node holds one stage (the slot is the row) or the rows are too many.  The node's
+    pre-fault shards still cover the whole region, so every registered byte is populated."""
+    config = TierConfig(cpu_bytes_per_node=1, max_slot_rows=max_slot_rows)
+    g0 = node[0]
+    region = [ByteRange(0, g0.total_bytes)] if g0.rows else []
+    shards = [r for i in range(len(node)) for r in prefault_ranges(node[i], i, len(node))]
+    assert covered(shards) == covered(region)
+    by_stage: dict[int, list[ByteRange]] = {}
+    for g in node:
+        regs = registration_ranges(g, config)
+        assert by_stage.setdefault(g.slot_offset, regs) == regs  # one stage, one set
+        if per_slot(g, config):  # several stages on the node, few enough rows
+            assert regs == [ByteRange(r * g.row_stride + g.slot_offset, g.slot_bytes)
+                            for r in range(g.rows)]
+        else:
+            assert covered(regs) == covered(region)
+    if per_slot(g0, config):  # the stages' registrations are disjoint and tile the region
+        all_stages = [r for regs in by_stage.values() for r in regs]
+        assert sum(r.length for r in all_stages) == g0.total_bytes
+        assert covered(all_stages) == covered(region)
+
+
+def test_replicated_two_stages_register_one_slot_per_row_each() -> None:
+    config = TierConfig(cpu_bytes_per_node=1)
+    stage0 = RegionGeometry("replicated", 3, 3 * 4096, 0, 2 * 4096, 4096)
+    stage1 = RegionGeometry("replicated", 3, 3 * 4096, 2 * 4096, 4096, 4096)
+    assert registration_ranges(stage0, config) == [ByteRange(r * 12288, 8192) for r in range(3)]
+    assert registration_ranges(stage1, config) == [ByteRange(r * 12288 + 8192, 4096)
+                                                   for r in range(3)]
+    one_stage = RegionGeometry("replicated", 3, 4096, 0, 4096, 4096)
+    assert registration_ranges(one_stage, config) == [ByteRange(0, 3 * 4096)]
 
 
 def test_shared_falls_back_to_rows_when_there_are_too_many_rows() -> None:

@@ -77,12 +77,34 @@ def test_heterogeneous_stages_share_one_chunk_count(tmp_path: Path) -> None:
     assert plan["chunk_count"] == (16 << 20) // (16 * 80 * 1024)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_replicated_pipeline_stages_verify_with_their_own_slots(tp: int, tmp_path: Path,
+                                                                 shm_dir: str) -> None:
+    """Each stage has its own slot in the node's rows; every rank loads its own stage's data
+    (the seed holds the stage), and only one rank per stage stores."""
+    report_path = tmp_path / "r.json"
+    proc = torchrun(2 * tp, "--layout", "replicated", "--tp", str(tp), "--pp", "2",
+                    "--stage-kv-bytes", "64KiB,16KiB", "--cpu-bytes", "16MiB",
+                    "--report-json", str(report_path), shm_dir=shm_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    plan, transfer = report["plan"], report["transfer"]
+    slots = [16 * 64 * 1024, 16 * 16 * 1024]  # stage 0, stage 1
+    assert plan["slot_bytes"] == {str(r): slots[r // tp] for r in range(2 * tp)}
+    assert list(plan["row_bytes"].values()) == [sum(slots)]  # one node: this host
+    assert plan["chunk_count"] == (16 << 20) // sum(slots)
+    assert [s["slot_offset"] for s in plan["slots"]] == [0] * tp + [slots[0]] * tp
+    assert [r["slot"] for r in report["ranks"]] == [0] * tp + [1] * tp
+    assert transfer["verified"] and transfer["mismatched_blocks"] == 0
+    # 2 rounds of 64 blocks: one writer per stage stores, every rank loads
+    assert transfer["stored_bytes"] == 2 * 64 * (64 + 16) * 1024
+    assert transfer["loaded_bytes"] == tp * transfer["stored_bytes"]
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--cpu-bytes", "1MiB"], "holds no chunk: one chunk needs 2097152 B"),
     (["--tp", "3"], "--tp 3 x --pp 1 = 3 but the world has 2 ranks"),
     (["--cpu-bytes", "12 parsecs"], "--cpu-bytes '12 parsecs' is not a size"),
-    (["--layout", "replicated", "--tp", "1", "--pp", "2", "--stage-kv-bytes", "64KiB,32KiB"],
-     "layout 'replicated' needs equal KV payloads"),
     (["--stage-kv-bytes", "64KiB,32KiB,1KiB"], "--stage-kv-bytes gives 3 payloads but --pp is 1"),
     (["--shm-dir", "/proc"], "/proc has 0 B (0 B) free but the region needs"),
     (["--pp", "3"], "--pp 3 does not divide the 2 ranks"),

@@ -54,8 +54,7 @@ def grids(draw: st.DrawFn, layout: str | None = None, feasible: bool = True
     bpc = draw(st.integers(1, 16))
     tensors = draw(st.integers(1, 3))
     pages = st.tuples(*[st.integers(1, 70_000)] * tensors)
-    stage_pages = [draw(pages)] * pp if layout == "replicated" else [draw(pages)
-                                                                    for _ in range(pp)]
+    stage_pages = [draw(pages) for _ in range(pp)]  # stages differ; a stage's ranks agree
     nodes = draw(node_split(tp * pp))
     worst_row = max(_reference_rows(layout, nodes, tp, stage_pages, bpc, page).values())
     low = worst_row if feasible else 1
@@ -68,12 +67,15 @@ def grids(draw: st.DrawFn, layout: str | None = None, feasible: bool = True
 def _reference_rows(layout: str, nodes: Sequence[int], tp: int,
                     stage_pages: Sequence[tuple[int, ...]], bpc: int, page: int
                     ) -> dict[str, int]:
-    """Row bytes per node, straight from the definition in DESIGN.md section 2."""
+    """Row bytes per node, straight from the definition in DESIGN.md section 2: the node's
+    ranks' slots, or (replicated) one slot per pipeline stage present on the node."""
     rows: dict[str, int] = {}
     rank = 0
     for n, size in enumerate(nodes):
-        slots = [round_up(bpc * sum(stage_pages[(rank + i) // tp]), page) for i in range(size)]
-        rows[f"node{n}"] = slots[0] if layout == "replicated" else sum(slots)
+        stages = [(rank + i) // tp for i in range(size)]
+        if layout == "replicated":
+            stages = sorted(set(stages))
+        rows[f"node{n}"] = sum(round_up(bpc * sum(stage_pages[s]), page) for s in stages)
         rank += size
     return rows
 
@@ -128,8 +130,9 @@ def test_slots(descriptors: list[RankDescriptor]) -> None:
             assert (slot.slot, slot.slot_offset) == (0, 0)
             assert plan.row_stride(d.rank) == slot.slot_bytes
         if plan.layout == "replicated":
-            assert (slot.slot, slot.slot_offset) == (0, 0)
-            assert plan.row_stride(d.rank) == slot.slot_bytes
+            stages = sorted({m.pp_rank for m in by_node(descriptors)[d.node_id]})
+            assert slot.slot == stages.index(d.pp_rank)
+            assert plan.row_stride(d.rank) == plan.node_row_bytes(d.node_id)
 
 
 @settings(max_examples=300, deadline=None)
@@ -150,13 +153,53 @@ def test_shared_slots_are_disjoint_and_indexed_by_model_parallel_rank(
         assert slots[-1].slot_offset + slots[-1].slot_bytes == plan.node_row_bytes(node)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(grids(layout="replicated"))
-def test_replicated_counts_one_slot_per_node(descriptors: list[RankDescriptor]) -> None:
+def test_replicated_rows_hold_one_slot_per_stage_on_the_node(
+        descriptors: list[RankDescriptor]) -> None:
+    """A stage's ranks on a node share one slot; the node's stages have disjoint, page-aligned
+    slots back to back in stage order; the row is their sum."""
     plan = compute_plan(descriptors)
     for node, members in by_node(descriptors).items():
-        assert plan.node_row_bytes(node) == plan.slots[members[0].rank].slot_bytes
+        stage_slots: dict[int, set[tuple[int, int, int]]] = defaultdict(set)
+        for d in members:
+            s = plan.slots[d.rank]
+            stage_slots[d.pp_rank].add((s.slot, s.slot_offset, s.slot_bytes))
+        assert all(len(shared) == 1 for shared in stage_slots.values())
+        placed = [stage_slots[stage].pop() for stage in sorted(stage_slots)]
+        assert [index for index, _, _ in placed] == list(range(len(placed)))
+        assert placed[0][1] == 0
+        for (_, offset, size), (_, following, _) in pairwise(placed):
+            assert offset + size == following
+        assert placed[-1][1] + placed[-1][2] == plan.node_row_bytes(node)
         assert node_bytes(plan, members) <= descriptors[0].config.cpu_bytes_per_node
+
+
+@pytest.mark.parametrize(("tp", "pp", "nodes", "slots", "rows"), [
+    # TP1 x PP2 on one node: two stage slots of different sizes
+    (1, 2, [2], [(0, 0), (1, 64)], {"node0": 64 + 16}),
+    # TP2 x PP2 on one node: a stage's TP ranks share their stage's slot
+    (2, 2, [4], [(0, 0), (0, 0), (1, 64), (1, 64)], {"node0": 64 + 16}),
+    # TP1 x PP4 on one node
+    (1, 4, [4], [(0, 0), (1, 64), (2, 80), (3, 112)], {"node0": 64 + 16 + 32 + 8}),
+    # TP1 x PP4 on two nodes: each node's slots restart at 0
+    (1, 4, [2, 2], [(0, 0), (1, 64), (0, 0), (1, 32)], {"node0": 80, "node1": 40}),
+    # TP2 x PP2 on two nodes of two: one stage per node, the row is that stage's slot
+    (2, 2, [2, 2], [(0, 0)] * 4, {"node0": 64, "node1": 16}),
+    # TP2 x PP2 on nodes of 3 and 1: node0 holds stage 0 and half of stage 1
+    (2, 2, [3, 1], [(0, 0), (0, 0), (1, 64), (0, 0)], {"node0": 80, "node1": 16}),
+])
+def test_replicated_stage_slots(tp: int, pp: int, nodes: list[int],
+                                slots: list[tuple[int, int]], rows: dict[str, int]) -> None:
+    """Stages with unequal payloads (64, 16, 32, 8 KiB a chunk) get their own slots."""
+    KiB = 1 << 10
+    config = TierConfig(cpu_bytes_per_node=1 << 20, layout="replicated", tp=tp, pp=pp,
+                        blocks_per_chunk=4)
+    stage_pages = [(8 * KiB, 8 * KiB), (4 * KiB,), (8 * KiB,), (2 * KiB,)][:pp]
+    plan = compute_plan(build_descriptors(config, nodes, stage_pages))
+    assert [(s.slot, s.slot_offset // KiB) for s in plan.slots] == slots
+    assert {n: b // KiB for n, b in plan.row_bytes} == rows
+    assert plan.chunk_count == (1 << 20) // (max(rows.values()) * KiB)
 
 
 def test_heterogeneous_stages_share_one_chunk_count_limited_by_the_heaviest_node() -> None:
@@ -214,10 +257,16 @@ def test_disagreeing_ranks_are_named_with_the_field(field: str, value: object) -
     assert message.startswith("ranks 3, 6 ") and field in message and repr(value) in message
 
 
-def test_replicated_with_unequal_payloads_is_an_error() -> None:
-    config = TierConfig(cpu_bytes_per_node=64 << 20, layout="replicated", tp=2, pp=2)
-    with pytest.raises(OffloadError, match=r"replicated.*ranks 2, 3.*private"):
-        compute_plan(build_descriptors(config, [4], [(4096,), (8192,)]))
+def test_replicated_with_unequal_payloads_within_a_stage_is_an_error() -> None:
+    config = TierConfig(cpu_bytes_per_node=64 << 20, layout="replicated", tp=3, pp=2)
+    descriptors = build_descriptors(config, [3, 3], [(4096,), (8192,)])  # stages may differ
+    descriptors[4] = dataclasses.replace(descriptors[4], page_bytes=(2048,))
+    descriptors[5] = dataclasses.replace(descriptors[5], page_bytes=(2048,))
+    with pytest.raises(OffloadError) as info:
+        compute_plan(descriptors)
+    assert str(info.value) == (
+        "layout 'replicated' needs equal KV payloads within pipeline stage 1 but ranks 4, 5 "
+        "have 2.00 KiB per block against rank 3's 8.00 KiB; use layout 'private'")
 
 
 def test_replicated_with_equal_totals_but_different_tensors_says_why() -> None:

@@ -49,7 +49,7 @@ def single_rank_region(layout: str, cpu_bytes: int, registrar: Registrar | None 
 
 
 def group_region(rank: int, job_id: str, layout: str, cpu_bytes: int,
-                 pages: Callable[[int], Sequence[int]] = lambda rank: PAGES,
+                 pages: Callable[[int], Sequence[int]] = lambda rank: PAGES, pp: int = 1,
                  **overrides: Any) -> tuple[HostRegion, Plan, RecordingRegistrar]:
     """Inside a run_group rank: discover, agree on a plan, create the region."""
     import torch.distributed as dist
@@ -57,8 +57,8 @@ def group_region(rank: int, job_id: str, layout: str, cpu_bytes: int,
     from offload.topology import discover
 
     world = dist.get_world_size()
-    topology = discover(tp=world)
-    config = tier_config(layout, cpu_bytes, tp=world, **overrides)
+    topology = discover(tp=world // pp, pp=pp)
+    config = tier_config(layout, cpu_bytes, tp=world // pp, pp=pp, **overrides)
     mine = RankDescriptor(rank, topology.node_id, topology.local_rank,
                           topology.local_world_size, topology.tp_rank, topology.pp_rank,
                           tuple(pages(rank)), config)
@@ -204,6 +204,46 @@ def test_replicated_shards_cover_the_region_exactly_once(job: str) -> None:
     assert sum(v["prefault"] for v in values) == size
     assert all(v["prefault"] > 0 for v in values)
     assert all(v["seen"] and v["registered"] == size for v in values)
+
+
+def _replicated_stages_body(rank: int, job_id: str) -> dict[str, Any]:
+    """TP1 x PP2: each rank is its stage's writer and fills its stage's slot."""
+    import torch.distributed as dist
+
+    region, plan, registrar = group_region(rank, job_id, "replicated", 3 * MiB, pp=2,
+                                           pages=lambda r: PAGES if r == 0 else SLOW_PAGES)
+    try:
+        resident = resident_bytes(region.address, region.size)
+        fill_own_slot(region)
+        dist.barrier()
+        both = torch.equal(region.tensor, expected_region(plan, [0, 1], region.size))
+        slot = plan.slots[rank]
+        return {"resident": resident, "prefault": region.stats.prefault_bytes,
+                "size": region.size, "both": both,
+                "registered": sorted((a - region.address, n)
+                                     for a, n in registrar.registered.items()),
+                "slot": (slot.slot, slot.slot_offset, slot.slot_bytes, plan.row_stride(rank),
+                         plan.chunk_count)}
+    finally:
+        dist.barrier()
+        region.close()
+
+
+def test_replicated_stages_have_their_own_slots_shards_cover_and_each_registers_its_slot(
+        job: str) -> None:
+    out = run_group(_replicated_stages_body, 2, args=(job,))
+    assert all(o.ok for o in out), errors(out)
+    values = [o.value for o in out]
+    size = values[0]["size"]
+    assert [v["resident"] for v in values] == [v["prefault"] for v in values]
+    assert sum(v["prefault"] for v in values) == size  # shards of the whole region
+    assert all(v["both"] for v in values)  # the two stages' bytes side by side, intact
+    stage0, stage1 = values[0]["slot"], values[1]["slot"]
+    assert stage0[:3] == (0, 0, 4 * 12 * KiB) and stage1[:3] == (1, 4 * 12 * KiB, 4 * 16 * KiB)
+    for v in values:
+        _, offset, length, stride, rows = v["slot"]
+        assert stride == 4 * 28 * KiB and size == rows * stride
+        assert v["registered"] == [(r * stride + offset, length) for r in range(rows)]
 
 
 def counting_creates(rank: int) -> list[int]:

@@ -51,7 +51,70 @@ def test_spmd_store_poison_load_restores_every_byte(layout: str, shm_dir: str) -
     assert all(o.value[0] and o.value[1] for o in out)
 
 
-def test_a_job_is_done_only_when_the_last_rank_reported() -> None:
+# KV page sizes of pipeline stages 0-3: unequal payloads and tensor counts across stages
+STAGE_PAGES = ((8000, 4096), (2048,), (6000, 1000), (4096, 4096, 512))
+
+
+def stage_kv(stage: int, num_blocks: int, pages: tuple[int, ...], device: str = "cpu"
+             ) -> list:
+    """KV tensors of one pipeline stage: identical on the stage's TP ranks (as MLA latent KV
+    is), different from every other stage's."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(100 + stage)
+    return [torch.randint(0, 256, (num_blocks, page), generator=gen, dtype=torch.uint8,
+                          device=device) for page in pages]
+
+
+def replicated_stages_body(rank: int, tp: int, stage_pages: tuple[tuple[int, ...], ...],
+                           shm_dir: str, device: str = "cpu") -> object:
+    """Every rank stores its stage's blocks (the stage's writer only), drops them, loads them
+    back and reports whether it got its own stage's bytes, with its slot."""
+    import torch
+
+    from offload import HostTier
+
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    stage = rank // tp
+    kv = stage_kv(stage, 12, stage_pages[stage], device)
+    original = [t.clone() for t in kv]
+    config = TierConfig(cpu_bytes_per_node=4 * MiB, layout="replicated", blocks_per_chunk=4,
+                        tp=tp, pp=len(stage_pages), timeout_s=60, shm_dir=shm_dir)
+    tier = HostTier.create(kv, config)
+    blocks = tuple(range(12))
+    chunks = tuple(5 - b // 4 for b in blocks)
+    positions = tuple(b % 4 for b in blocks)
+    store_drop_load(tier, kv, blocks, chunks, positions)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    own = all(torch.equal(a, b) for a, b in zip(kv, original, strict=True))
+    view = tier.actor.region.tensor_view(0)  # tensor 0 of chunk 5, position 0 = block 0
+    raw_ok = torch.equal(view[5, 0].cpu(), original[0][0].cpu())
+    row = tier.actor.report()
+    own_slot_bytes = tier.plan.chunk_count * tier.plan.slots[rank].slot_bytes
+    tier.close()
+    return (own, raw_ok, row["pin_plan_bytes"] == own_slot_bytes, row["slot"],
+            row["pinned_bytes"], own_slot_bytes)
+
+
+@pytest.mark.parametrize(("tp", "stages", "nodes"), [
+    (1, 2, None),                          # TP1 x PP2: rank 1 used to load rank 0's bytes
+    (2, 2, None),                          # TP2 x PP2: a stage's two ranks share one slot
+    (1, 4, None),                          # TP1 x PP4 on one node
+    (1, 4, ["n0", "n0", "n1", "n1"]),      # TP1 x PP4 on two nodes: two stages each
+])
+@pytest.mark.parametrize("equal", [False, True], ids=["unequal", "equal"])
+def test_replicated_pipeline_stages_load_their_own_stage_bytes(
+        tp: int, stages: int, nodes: list[str] | None, equal: bool, shm_dir: str) -> None:
+    pages = (STAGE_PAGES[0],) * stages if equal else STAGE_PAGES[:stages]
+    out = run_group(replicated_stages_body, tp * stages, args=(tp, pages, shm_dir),
+                    nodes=nodes, timeout=120, pg_timeout=60)
+    assert all(o.ok for o in out), [o.error for o in out]
+    assert [o.value[:3] for o in out] == [(True, True, True)] * len(out)
+    per_node = len(out) if nodes is None else 2  # the slot: the stage's index on its node
+    assert [o.value[3] for o in out] == [(r % per_node) // tp for r in range(len(out))]
+
     def body(rank: int) -> object:
         import torch.distributed as dist
 
@@ -167,6 +230,23 @@ def test_a_rank_without_kv_tensors_is_named_by_rank_zero() -> None:
     out = run_group(body, 2)
     assert "rank 1: no KV tensors given" in (out[0].error or "")
     assert out[1].error_type == "Aborted"
+
+
+def test_replicated_stage_with_unequal_payloads_fails_naming_ranks_and_stage(
+        shm_dir: str) -> None:
+    def body(rank: int) -> object:
+        from offload import HostTier
+
+        pages = STAGE_PAGES[0] if rank == 3 else STAGE_PAGES[rank // 2]  # rank 3 differs
+        HostTier.create(stage_kv(rank // 2, 8, pages), TierConfig(
+            cpu_bytes_per_node=4 * MiB, layout="replicated", tp=2, pp=2, timeout_s=20,
+            shm_dir=shm_dir))
+
+    out = run_group(body, 4)
+    assert ("layout 'replicated' needs equal KV payloads within pipeline stage 1 but ranks 3 "
+            "have 11.81 KiB (KV pages [8000, 4096] B) per block against rank 2's 2.00 KiB; use "
+            "layout 'private'") in (out[0].error or ""), out[0].error
+    assert all(o.error_type == "Aborted" for o in out[1:])
 
 
 class _PinnedStandIn:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from offload.errors import OffloadError
-from offload.topology import RankPlace, build_nodes, check_grid, discover
+from offload.topology import NodeInfo, RankPlace, Topology, build_nodes, check_grid, discover
 from tests.harness import run_group
 
 
@@ -20,6 +20,23 @@ def test_local_world_size_must_match_observation() -> None:
     places = [RankPlace(0, "a", 2), RankPlace(1, "a", 2), RankPlace(2, "b", 2)]
     with pytest.raises(OffloadError, match=r"rank 2 has LOCAL_WORLD_SIZE=2 but 1 ranks"):
         build_nodes(places)
+
+
+@pytest.mark.parametrize("tp,pp,nodes,writers", [
+    (2, 2, [(0, 1, 2, 3)], (0, 2)),               # one node: one writer per stage
+    (1, 4, [(0, 1), (2, 3)], (0, 1, 2, 3)),       # every rank is its stage on its node
+    (4, 1, [(0, 1), (2, 3)], (0, 2)),             # one stage spanning two nodes: one per node
+    (2, 2, [(0, 3), (1, 2)], (0, 1, 2, 3)),       # scattered: stage 0 on both nodes, 1 too
+])
+def test_stage_writers_are_the_lowest_rank_of_each_node_and_stage(
+        tp: int, pp: int, nodes: list[tuple[int, ...]], writers: tuple[int, ...]) -> None:
+    infos = tuple(NodeInfo(f"n{i}", ranks) for i, ranks in enumerate(nodes))
+    views = [Topology(r, tp * pp, tp, pp, infos) for r in range(tp * pp)]
+    assert views[0].stage_writers == writers
+    assert [t.rank for t in views if t.is_stage_writer] == list(writers)
+    for t in views:
+        writer = t.stage_writer_of(t.rank)
+        assert writer // tp == t.pp_rank and writer in t.node.ranks and writer <= t.rank
 
 
 @pytest.mark.parametrize("tp,pp", [(3, 1), (2, 3), (0, 4), (4, 0)])

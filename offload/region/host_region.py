@@ -14,8 +14,9 @@ shared), registrations are cut on row boundaries into pre-fault-piece-sized runs
 registered as soon as its pages are in, on a pin thread, while later pieces populate (on an
 H200 host, 32 GiB / 16 threads: 3.8-4.0 s against 3.1-3.3 s for pre-fault alone; one
 registration after pre-fault took 4.1-4.4 s; whole-range or 4x coarser pipelining was worse).
-Replicated ranks register the whole region, populated by all local ranks, so they pin after a
-node exchange that follows pre-fault.
+Replicated ranks register their stage's slot (the whole region when the node holds one stage),
+populated by the shards of all local ranks, so they pin after a node exchange that follows
+pre-fault.
 """
 
 from __future__ import annotations

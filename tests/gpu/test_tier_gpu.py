@@ -9,6 +9,7 @@ import torch
 
 from offload.config import TierConfig
 from tests.harness import run_group, store_drop_load
+from tests.test_tier import STAGE_PAGES, replicated_stages_body
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -48,8 +49,26 @@ def test_pinned_bytes_are_own_slot_bytes_and_blocks_round_trip(layout: str, shm_
     assert all(o.ok for o in out), [o.error for o in out]
     for same, engine, pinned, pinned_bytes, own, region in (o.value for o in out):
         assert same and engine in ("hybrid", "triton") and pinned
-        expected = region if layout == "replicated" else own  # replicated: all ranks read all
-        assert pinned_bytes == expected
+        assert pinned_bytes == own  # replicated with one stage: the slot is the row
+        assert layout == "shared" or own == region
+
+
+@pytest.mark.parametrize(("tp", "stages", "nodes"), [
+    (1, 2, None), (2, 2, None), (1, 4, None), (1, 4, ["n0", "n0", "n1", "n1"])])
+@pytest.mark.parametrize("equal", [False, True], ids=["unequal", "equal"])
+def test_replicated_pipeline_stages_load_their_own_stage_bytes_on_cuda(
+        tp: int, stages: int, nodes: list[str] | None, equal: bool, shm_dir: str) -> None:
+    """The CPU test's replicated TP x PP round trip with CUDA KV tensors, pinned regions and
+    the CUDA engines: each stage's writer stores, every rank loads its own stage's bytes and
+    registers only its stage's slot."""
+    pages = (STAGE_PAGES[0],) * stages if equal else STAGE_PAGES[:stages]
+    out = run_group(replicated_stages_body, tp * stages, args=(tp, pages, shm_dir, "cuda"),
+                    nodes=nodes, timeout=180, pg_timeout=90)
+    assert all(o.ok for o in out), [o.error for o in out]
+    assert [o.value[:3] for o in out] == [(True, True, True)] * len(out)
+    per_node = len(out) if nodes is None else 2
+    assert [o.value[3] for o in out] == [(r % per_node) // tp for r in range(len(out))]
+    assert all(o.value[4] == o.value[5] for o in out)  # pinned bytes = own stage slot bytes
 
 
 def test_failed_registration_rolls_back_and_leaves_no_sticky_error() -> None:
