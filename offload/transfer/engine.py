@@ -86,5 +86,5 @@ def make_engine(kv_tensors: Sequence[torch.Tensor], region_tensor: torch.Tensor,
     if not triton_available():
         raise OffloadError("backend 'triton' needs the triton package; install offload[gpu] "
                            "or use backend 'per_block'")
-    from offload.transfer.triton_copy import TritonEngine
+    from offload.transfer.kernel import TritonEngine
     return TritonEngine(kv_tensors, region_tensor, layout, chunk_count)
