@@ -11,9 +11,10 @@ thousand blocks.  For each backend and job size (``--blocks``), both directions,
 
 Every backend's last job of each size is verified byte for byte (stored blocks loaded back into
 other blocks).  ``--matmul`` adds a bf16 matmul's TFLOP/s while the largest jobs copy;
-``--sweep-programs 4,8,...`` runs the kernel with each program budget; ``--contention`` times a
-small job submitted behind a long compute queue (no data dependency) on a normal and a
-high-priority stream.  ``--ranks N`` runs N processes at once (GPU ``rank % devices``).
+``--sweep-programs 8,32:64,...`` runs the kernel with each program budget (and step KiB);
+``--contention`` times a small job submitted behind a long compute queue (no data dependency)
+on a normal and a high-priority stream.  ``--ranks N`` runs N processes at once (GPU
+``rank % devices``).
 
     python scripts/bench_engine.py --layers 80 --page-bytes 16KiB --blocks 1,16,128,1024 \\
         --backend hybrid,triton,copy_engine --json engine.json
@@ -108,14 +109,19 @@ def matmul_tflops(a: torch.Tensor, count: int, during: Callable[[], None] | None
 
 
 def build_engine(name: str, kv: list[torch.Tensor], region: torch.Tensor, layout: SlotLayout,
-                 chunk_count: int, programs: int | None, priority: int) -> Any:
-    """``name`` through ``make_engine``, or the kernel with a program budget / priority."""
-    if programs is None and priority == 0:
+                 chunk_count: int, kernel: str | None) -> Any:
+    """``name`` through ``make_engine``, or the kernel with ``kernel`` =
+    "PROGRAMS[:STEP_KIB[:WORD]]" (the program budget of both directions, the bytes a program
+    moves per step, the widest access)."""
+    if kernel is None:
         return make_engine(kv, region, region.data_ptr(), layout, chunk_count, True, name)
-    from offload.transfer.kernel import TritonEngine
+    from offload.transfer.kernel import MAX_WORD, STEP_BYTES, TritonEngine
 
-    budget = {"store": programs, "load": programs} if programs else None
-    return TritonEngine(kv, region, layout, chunk_count, budget, priority=priority)
+    programs, step, word = (kernel.split(":") + ["", ""])[:3]
+    return TritonEngine(kv, region, layout, chunk_count,
+                        {"store": int(programs), "load": int(programs)},
+                        step_bytes=int(step) << 10 if step else STEP_BYTES,
+                        max_word=int(word) if word else MAX_WORD)
 
 
 class Rank:
@@ -180,16 +186,17 @@ class Rank:
             gpu = torch.empty(span, dtype=torch.uint8, device=self.device)
             out["link_GBps"] = link_rate(self.region[:span], gpu, 5)
             del gpu
-            configs = [(b, None, 0) for b in a.backend]
-            configs += [("triton", p, 0) for p in a.sweep_programs]
+            configs = [(b, None) for b in a.backend]
+            configs += [("triton", k) for k in a.sweep_programs]
             mm = None
             if a.matmul:
                 mm = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device=self.device)
+                matmul_tflops(mm, 5)  # cuBLAS set-up, untimed
                 out["matmul_TFLOPs_alone"] = matmul_tflops(mm, 20)
-            for backend, programs, priority in configs:
+            for backend, kernel in configs:
                 engine = build_engine(backend, self.kv, self.region, self.layout,
-                                      self.chunk_count, programs, priority)
-                label = backend if programs is None else f"triton@{programs}"
+                                      self.chunk_count, kernel)
+                label = backend if kernel is None else f"triton@{kernel}"
                 for n in a.blocks:
                     for direction in ("store", "load"):
                         row = {"backend": label, "engine": engine.name, "blocks": n,
@@ -225,6 +232,7 @@ class Rank:
         from offload.transfer.kernel import TritonEngine
 
         mm = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device=self.device)
+        matmul_tflops(mm, 5)
         out = {}
         for label, priority in (("normal", 0), ("high", -1)):
             engine = TritonEngine(self.kv, self.region, self.layout, self.chunk_count,
@@ -310,14 +318,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ranks", type=int, default=1)
     p.add_argument("--matmul", action="store_true")
     p.add_argument("--contention", action="store_true")
-    p.add_argument("--sweep-programs", default="", help="kernel program budgets to try")
+    p.add_argument("--sweep-programs", default="",
+                   help="kernel settings to try, comma-separated PROGRAMS[:STEP_KIB[:WORD]]")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     args.page_bytes = parse_size(args.page_bytes, "--page-bytes")
     args.link_bytes = parse_size(args.link_bytes, "--link-bytes")
     args.blocks = [int(b) for b in args.blocks.split(",")]
     args.backend = [b for b in args.backend.split(",") if b]
-    args.sweep_programs = [int(x) for x in args.sweep_programs.split(",") if x]
+    args.sweep_programs = [x for x in args.sweep_programs.split(",") if x]
     return args
 
 

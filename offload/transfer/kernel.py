@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Mapping, Sequence
+from functools import cache
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,6 +35,7 @@ from offload.transfer.layout import Job, SlotLayout, common_alignment
 STEP_BYTES = 32 << 10  # per program and step in flight
 MAX_TILE_BYTES = 16 << 10  # one work item: a page, or a 16 KiB piece of a larger one
 NUM_WARPS = 4
+MAX_WORD = 16  # widest access in bytes (two int64 lanes; Triton vectorises them)
 STAGING_SLOTS = 4  # pinned staging buffers in rotation, each reused once its upload ran
 _ELEMENTS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _SCALARS = ("n", "items", "num_tensors", "row_stride", "bpc")
@@ -90,7 +93,8 @@ class KernelCopier:
     def __init__(self, kv_bases: Sequence[int], block_strides: Sequence[int],
                  layout: SlotLayout, region_address: int, num_blocks: int, chunk_count: int,
                  stream: torch.cuda.Stream, programs: Mapping[Direction, int] | None = None,
-                 num_warps: int = NUM_WARPS) -> None:
+                 num_warps: int = NUM_WARPS, step_bytes: int = STEP_BYTES,
+                 max_word: int = MAX_WORD) -> None:
         device = stream.device
         self._stream = stream
         self._anchor = torch.empty(32, dtype=torch.uint8, device=device)
@@ -98,7 +102,7 @@ class KernelCopier:
         host_bases = [region_address + o for o in layout.host_page_offsets().tolist()]
         self.word = common_alignment(
             [*kv_bases, *block_strides, *layout.page_bytes, *host_bases, layout.row_stride,
-             anchor], cap=16)
+             anchor], cap=max_word)
         element = min(self.word, 8)
         self._element = element
         rows = [[(b - anchor) // element, s // element, p // element, (h - anchor) // element]
@@ -108,7 +112,7 @@ class KernelCopier:
         max_page = max(layout.page_bytes) // element
         self._tile = min(_ceil_pow2(max_page), MAX_TILE_BYTES // element)
         self._pieces = -(-max_page // self._tile)
-        self._rows = max(1, (STEP_BYTES // element) // self._tile)
+        self._rows = max(1, (step_bytes // element) // self._tile)
         self._vec = self.word // element
         self._num_tensors = len(rows)
         self._row_stride = layout.row_stride // element
@@ -121,7 +125,7 @@ class KernelCopier:
         self._staging: list[tuple[torch.Tensor, np.ndarray, torch.cuda.Event]] = []
         self._device_index = torch.empty(0, dtype=self._index_type, device=device)
         self._slot = 0
-        self._compiled: dict[bool, object] = {}
+        self._compiled: dict[bool, Any] = {}
 
     def _grow(self, n: int) -> None:
         """Room for ``n`` entries: new staging slots and device buffer, after every upload from
@@ -158,16 +162,20 @@ class KernelCopier:
         self._run(direction == "load", grid, stream, n, items)
 
     def _run(self, load: bool, grid: int, stream: int, n: int, items: int) -> None:
-        """The compiled kernel's launcher called directly (no Triton argument binding) once
-        the first launch of this direction compiled it through the normal path."""
+        """After the first launch of a direction compiled the kernel through Triton's normal
+        path, its launcher is called directly — the same call Triton's ``JITFunction.run``
+        ends with, minus binding and specialising the arguments again."""
         constants = (load, self._pieces, self._rows, self._tile, self._vec)
-        compiled = self._compiled.get(load)
-        if compiled is not None and _hooks_unset():
+        compiled: Any = self._compiled.get(load)
+        knobs = _triton_knobs()
+        if compiled is not None and knobs is not None:
             args = (self._anchor.data_ptr(), self._table.data_ptr(),
                     self._device_index.data_ptr(), n, items, self._num_tensors,
                     self._row_stride, self._bpc, *constants)
-            compiled.run(grid, 1, 1, stream, compiled.function,  # type: ignore[attr-defined]
-                         compiled.packed_metadata, None, None, None, *args)  # type: ignore[attr-defined]
+            launcher = compiled.run
+            meta = compiled.launch_metadata((grid, 1, 1), stream, *args)
+            launcher(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, meta,
+                     knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args)
             return
         with torch.cuda.stream(self._stream):
             self._compiled[load] = _copy_pages[(grid,)](
@@ -177,13 +185,15 @@ class KernelCopier:
                 num_warps=self._num_warps)
 
 
-def _hooks_unset() -> bool:
-    """The direct launch passes no launch metadata: only valid without profiler hooks."""
+@cache
+def _triton_knobs() -> Any:
+    """``triton.knobs`` (Triton 3.4+), whose launch hooks the direct call passes on; None on an
+    older Triton, which then keeps its normal launch path."""
     try:
         from triton import knobs
-    except ImportError:  # an older Triton: keep its normal launch path
-        return False
-    return knobs.runtime.launch_enter_hook is None and knobs.runtime.launch_exit_hook is None
+    except ImportError:
+        return None
+    return knobs
 
 
 class TritonEngine(StreamEngine):
@@ -195,17 +205,20 @@ class TritonEngine(StreamEngine):
     def __init__(self, kv_tensors: Sequence[torch.Tensor], region: torch.Tensor,
                  layout: SlotLayout, chunk_count: int,
                  programs: Mapping[Direction, int] | None = None, num_warps: int = NUM_WARPS,
-                 priority: int = 0) -> None:
+                 priority: int = 0, step_bytes: int = STEP_BYTES,
+                 max_word: int = MAX_WORD) -> None:
         super().__init__(kv_tensors, region, layout, chunk_count, priority)
-        self.kernel = kernel_copier(self, programs, num_warps)
+        self.kernel = kernel_copier(self, programs, num_warps, step_bytes, max_word)
 
     def _launch(self, direction: Direction, job: Job) -> None:
         self.kernel.launch(direction, job)
 
 
 def kernel_copier(engine: StreamEngine, programs: Mapping[Direction, int] | None = None,
-                  num_warps: int = NUM_WARPS) -> KernelCopier:
+                  num_warps: int = NUM_WARPS, step_bytes: int = STEP_BYTES,
+                  max_word: int = MAX_WORD) -> KernelCopier:
     """The kernel over ``engine``'s tensors, region and stream."""
     return KernelCopier(engine._kv_bases.tolist(), engine._block_strides.tolist(),
                         engine.layout, engine._region.data_ptr(), engine._geometry.num_blocks,
-                        engine._chunk_count, engine.stream, programs, num_warps)
+                        engine._chunk_count, engine.stream, programs, num_warps, step_bytes,
+                        max_word)
