@@ -111,17 +111,25 @@ def matmul_tflops(a: torch.Tensor, count: int, during: Callable[[], None] | None
 def build_engine(name: str, kv: list[torch.Tensor], region: torch.Tensor, layout: SlotLayout,
                  chunk_count: int, kernel: str | None) -> Any:
     """``name`` through ``make_engine``, or the kernel with ``kernel`` =
-    "PROGRAMS[:STEP_KIB[:WORD]]" (the program budget of both directions, the bytes a program
-    moves per step, the widest access)."""
+    "PROGRAMS[:STEP_KIB[:WORD[:TILE_KIB[:WARPS]]]]" (the program budget of both directions,
+    bytes a program moves per step, widest access, largest piece of a page, warps)."""
     if kernel is None:
         return make_engine(kv, region, region.data_ptr(), layout, chunk_count, True, name)
-    from offload.transfer.kernel import MAX_WORD, STEP_BYTES, TritonEngine
+    from offload.transfer.kernel import (
+        MAX_TILE_BYTES,
+        MAX_WORD,
+        NUM_WARPS,
+        STEP_BYTES,
+        TritonEngine,
+    )
 
-    programs, step, word = (kernel.split(":") + ["", ""])[:3]
+    programs, step, word, tile, warps = (kernel.split(":") + [""] * 4)[:5]
     return TritonEngine(kv, region, layout, chunk_count,
                         {"store": int(programs), "load": int(programs)},
+                        int(warps) if warps else NUM_WARPS,
                         step_bytes=int(step) << 10 if step else STEP_BYTES,
-                        max_word=int(word) if word else MAX_WORD)
+                        max_word=int(word) if word else MAX_WORD,
+                        tile_bytes=int(tile) << 10 if tile else MAX_TILE_BYTES)
 
 
 class Rank:
@@ -319,7 +327,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--matmul", action="store_true")
     p.add_argument("--contention", action="store_true")
     p.add_argument("--sweep-programs", default="",
-                   help="kernel settings to try, comma-separated PROGRAMS[:STEP_KIB[:WORD]]")
+                   help="kernel settings to try, comma-separated "
+                        "PROGRAMS[:STEP_KIB[:WORD[:TILE_KIB[:WARPS]]]]")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     args.page_bytes = parse_size(args.page_bytes, "--page-bytes")

@@ -63,9 +63,21 @@ class BatchCopier:
         return srcs, dsts, sizes
 
 
+def page_copies(engine: StreamEngine, direction: Direction, job: Job
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``job`` as one (source, destination, bytes) copy per page of every tensor (whole-array
+    numpy operations), merged where pages continue each other inside one host row."""
+    layout = engine.layout
+    kv, host = page_addresses(engine._kv_bases, engine._block_strides,
+                              engine._region.data_ptr(), layout, job)
+    sizes = np.broadcast_to(np.asarray(layout.page_bytes, dtype=np.int64)[:, None], kv.shape)
+    rows = np.broadcast_to(job.host_pages // layout.blocks_per_chunk, kv.shape)
+    src, dst = (kv, host) if direction == "store" else (host, kv)
+    return coalesce(src.ravel(), dst.ravel(), sizes.ravel(), rows.ravel())
+
+
 class BatchCopyEngine(StreamEngine):
-    """Every job as per-page descriptors (built by whole-array numpy operations), merged where
-    pages continue each other inside one host row, in one driver call."""
+    """Every job as per-page descriptors (`page_copies`) in one driver call."""
 
     name = "copy_engine"
 
@@ -73,13 +85,6 @@ class BatchCopyEngine(StreamEngine):
                  layout: SlotLayout, chunk_count: int, priority: int = 0) -> None:
         super().__init__(kv_tensors, region, layout, chunk_count, priority)
         self.batch = BatchCopier(self._stream)
-        self._sizes = np.asarray(layout.page_bytes, dtype=np.int64)[:, None]
 
     def _launch(self, direction: Direction, job: Job) -> tuple[np.ndarray, ...]:
-        kv, host = page_addresses(self._kv_bases, self._block_strides, self._region.data_ptr(),
-                                  self._layout, job)
-        sizes = np.broadcast_to(self._sizes, kv.shape).ravel()
-        rows = np.broadcast_to(job.host_pages // self._layout.blocks_per_chunk,
-                               kv.shape).ravel()
-        src, dst = (kv, host) if direction == "store" else (host, kv)
-        return self.batch.launch_runs(*coalesce(src.ravel(), dst.ravel(), sizes, rows))
+        return self.batch.launch_runs(*page_copies(self, direction, job))

@@ -101,7 +101,10 @@ def test_engine_layouts_many_tensors_both_directions(backend: str,
     kv = engine_kv_set(48, pages * (4 if backend == "per_block" else 12), "cuda")
     with cuda_engine(backend, kv, 14) as (engine, kv, region):
         if backend == "triton":
-            assert engine.kernel.word == (16 if all(p % 16 == 0 for p in pages) else 1)
+            from offload.transfer.kernel import MAX_WORD
+
+            aligned = all(p % 16 == 0 for p in pages)
+            assert engine.kernel.word == (MAX_WORD if aligned else 1)
         job = scattered_job(np.random.default_rng(len(kv)), 40, 48, 14, 4)
         round_trip(engine, kv, region, slot_layout(page_sizes(kv), 4), job)
 
@@ -123,6 +126,9 @@ def test_many_jobs_in_flight_reuse_staging_and_stay_exact() -> None:
         cuts = np.cumsum([0, *sizes])
         jobs = [(blocks[a:b], pages[a:b] // 4, pages[a:b] % 4)
                 for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+        engine.submit(-2, "store", *jobs[0])  # compiles both directions before the sleep
+        engine.submit(-1, "load", *jobs[0])
+        engine.wait_all()
         expected = region.clone()
         for job in jobs:
             expected = expected_region(expected, kv, layout, job)
@@ -265,11 +271,23 @@ def test_hybrid_routes_whole_chunks_to_copy_engines_and_keeps_order(min_run: int
 
 @needs_triton
 @needs_batch
+def test_hybrid_sends_jobs_of_long_pages_to_copy_engines() -> None:
+    """Pages of at least the threshold: every job (scattered too) goes to the copy engines."""
+    kv = kv_set(16, [1 * MiB], "cuda")
+    with cuda_engine("hybrid", kv, 5) as (engine, kv, region):
+        assert engine.page_runs
+        job = scattered_job(np.random.default_rng(3), 12, 16, 5, 4)
+        round_trip(engine, kv, region, slot_layout([1 * MiB], 4), job)
+        assert engine.routes == {"kernel": 0, "copy_engine": 2}
+
+
+@needs_triton
+@needs_batch
 def test_hybrid_never_routes_strided_tensors_to_copy_engines() -> None:
     """K/V views hold a block every two pages: a chunk is not one run, so the kernel runs."""
     kv = engine_kv_set(64, [64 * KiB], "cuda")
-    with cuda_engine("hybrid", kv, 4, bpc=16, min_run=1) as (engine, kv, region):
-        assert not engine.chunk_runs
+    with cuda_engine("hybrid", kv, 4, bpc=16, min_run=128 * KiB) as (engine, kv, region):
+        assert not engine.chunk_runs and not engine.page_runs
         round_trip(engine, kv, region, slot_layout(page_sizes(kv), 16),
                    (np.arange(16), np.full(16, 1), np.arange(16)))
         assert engine.routes == {"kernel": 2, "copy_engine": 0}
