@@ -18,12 +18,15 @@ from offload.transfer.base import After, Direction, EngineBase
 from offload.transfer.layout import Job, SlotLayout
 from offload.transfer.tensors import page_view, region_pages
 
-# Programs (so SMs) a copy may occupy, per direction.  Loads are latency-bound and want more
-# in flight; stores are posted writes that, issued from many SMs, back up the memory system
-# and stall concurrent compute.  Measured on an H200 with the earlier table-driven kernel, 1 GiB
-# of scattered 1 MiB blocks next to a bf16 matmul (757 TFLOP/s alone): stores with 4 / 8 / 16
-# programs ran at 47.1 / 47.6 / 47.4 GB/s with the matmul at 533 / 385 / 102 TFLOP/s; loads
-# with 16 / 32 at 45.5 / 45.9 GB/s, matmul 594 / 543 TFLOP/s.
+# Programs (so SMs) the kernel may occupy, per direction.  Stores are posted writes that, issued
+# from many SMs, back up the memory system and stall concurrent compute.  Measured on an H200
+# (scripts/bench_engine.py --sweep-programs, 160 tensors x 16 KiB, 1024-block jobs, bf16 8192^3
+# matmul ~790 TFLOP/s alone): 8 / 16 / 32 / 64 / 132 / 264 programs all copy at 48.4-48.7 GB/s
+# store and 47.3-47.7 load (0.86-0.88x the link), while the matmul beside them ran at
+# 407 / 267 / 202 / 103 / 96 / 95 TFLOP/s during stores and 702 / 635 / 527 / 276 / 178 / 94
+# during loads.  With 4 programs loads of 64 KiB pages dropped to 0.75x.  Loads keep 32 (every
+# figure of the engine table was measured so; 8-16 cost nothing measured on 16-64 KiB pages and
+# leave compute 20-30% more).
 DEFAULT_COPY_PROGRAMS: dict[Direction, int] = {"load": 32, "store": 8}
 
 
@@ -86,8 +89,8 @@ class PerBlockEngine(StreamEngine):
     name = "per_block"
 
     def __init__(self, kv_tensors: Sequence[torch.Tensor], region: torch.Tensor,
-                 layout: SlotLayout, chunk_count: int) -> None:
-        super().__init__(kv_tensors, region, layout, chunk_count)
+                 layout: SlotLayout, chunk_count: int, priority: int = 0) -> None:
+        super().__init__(kv_tensors, region, layout, chunk_count, priority)
         g = self._geometry
         self._pages = [
             (page_view(kv, page, stride),
