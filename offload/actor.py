@@ -27,7 +27,13 @@ from offload.quorum import Quorum
 from offload.region.host_region import HostRegion
 from offload.region.pin import Registrar, choose_registrar
 from offload.topology import Topology
-from offload.transfer import SlotLayout, TransferEngine, make_engine, triton_available
+from offload.transfer import (
+    SlotLayout,
+    TransferEngine,
+    kv_geometry,
+    make_engine,
+    triton_available,
+)
 from offload.transfer.base import Direction
 
 log = logging.getLogger(__name__)
@@ -48,16 +54,10 @@ class CopyJob:
 
 
 def kv_page_bytes(kv_tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
-    """Bytes of one block in each KV tensor (dimension 0 indexes blocks)."""
-    if not kv_tensors:
-        raise OffloadError("no KV tensors given; pass the rank's KV cache tensors")
-    pages = []
-    for i, t in enumerate(kv_tensors):
-        if t.dim() < 1 or t.shape[0] == 0:
-            raise OffloadError(f"KV tensor {i} has shape {tuple(t.shape)}; dimension 0 must "
-                               "index at least one block")
-        pages.append(t[0].numel() * t.element_size())
-    return tuple(pages)
+    """Bytes of one block in each KV tensor, after checking every tensor can be moved page by
+    page (`kv_geometry`): called by ``describe``, so a bad tensor fails before any host memory
+    is created."""
+    return kv_geometry(kv_tensors).page_bytes
 
 
 @dataclass

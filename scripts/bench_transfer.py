@@ -49,7 +49,7 @@ class Row:
     per_block_GBps: float
     single_GBps: float
     matmul_TFLOPs_during_ours: float
-    submit_ms: float  # host time of one submit (offsets, tile table, upload, launch)
+    submit_ms: float  # host time of one submit (checks, index upload, launch)
     verified: bool
 
     @property
@@ -138,11 +138,7 @@ class Bench:
 def bench_size(b: Bench, size: int) -> list[Row]:
     """Both directions at one block size; each ends verified (the KV data is unchanged after
     the round trip and equals what the triton engine loads back from the host)."""
-    from offload.transfer.triton_copy import (  # imports triton: after the CUDA check
-        NUM_WARPS,
-        STEP_ELEMENTS,
-        TritonEngine,
-    )
+    from offload.transfer.kernel import NUM_WARPS, TritonEngine  # imports triton: needs CUDA
 
     n = b.gpu.numel() // size // BLOCKS_PER_CHUNK * BLOCKS_PER_CHUNK
     layout = SlotLayout(BLOCKS_PER_CHUNK * size, 0, BLOCKS_PER_CHUNK, (size,), (0,))
@@ -162,7 +158,7 @@ def bench_size(b: Bench, size: int) -> list[Row]:
         ours = HybridEngine([kv], region, layout, chunks, programs)
     else:
         ours = TritonEngine([kv], region, layout, chunks, programs,
-                            b.args.num_warps or NUM_WARPS, b.args.step_elements or STEP_ELEMENTS)
+                            b.args.num_warps or NUM_WARPS)
     slow = PerBlockEngine([kv], region, layout, chunks)
     slots = b.rng.permutation(n)
     job = (b.rng.permutation(n), slots // BLOCKS_PER_CHUNK, slots % BLOCKS_PER_CHUNK)
@@ -271,9 +267,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "or one cuMemcpyBatchAsync per job")
     parser.add_argument("--num-warps", type=int, default=None,
                         help="warps per program of the triton kernel (default: the engine's)")
-    parser.add_argument("--step-elements", type=int, default=None,
-                        help="elements one triton program moves per step (default: the "
-                             "engine's)")
     parser.add_argument("--json", metavar="PATH", help="write the results there")
     args = parser.parse_args(argv)
     args.sizes = [parse_size(s, "--sizes") for s in args.sizes.split(",")]

@@ -32,6 +32,26 @@ def kv_set(num_blocks: int, pages: Sequence[int], device: str = "cpu",
     return out
 
 
+def engine_kv_set(num_blocks: int, pages: Sequence[int], device: str = "cpu",
+                  seed: int = 0) -> list[torch.Tensor]:
+    """KV tensors laid out the ways engines hold them, with mixed page sizes: for each page
+    size, K and V as ``kv[:, 0]`` and ``kv[:, 1]`` of one ``[blocks, 2, heads, dim]`` tensor
+    (block stride two pages), then one tensor padded per block (``[:, :page]`` of a wider
+    tensor, stride page + 64 bytes).  Random bytes; the views keep their bases alive."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for page in pages:
+        dtype = torch.bfloat16 if page % 2 == 0 else torch.uint8
+        raw = torch.randint(0, 256, (num_blocks, 2, 1, page), dtype=torch.uint8,
+                            generator=generator)
+        kv = raw.view(dtype).to(device)  # [blocks, 2, 1, page / itemsize]
+        out += [kv[:, 0], kv[:, 1]]
+        padded = torch.randint(0, 256, (num_blocks, page + 64), dtype=torch.uint8,
+                               generator=generator).to(device)
+        out.append(padded[:, :page].view(dtype))
+    return out
+
+
 def slot_layout(pages: Sequence[int], bpc: int, rank: int = 1) -> SlotLayout:
     """Rank ``rank``'s slot in a two-rank shared-layout plan, so the slot does not start at the
     row's first byte."""
@@ -39,6 +59,10 @@ def slot_layout(pages: Sequence[int], bpc: int, rank: int = 1) -> SlotLayout:
     plan = compute_plan([RankDescriptor(r, "n0", r, 2, r, 0, tuple(pages), config)
                          for r in range(2)])
     return SlotLayout.from_plan(plan, rank)
+
+
+def page_sizes(kv: Sequence[torch.Tensor]) -> list[int]:
+    return [t[0].numel() * t.element_size() for t in kv]
 
 
 def scattered_job(rng: np.random.Generator, n: int, num_blocks: int, chunk_count: int,
@@ -54,7 +78,8 @@ def expected_region(before: torch.Tensor, kv: Sequence[torch.Tensor], layout: Sl
     """The region after storing ``job``, written one page at a time from the slot formula."""
     region = before.clone()
     for t, tensor in enumerate(kv):
-        page, raw = layout.page_bytes[t], tensor.cpu().view(tensor.shape[0], -1).view(torch.uint8)
+        page = layout.page_bytes[t]
+        raw = tensor.cpu().reshape(tensor.shape[0], -1).view(torch.uint8)
         for block, chunk, pos in zip(*job, strict=True):
             start = (chunk * layout.row_stride + layout.slot_offset + layout.tensor_offsets[t]
                      + pos * page)

@@ -16,7 +16,9 @@ from offload.transfer import SlotLayout, make_engine
 from offload.transfer.base import TransferEngine
 from tests.test_transfer_helpers import (
     HYBRID_PAGES,
+    engine_kv_set,
     kv_set,
+    page_sizes,
     round_trip,
     scattered_job,
     slot_layout,
@@ -37,6 +39,31 @@ def test_hybrid_round_trip_writes_exact_bytes() -> None:
     engine, kv, region, layout = host_engine()
     assert engine.name == "host"
     round_trip(engine, kv, region, layout, scattered_job(np.random.default_rng(0), 20, 32, 5, 4))
+
+
+def test_engine_layouts_round_trip_exact_bytes() -> None:
+    """K/V views of [blocks, 2, ...] tensors and padded per-layer tensors, mixed page sizes."""
+    kv = engine_kv_set(24, (512, 61, 1000))
+    assert [t.stride(0) * t.element_size() for t in kv[:3]] == [1024, 1024, 576]
+    layout = slot_layout(page_sizes(kv), 4)
+    region = torch.randint(0, 256, (layout.region_bytes(6),), dtype=torch.uint8)
+    engine = make_engine(kv, region, None, layout, 6, pinned=False)
+    round_trip(engine, kv, region, layout, scattered_job(np.random.default_rng(1), 20, 24, 6, 4))
+
+
+def test_submit_returns_no_event_and_refuses_a_destination_twice() -> None:
+    engine, kv, region, _ = host_engine()
+    assert engine.submit(1, "store", [0], [0], [0], after=None) is None
+    before = region.clone()
+    with pytest.raises(OffloadError, match="entries 0 and 1 of the job both write chunk 2 "
+                       "position 1"):
+        engine.submit(2, "store", [3, 4], [2, 2], [1, 1])
+    with pytest.raises(OffloadError, match="entries 1 and 2 of the job both write GPU block 4"):
+        engine.submit(3, "load", [3, 4, 4], [2, 2, 3], [1, 2, 1])
+    assert torch.equal(region, before) and engine.poll() == [1]
+    engine.submit(4, "store", [4, 4], [2, 3], [1, 1])  # one block to two places is fine
+    with pytest.raises(OffloadError, match="both write chunk 2 position 1"):
+        engine.check([3, 4], [2, 2], [1, 1])
 
 
 @settings(max_examples=60, deadline=None)
@@ -97,11 +124,16 @@ def _engine_error(kv: list[torch.Tensor] | None = None, region: torch.Tensor | N
 def test_kv_tensor_errors() -> None:
     good = kv_set(8, HYBRID_PAGES)
     assert "got 2 KV tensors but the plan has 3" in _engine_error(kv=good[:2])
-    assert "KV tensor 0 is a scalar" in _engine_error(kv=[torch.tensor(1.0), *good[1:]])
-    assert "tensor 0 has 8 blocks" in _engine_error(kv=[good[0], good[1][:4], good[2]])
+    assert "KV tensor 0 has shape (); dimension 0 must index" in _engine_error(
+        kv=[torch.tensor(1.0), *good[1:]])
+    assert "KV tensor 1 has 4 blocks on cpu but tensor 0 has 8" in _engine_error(
+        kv=[good[0], good[1][:4], good[2]])
     transposed = torch.zeros(250, 8, dtype=torch.bfloat16).t()
-    assert "KV tensor 0 (shape (8, 250), strides (1, 8)) is not contiguous" in _engine_error(
-        kv=[transposed, *good[1:]])
+    assert ("KV tensor 0 (shape (8, 250), strides (1, 8)) does not hold each block as one "
+            "contiguous page") in _engine_error(kv=[transposed, *good[1:]])
+    overlapping = torch.zeros(300, dtype=torch.bfloat16).as_strided((8, 256), (2, 1))
+    assert "KV tensor 0 (shape (8, 256), strides (2, 1)) has blocks 4 bytes apart but " \
+        "512-byte pages, so its blocks overlap" in _engine_error(kv=[overlapping, *good[1:]])
     wrong_page = torch.zeros(8, 30, dtype=torch.float32)
     assert "KV tensor 1 holds 120 bytes per block but the plan says 60" in _engine_error(
         kv=[good[0], wrong_page, good[2]])

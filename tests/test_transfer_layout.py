@@ -1,4 +1,5 @@
-"""job_offsets and SlotLayout against the slot rules of plan.py, on random layouts and jobs."""
+"""check_job, page_addresses and SlotLayout against the slot rules of plan.py, on random layouts
+and jobs."""
 
 from __future__ import annotations
 
@@ -13,8 +14,13 @@ from hypothesis import strategies as st
 from offload.config import TierConfig
 from offload.errors import OffloadError
 from offload.plan import RankDescriptor, compute_plan
-from offload.transfer import SlotLayout, job_offsets
-from offload.transfer.layout import as_index_array, lowest_common_alignment, split_tiles
+from offload.transfer import Job, SlotLayout, check_job, page_addresses
+from offload.transfer.layout import (
+    UniqueDestinations,
+    as_index_array,
+    chunk_starts,
+    common_alignment,
+)
 
 
 @st.composite
@@ -38,23 +44,32 @@ def jobs(draw: st.DrawFn, layout: SlotLayout, num_blocks: int, chunk_count: int
     return ([b for b, _, _ in triples], [c for _, c, _ in triples], [p for _, _, p in triples])
 
 
+def addresses(layout: SlotLayout, job: Job, strides: list[int] | None = None,
+              bases: list[int] | None = None, region: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    t = layout.num_tensors
+    kv_bases = np.asarray(bases if bases is not None else [0] * t, dtype=np.int64)
+    block_strides = np.asarray(strides if strides is not None else layout.page_bytes,
+                               dtype=np.int64)
+    return page_addresses(kv_bases, block_strides, region, layout, job)
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.data())
-def test_offsets_follow_the_slot_formula(data: st.DataObject) -> None:
+def test_addresses_follow_the_slot_formula(data: st.DataObject) -> None:
     layout = data.draw(layouts())
     num_blocks, chunk_count = data.draw(st.integers(1, 50)), data.draw(st.integers(1, 10))
     blocks, chunks, positions = data.draw(jobs(layout, num_blocks, chunk_count))
-    copies = job_offsets(layout, blocks, chunks, positions,
-                         num_blocks=num_blocks, chunk_count=chunk_count)
-    assert len(copies) == layout.num_tensors
-    for t, c in enumerate(copies):
-        page = layout.page_bytes[t]
-        assert c.page_bytes == page
-        assert c.kv_offsets.dtype == np.int64 and c.host_offsets.dtype == np.int64
+    job = check_job(layout, blocks, chunks, positions, num_blocks=num_blocks,
+                    chunk_count=chunk_count)
+    strides = [p * data.draw(st.integers(1, 3)) for p in layout.page_bytes]
+    bases = [data.draw(st.integers(0, 1 << 40)) for _ in layout.page_bytes]
+    kv, host = addresses(layout, job, strides, bases, region=12345)
+    assert kv.shape == host.shape == (layout.num_tensors, len(blocks))
+    for t, page in enumerate(layout.page_bytes):
         for i, (b, chunk, pos) in enumerate(zip(blocks, chunks, positions, strict=True)):
-            assert c.kv_offsets[i] == b * page
-            assert c.host_offsets[i] == (chunk * layout.row_stride + layout.slot_offset
-                                         + layout.tensor_offsets[t] + pos * page)
+            assert kv[t, i] == bases[t] + b * strides[t]
+            assert host[t, i] == (12345 + chunk * layout.row_stride + layout.slot_offset
+                                  + layout.tensor_offsets[t] + pos * page)
 
 
 @settings(max_examples=200, deadline=None)
@@ -64,17 +79,18 @@ def test_host_pages_are_disjoint_and_inside_the_slot(data: st.DataObject) -> Non
     layout = data.draw(layouts())
     chunk_count = data.draw(st.integers(1, 4))
     pairs = [(c, p) for c in range(chunk_count) for p in range(layout.blocks_per_chunk)]
-    copies = job_offsets(layout, [0] * len(pairs), [c for c, _ in pairs], [p for _, p in pairs],
-                         num_blocks=1, chunk_count=chunk_count)
+    job = check_job(layout, [0] * len(pairs), [c for c, _ in pairs], [p for _, p in pairs],
+                    num_blocks=1, chunk_count=chunk_count)
+    _, host = addresses(layout, job)
     owner = np.full(layout.region_bytes(chunk_count), -1)
     slot_end = layout.slot_offset + sum(layout.blocks_per_chunk * p for p in layout.page_bytes)
-    for t, c in enumerate(copies):
-        for (chunk, _), start in zip(pairs, c.host_offsets.tolist(), strict=True):
+    for t, page in enumerate(layout.page_bytes):
+        for (chunk, _), start in zip(pairs, host[t].tolist(), strict=True):
             row = chunk * layout.row_stride
             assert row + layout.slot_offset <= start
-            assert start + c.page_bytes <= row + slot_end
-            assert (owner[start:start + c.page_bytes] == -1).all()
-            owner[start:start + c.page_bytes] = t
+            assert start + page <= row + slot_end
+            assert (owner[start:start + page] == -1).all()
+            owner[start:start + page] = t
     assert (owner >= 0).sum() == chunk_count * (slot_end - layout.slot_offset)
 
 
@@ -111,7 +127,7 @@ LAYOUT = SlotLayout(row_stride=10_000, slot_offset=100, blocks_per_chunk=4, page
 ])
 def test_bad_jobs_raise_one_line_errors(job: tuple[list[object], ...], message: str) -> None:
     with pytest.raises(OffloadError, match=re.escape(message)) as e:
-        job_offsets(LAYOUT, *job, num_blocks=64, chunk_count=3)
+        check_job(LAYOUT, *job, num_blocks=64, chunk_count=3)
     assert "\n" not in str(e.value)
 
 
@@ -131,38 +147,91 @@ def test_bad_layouts_raise(fields: dict[str, object], message: str) -> None:
 
 
 def test_job_arrays_accept_lists_numpy_and_tensors() -> None:
-    expected = np.array([3, 1], dtype=np.int64)
-    for values in ([3, 1], np.array([3, 1], dtype=np.uint16), torch.tensor([3, 1])):
-        out = as_index_array(values, "x")
-        assert out.dtype == np.int64 and (out == expected).all()
+    for values in ([3, 1], (3, 1), np.array([3, 1], dtype=np.uint16), torch.tensor([3, 1])):
+        assert as_index_array(values, "x").tolist() == [3, 1]
     assert as_index_array([], "x").shape == (0,)
-    assert job_offsets(LAYOUT, [], [], [], num_blocks=1, chunk_count=1)[0].kv_offsets.size == 0
+    job = check_job(LAYOUT, np.array([3], dtype=np.int32), [2], [1], num_blocks=4,
+                    chunk_count=3)
+    assert job.blocks.tolist() == [3] and job.host_pages.tolist() == [2 * 4 + 1]
+    assert len(check_job(LAYOUT, [], [], [], num_blocks=1, chunk_count=1)) == 0
 
 
-def test_lowest_common_alignment() -> None:
-    def arrays(*values: int) -> list[np.ndarray]:
-        return [np.array(values, dtype=np.int64)]
+@pytest.mark.parametrize("scratch_limit", [1 << 22, 0])  # scatter/gather, then the sort
+@pytest.mark.parametrize(("field", "job", "message"), [
+    ("host_pages", ([0, 1, 2], [1, 2, 1], [3, 0, 3]),
+     "entries 0 and 2 of the job both write chunk 1 position 3; two copies to one destination"),
+    ("blocks", ([5, 1, 5], [0, 1, 2], [0, 0, 0]),
+     "entries 0 and 2 of the job both write GPU block 5"),
+])
+def test_a_destination_written_twice_is_refused(field: str, job: tuple[list[int], ...],
+                                                message: str, scratch_limit: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(UniqueDestinations, "SCRATCH_LIMIT", scratch_limit)
 
-    assert lowest_common_alignment(arrays(4096, 8192), cap=16) == 16
-    assert lowest_common_alignment(arrays(4096, 8200), cap=16) == 8
-    assert lowest_common_alignment(arrays(4096, 6), cap=16) == 2
-    assert lowest_common_alignment(arrays(3), cap=16) == 1
-    assert lowest_common_alignment(arrays(-48, 32), cap=16) == 16
-    assert lowest_common_alignment([np.zeros(0, dtype=np.int64)], cap=16) == 16
+    def unique(name: str) -> UniqueDestinations:
+        return UniqueDestinations(name, 64 if name == "blocks" else 12, 4)
+
+    with pytest.raises(OffloadError, match=re.escape(message)) as e:
+        check_job(LAYOUT, *job, num_blocks=64, chunk_count=3, unique=unique(field))
+    assert "\n" not in str(e.value)
+    check_job(LAYOUT, *job, num_blocks=64, chunk_count=3)  # the sources may repeat
+    other = "blocks" if field == "host_pages" else "host_pages"
+    check = unique(other)
+    for _ in range(2):  # the scratch array is reused: a second job sees no stale entries
+        check_job(LAYOUT, *job, num_blocks=64, chunk_count=3, unique=check)
 
 
 @settings(max_examples=200, deadline=None)
-@given(counts=st.lists(st.integers(1, 100), max_size=12), tile=st.sampled_from([1, 2, 8, 32]))
-def test_split_tiles_covers_each_copy_in_order(counts: list[int], tile: int) -> None:
-    count = np.array(counts, dtype=np.int64)
-    src = np.arange(count.size, dtype=np.int64) * 1000 + 5
-    dst = src * 2 + 1
-    s, d, c = split_tiles(src, dst, count, tile)
-    assert ((c >= 1) & (c <= tile)).all()
-    moved = [(int(a) + i, int(b) + i) for a, b, n in zip(s, d, c, strict=True) for i in range(n)]
-    expected = [(int(a) + i, int(b) + i) for a, b, n in zip(src, dst, count, strict=True)
-                for i in range(n)]
-    assert moved == expected
+@given(st.lists(st.integers(0, 15), max_size=12), st.booleans())
+def test_unique_destinations_matches_a_set(dest: list[int], sorted_path: bool) -> None:
+    check = UniqueDestinations("blocks", 0 if sorted_path else 16, 4)
+    job = Job(np.array(dest, dtype=np.int64), np.zeros(len(dest), dtype=np.int64))
+    if len(set(dest)) == len(dest):
+        check.check(job)
+    else:
+        with pytest.raises(OffloadError, match="of the job both write GPU block"):
+            check.check(job)
+
+
+def test_a_cuda_index_tensor_is_refused_without_a_sync() -> None:
+    class FakeCuda:  # a stand-in: no CUDA here, and the check must not touch the data
+        is_cuda = True
+
+        def detach(self) -> None:
+            raise AssertionError("read the device tensor")
+
+    with pytest.raises(OffloadError, match="gpu_blocks is a CUDA tensor; pass job indices"):
+        as_index_array(FakeCuda(), "gpu_blocks")
+
+
+@pytest.mark.parametrize(("blocks", "chunks", "positions", "expected"), [
+    (range(8, 12), [2] * 4, range(4), ([8], [2])),
+    ([*range(4), *range(20, 24)], [1] * 4 + [0] * 4, [*range(4), *range(4)], ([0, 20], [1, 0])),
+    ([8, 9, 11, 10], [2] * 4, range(4), None),  # blocks not consecutive
+    (range(8, 12), [2] * 4, [1, 0, 2, 3], None),  # positions out of order
+    (range(8, 11), [2] * 3, range(3), None),  # not a whole chunk
+    (range(4), [1, 1, 2, 2], range(4), None),  # two half chunks
+    ([], [], [], None),
+])
+def test_chunk_starts_finds_whole_chunk_jobs(blocks: object, chunks: object, positions: object,
+                                             expected: tuple[list[int], list[int]] | None
+                                             ) -> None:
+    job = check_job(LAYOUT, list(blocks), list(chunks), list(positions),  # type: ignore[call-overload]
+                    num_blocks=64, chunk_count=3)
+    starts = chunk_starts(job, LAYOUT.blocks_per_chunk)
+    if expected is None:
+        assert starts is None
+    else:
+        assert starts is not None
+        assert (starts[0].tolist(), starts[1].tolist()) == expected
+
+
+def test_common_alignment() -> None:
+    assert common_alignment([4096, 8192], cap=16) == 16
+    assert common_alignment([4096, 8200], cap=16) == 8
+    assert common_alignment([4096, 6], cap=16) == 2
+    assert common_alignment([3], cap=16) == 1
+    assert common_alignment([], cap=16) == 16
 
 
 def _byte_map(src: np.ndarray, dst: np.ndarray, count: np.ndarray) -> dict[int, int]:

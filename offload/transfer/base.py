@@ -1,19 +1,23 @@
 """The engine protocol and what every backend shares: tensor checks, job checks, ordering.
 
-A backend only decides *how* one job's pages move (`_issue`); checking the KV tensors and the
-region once, turning a job into offsets and keeping jobs in submission order live here.
+A backend only decides *how* one checked job's pages move (`_issue`); checking the KV tensors
+and the region once, checking each job and keeping jobs in submission order live here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Literal, NamedTuple, Protocol
+from collections.abc import Sequence
+from typing import Literal, Protocol, TypeAlias
 
 import numpy as np
 import torch
 
 from offload.errors import OffloadError
-from offload.transfer.layout import IndexArray, SlotLayout, TensorCopies, coalesce, job_offsets
+from offload.transfer.layout import IndexArray, Job, SlotLayout, UniqueDestinations, check_job
+from offload.transfer.tensors import KVGeometry, kv_geometry
+
+# what a job is ordered after: an event, a stream, or None for the device's current stream
+After: TypeAlias = torch.cuda.Event | torch.cuda.Stream | None
 
 Direction = Literal["store", "load"]
 DIRECTIONS: tuple[Direction, ...] = ("store", "load")
@@ -24,12 +28,20 @@ class TransferEngine(Protocol):
 
     ``store`` copies GPU → host, ``load`` host → GPU.  Jobs complete in submission order; a job
     id is reported exactly once, by ``poll`` or ``wait_all``.
+
+    Stream contract (CUDA backends): a job runs on the engine's own stream, ordered after
+    ``after`` — a ``torch.cuda.Event`` (the job waits for it), a ``torch.cuda.Stream`` (the job
+    waits for the work queued on it so far) or ``None`` (the current stream of the KV tensors'
+    device, so a store sees the compute kernels' pending writes and a load does not overtake
+    them).  ``submit`` returns the job's completion event: a compute stream that
+    ``wait_event``-s it may read loaded blocks (or overwrite stored ones) without a host round
+    trip.  The host backend finishes the job inside ``submit`` and returns ``None``.
     """
 
     name: str
 
     def submit(self, job_id: int, direction: Direction, gpu_blocks: object, chunk_ids: object,
-               positions: object) -> None: ...
+               positions: object, after: After = None) -> torch.cuda.Event | None: ...
 
     def check(self, gpu_blocks: object, chunk_ids: object, positions: object) -> None: ...
 
@@ -38,73 +50,6 @@ class TransferEngine(Protocol):
     def wait_all(self) -> list[int]: ...
 
     def close(self) -> None: ...
-
-
-class CopySide(NamedTuple):
-    """One tensor's share of a job, oriented: ``page_bytes`` bytes go from each
-    ``src_offsets[i]`` of ``src`` to ``dst_offsets[i]`` of ``dst`` (both flat uint8)."""
-
-    dst: torch.Tensor
-    dst_offsets: IndexArray
-    src: torch.Tensor
-    src_offsets: IndexArray
-    page_bytes: int
-
-
-def absolute_copies(sides: Sequence[CopySide]
-                    ) -> tuple[IndexArray, IndexArray, IndexArray]:
-    """A job's copies as absolute (source address, destination address, bytes) arrays."""
-    src = np.concatenate([s.src_offsets + s.src.data_ptr() for s in sides])
-    dst = np.concatenate([s.dst_offsets + s.dst.data_ptr() for s in sides])
-    count = np.repeat(np.array([s.page_bytes for s in sides], dtype=np.int64),
-                      [s.src_offsets.size for s in sides])
-    return src, dst, count
-
-
-def job_runs(sides: Sequence[CopySide], region: torch.Tensor, row_stride: int
-             ) -> tuple[IndexArray, IndexArray, IndexArray]:
-    """A job's copies with consecutive pages of one host row merged (`coalesce`); ``region``
-    is the side that is host memory, whose rows bound every run."""
-    row = np.concatenate([(s.dst_offsets if s.dst is region else s.src_offsets) // row_stride
-                          for s in sides])
-    return coalesce(*absolute_copies(sides), row)
-
-
-def flat_kv_bytes(kv_tensors: Sequence[torch.Tensor], layout: SlotLayout) -> list[torch.Tensor]:
-    """Check that KV tensor ``t`` is ``[num_blocks, ...]`` with each block a contiguous page of
-    ``layout.page_bytes[t]`` bytes (so block ``b`` starts at ``b * page``), all tensors on one
-    device with the same block count; return flat uint8 views of them."""
-    if len(kv_tensors) != layout.num_tensors:
-        raise OffloadError(
-            f"got {len(kv_tensors)} KV tensors but the plan has {layout.num_tensors} page sizes; "
-            "pass the same tensors the plan was computed from"
-        )
-    first = kv_tensors[0]
-    if first.dim() == 0:
-        raise OffloadError("KV tensor 0 is a scalar; KV tensors are [num_blocks, ...]")
-    num_blocks = first.shape[0]
-    views = []
-    for t, (kv, page) in enumerate(zip(kv_tensors, layout.page_bytes, strict=True)):
-        if kv.dim() == 0 or kv.shape[0] != num_blocks or kv.device != first.device:
-            raise OffloadError(
-                f"KV tensor {t} has shape {tuple(kv.shape)} on {kv.device} but tensor 0 has "
-                f"{num_blocks} blocks on {first.device}; all KV tensors need dim 0 = blocks, "
-                "the same block count and one device"
-            )
-        if not kv.is_contiguous():
-            raise OffloadError(
-                f"KV tensor {t} (shape {tuple(kv.shape)}, strides {kv.stride()}) is not "
-                "contiguous; each block must be one contiguous page with blocks in dim 0 "
-                "(pass a [num_blocks, ...] tensor, not a view with the block dim inside)"
-            )
-        block_bytes = kv.numel() // max(num_blocks, 1) * kv.element_size()
-        if block_bytes != page:
-            raise OffloadError(
-                f"KV tensor {t} holds {block_bytes} bytes per block but the plan says {page}; "
-                "compute the plan from these tensors"
-            )
-        views.append(kv.view(-1).view(torch.uint8))
-    return views
 
 
 def region_bytes_view(region: torch.Tensor, layout: SlotLayout, chunk_count: int) -> torch.Tensor:
@@ -125,18 +70,42 @@ def region_bytes_view(region: torch.Tensor, layout: SlotLayout, chunk_count: int
     return region
 
 
+def check_geometry(kv_tensors: Sequence[torch.Tensor], layout: SlotLayout) -> KVGeometry:
+    """`kv_geometry`, and the page sizes must be the ones the plan was computed from."""
+    if len(kv_tensors) != layout.num_tensors:
+        raise OffloadError(
+            f"got {len(kv_tensors)} KV tensors but the plan has {layout.num_tensors} page sizes; "
+            "pass the same tensors the plan was computed from"
+        )
+    geometry = kv_geometry(kv_tensors)
+    for t, (have, want) in enumerate(zip(geometry.page_bytes, layout.page_bytes, strict=True)):
+        if have != want:
+            raise OffloadError(
+                f"KV tensor {t} holds {have} bytes per block but the plan says {want}; "
+                "compute the plan from these tensors"
+            )
+    return geometry
+
+
 class EngineBase:
-    """Checks tensors and jobs and hands each job's oriented copies to ``_issue``."""
+    """Checks tensors once and every job before ``_issue`` moves it."""
 
     name = "base"
 
     def __init__(self, kv_tensors: Sequence[torch.Tensor], region: torch.Tensor,
                  layout: SlotLayout, chunk_count: int) -> None:
-        self._kv = flat_kv_bytes(kv_tensors, layout)
+        self._geometry = check_geometry(kv_tensors, layout)
+        self._kv = list(kv_tensors)
         self._region = region_bytes_view(region, layout, chunk_count)
         self._layout = layout
-        self._num_blocks = kv_tensors[0].shape[0]
         self._chunk_count = chunk_count
+        self._kv_bases: IndexArray = np.array([t.data_ptr() for t in kv_tensors], dtype=np.int64)
+        self._block_strides: IndexArray = np.array(self._geometry.block_strides, dtype=np.int64)
+        self._unique = {
+            "store": UniqueDestinations("host_pages", chunk_count * layout.blocks_per_chunk,
+                                        layout.blocks_per_chunk),
+            "load": UniqueDestinations("blocks", self._geometry.num_blocks,
+                                       layout.blocks_per_chunk)}
         self._closed = False
 
     @property
@@ -144,33 +113,27 @@ class EngineBase:
         return self._layout
 
     def submit(self, job_id: int, direction: Direction, gpu_blocks: object, chunk_ids: object,
-               positions: object) -> None:
+               positions: object, after: After = None) -> torch.cuda.Event | None:
         """Queue job ``job_id``; validation errors are raised here, before anything moves."""
         if self._closed:
             raise OffloadError(f"job {job_id} submitted to a closed {self.name} engine")
         if direction not in DIRECTIONS:
             raise OffloadError(f"job {job_id} has direction {direction!r}; use 'store' or 'load'")
-        copies = self._offsets(gpu_blocks, chunk_ids, positions)
-        self._issue(job_id, direction, list(self._orient(direction, copies)))
+        job = self._check(gpu_blocks, chunk_ids, positions, direction)
+        return self._issue(job_id, direction, job, after)
 
     def check(self, gpu_blocks: object, chunk_ids: object, positions: object) -> None:
         """Validate a job without moving anything (a replicated store's non-writer ranks)."""
-        self._offsets(gpu_blocks, chunk_ids, positions)
+        self._check(gpu_blocks, chunk_ids, positions, "store")
 
-    def _offsets(self, gpu_blocks: object, chunk_ids: object, positions: object
-                 ) -> tuple[TensorCopies, ...]:
-        return job_offsets(self._layout, gpu_blocks, chunk_ids, positions,
-                           num_blocks=self._num_blocks, chunk_count=self._chunk_count)
+    def _check(self, gpu_blocks: object, chunk_ids: object, positions: object,
+               direction: Direction) -> Job:
+        return check_job(self._layout, gpu_blocks, chunk_ids, positions,
+                         num_blocks=self._geometry.num_blocks, chunk_count=self._chunk_count,
+                         unique=self._unique[direction])
 
-    def _orient(self, direction: Direction,
-                copies: Sequence[TensorCopies]) -> Iterator[CopySide]:
-        for kv, c in zip(self._kv, copies, strict=True):
-            if direction == "store":
-                yield CopySide(self._region, c.host_offsets, kv, c.kv_offsets, c.page_bytes)
-            else:
-                yield CopySide(kv, c.kv_offsets, self._region, c.host_offsets, c.page_bytes)
-
-    def _issue(self, job_id: int, direction: Direction, sides: list[CopySide]) -> None:
+    def _issue(self, job_id: int, direction: Direction, job: Job, after: After
+               ) -> torch.cuda.Event | None:
         raise NotImplementedError
 
     def poll(self) -> list[int]:

@@ -1,4 +1,4 @@
-"""The copy-engine backend: one ``cuMemcpyBatchAsync`` call per job.
+"""The copy-engine path: one ``cuMemcpyBatchAsync`` call per job.
 
 The DMA engines move a job's pages without occupying a single SM, so a copy costs concurrent
 compute nothing (a kernel-driven copy took 30% of a bf16 matmul's rate even on 4 SMs).  The
@@ -14,18 +14,18 @@ registered with CUDA (the engine is only chosen for a pinned region).
 from __future__ import annotations
 
 import ctypes
-from collections import deque
 from collections.abc import Sequence
-from functools import cache
 
 import numpy as np
 import torch
 
-from offload.transfer.base import CopySide, Direction, job_runs
+from offload.transfer.base import Direction
 from offload.transfer.cuda import StreamEngine
-from offload.transfer.layout import SlotLayout
+from offload.transfer.driver import driver_call, has_entry_point
+from offload.transfer.layout import Job, SlotLayout, coalesce, page_addresses
 
 CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
+BATCH_ENTRY = "cuMemcpyBatchAsync_v2"
 
 
 class _Attributes(ctypes.Structure):
@@ -36,73 +36,55 @@ class _Attributes(ctypes.Structure):
                 ("dst_loc_id", ctypes.c_int), ("flags", ctypes.c_uint)]
 
 
-@cache
-def _driver() -> ctypes.CDLL | None:
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        fn = lib.cuMemcpyBatchAsync_v2
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
-                   ctypes.POINTER(_Attributes), ctypes.c_void_p, ctypes.c_size_t,
-                   ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return lib
-
-
 def batch_copy_available() -> bool:
     """Whether this host's CUDA driver exports ``cuMemcpyBatchAsync_v2`` (CUDA 13+)."""
-    return torch.cuda.is_available() and _driver() is not None
+    return torch.cuda.is_available() and has_entry_point(BATCH_ENTRY)
+
+
+class BatchCopier:
+    """Issues copies given as (source, destination, bytes) address arrays; returns the arrays
+    the driver was given, to be kept until the job's event completes."""
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        if not has_entry_point(BATCH_ENTRY):
+            raise RuntimeError("this CUDA driver has no cuMemcpyBatchAsync_v2 (needs CUDA 13)")
+        self._stream = stream
+        self._attrs = _Attributes(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, 0, 0, 0, 0, 0)
+        self._attr_index = np.zeros(1, dtype=np.uint64)
+
+    def launch_runs(self, src: np.ndarray, dst: np.ndarray, size: np.ndarray
+                    ) -> tuple[np.ndarray, ...]:
+        srcs, dsts, sizes = (np.ascontiguousarray(a, dtype=np.uint64) for a in (src, dst, size))
+        driver_call(BATCH_ENTRY, ctypes.c_void_p(dsts.ctypes.data),
+                    ctypes.c_void_p(srcs.ctypes.data), ctypes.c_void_p(sizes.ctypes.data),
+                    ctypes.c_size_t(srcs.size), ctypes.byref(self._attrs),
+                    ctypes.c_void_p(self._attr_index.ctypes.data), ctypes.c_size_t(1),
+                    ctypes.c_void_p(self._stream.cuda_stream))
+        return srcs, dsts, sizes
+
+
+def page_copies(engine: StreamEngine, direction: Direction, job: Job
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``job`` as one (source, destination, bytes) copy per page of every tensor (whole-array
+    numpy operations), merged where pages continue each other inside one host row."""
+    layout = engine.layout
+    kv, host = page_addresses(engine._kv_bases, engine._block_strides,
+                              engine._region.data_ptr(), layout, job)
+    sizes = np.broadcast_to(np.asarray(layout.page_bytes, dtype=np.int64)[:, None], kv.shape)
+    rows = np.broadcast_to(job.host_pages // layout.blocks_per_chunk, kv.shape)
+    src, dst = (kv, host) if direction == "store" else (host, kv)
+    return coalesce(src.ravel(), dst.ravel(), sizes.ravel(), rows.ravel())
 
 
 class BatchCopyEngine(StreamEngine):
-    """Each job is one driver call on the engine's stream; the index arrays stay referenced
-    until the job's event completes."""
+    """Every job as per-page descriptors (`page_copies`) in one driver call."""
 
     name = "copy_engine"
 
     def __init__(self, kv_tensors: Sequence[torch.Tensor], region: torch.Tensor,
-                 layout: SlotLayout, chunk_count: int) -> None:
-        super().__init__(kv_tensors, region, layout, chunk_count)
-        lib = _driver()
-        if lib is None:
-            raise RuntimeError("this CUDA driver has no cuMemcpyBatchAsync_v2 (needs CUDA 13)")
-        self._lib = lib
-        self._attrs = _Attributes(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, 0, 0, 0, 0, 0)
-        self._attr_index = np.zeros(1, dtype=np.uint64)
-        self._keep: deque[tuple[np.ndarray, ...]] = deque()
+                 layout: SlotLayout, chunk_count: int, priority: int = 0) -> None:
+        super().__init__(kv_tensors, region, layout, chunk_count, priority)
+        self.batch = BatchCopier(self._stream)
 
-    def _launch(self, direction: Direction, sides: list[CopySide]) -> None:
-        self._launch_runs(job_runs(sides, self._region, self._layout.row_stride))
-
-    def _launch_runs(self, runs: tuple[np.ndarray, ...]) -> None:
-        """One driver call for the job's merged copies (source, destination, bytes)."""
-        if not runs[0].size:
-            self._keep.append(())
-            return
-        srcs, dsts, sizes = (a.astype(np.uint64) for a in runs)
-        stream = torch.cuda.current_stream().cuda_stream
-        result = self._lib.cuMemcpyBatchAsync_v2(
-            dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, srcs.size,
-            ctypes.byref(self._attrs), self._attr_index.ctypes.data, 1, stream)
-        if result != 0:
-            text = ctypes.c_char_p()
-            self._lib.cuGetErrorString(result, ctypes.byref(text))
-            message = text.value.decode() if text.value else "unknown error"
-            raise RuntimeError(f"cuMemcpyBatchAsync of {srcs.size} copies failed: CUDA error "
-                               f"{result} ({message})")
-        self._keep.append((srcs, dsts, sizes))
-
-    def poll(self) -> list[int]:
-        finished = super().poll()
-        self._release(len(finished))
-        return finished
-
-    def wait_all(self) -> list[int]:
-        finished = super().wait_all()
-        self._keep.clear()
-        return finished
-
-    def _release(self, jobs: int) -> None:
-        for _ in range(min(jobs, len(self._keep))):
-            self._keep.popleft()
+    def _launch(self, direction: Direction, job: Job) -> tuple[np.ndarray, ...]:
+        return self.batch.launch_runs(*page_copies(self, direction, job))

@@ -1,8 +1,9 @@
 """Stream ordering shared by the CUDA backends, and the slow per-block fallback.
 
-Every job runs on the engine's own stream, after whatever the compute stream had queued when the
-job was submitted: a store then sees the compute kernels' pending writes and a load does not
-overtake them.  One event per job, queried without blocking, reports completion.
+Every job runs on the engine's own stream, ordered after the caller's stream or event (default:
+the current stream when the job was submitted): a store then sees the compute kernels' pending
+writes and a load does not overtake them.  One event per job, queried without blocking, reports
+completion and is handed back so a compute stream can wait for the job on the GPU.
 """
 
 from __future__ import annotations
@@ -12,43 +13,59 @@ from collections.abc import Sequence
 
 import torch
 
-from offload.transfer.base import CopySide, Direction, EngineBase
-from offload.transfer.layout import SlotLayout
+from offload.errors import OffloadError
+from offload.transfer.base import After, Direction, EngineBase
+from offload.transfer.layout import Job, SlotLayout
+from offload.transfer.tensors import page_view, region_pages
 
-# Programs (so SMs) a kernel-driven copy may occupy, per direction.  Loads are latency-bound
-# and want more in flight; stores are posted writes that, issued from many SMs, back up the
-# memory system and stall concurrent compute.  Measured on an H200, 1 GiB of scattered 1 MiB
-# blocks next to a bf16 matmul (757 TFLOP/s alone): stores with 4 / 8 / 16 programs ran at
-# 47.1 / 47.6 / 47.4 GB/s with the matmul at 533 / 385 / 102 TFLOP/s; loads with 16 / 32 at
-# 45.5 / 45.9 GB/s, matmul 594 / 543 TFLOP/s.
-DEFAULT_COPY_PROGRAMS: dict[Direction, int] = {"load": 32, "store": 4}
+# Programs (so SMs) the kernel may occupy, per direction.  Stores are posted writes that, issued
+# from many SMs, back up the memory system and stall concurrent compute.  Measured on an H200
+# (scripts/bench_engine.py --sweep-programs, 160 tensors x 16 KiB, 1024-block jobs, bf16 8192^3
+# matmul ~790 TFLOP/s alone): 8 / 16 / 32 / 64 / 132 / 264 programs all copy at 48.4-48.7 GB/s
+# store and 47.3-47.7 load (0.86-0.88x the link), while the matmul beside them ran at
+# 407 / 267 / 202 / 103 / 96 / 95 TFLOP/s during stores and 702 / 635 / 527 / 276 / 178 / 94
+# during loads.  With 4 programs loads of 64 KiB pages dropped to 0.75x.  Loads keep 32 (every
+# figure of the engine table was measured so; 8-16 cost nothing measured on 16-64 KiB pages and
+# leave compute 20-30% more).
+DEFAULT_COPY_PROGRAMS: dict[Direction, int] = {"load": 32, "store": 8}
 
 
 class StreamEngine(EngineBase):
-    """Orders jobs after the compute stream and tracks them with events; ``_launch`` moves the
-    bytes on the transfer stream (the current stream while it runs)."""
+    """Orders jobs after ``after`` and tracks them with events; ``_launch`` enqueues the bytes
+    on ``self._stream`` and may return objects that must live until the job is done."""
 
     def __init__(self, kv_tensors: Sequence[torch.Tensor], region: torch.Tensor,
-                 layout: SlotLayout, chunk_count: int) -> None:
+                 layout: SlotLayout, chunk_count: int, priority: int = 0) -> None:
         super().__init__(kv_tensors, region, layout, chunk_count)
-        self._device = kv_tensors[0].device
-        self._stream = torch.cuda.Stream(self._device)
-        self._pending: deque[tuple[int, torch.cuda.Event]] = deque()
+        self._device = self._geometry.device
+        self._stream = torch.cuda.Stream(self._device, priority=priority)
+        self._ordered = torch.cuda.Event()  # re-recorded per job: the caller's stream point
+        self._pending: deque[tuple[int, torch.cuda.Event, object]] = deque()
 
     @property
     def stream(self) -> torch.cuda.Stream:
         return self._stream
 
-    def _issue(self, job_id: int, direction: Direction, sides: list[CopySide]) -> None:
-        with torch.cuda.device(self._device):
-            self._stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self._stream):
-                self._launch(direction, sides)
-                done = torch.cuda.Event()
-                done.record(self._stream)
-        self._pending.append((job_id, done))
+    def _issue(self, job_id: int, direction: Direction, job: Job, after: After
+               ) -> torch.cuda.Event:
+        stream = self._stream
+        if after is None:
+            self._ordered.record(torch.cuda.current_stream(self._device))
+            stream.wait_event(self._ordered)
+        elif isinstance(after, torch.cuda.Event):
+            stream.wait_event(after)
+        elif isinstance(after, torch.cuda.Stream):
+            stream.wait_stream(after)
+        else:
+            raise OffloadError(f"job {job_id}: after={after!r} is neither a torch.cuda.Event "
+                               "nor a torch.cuda.Stream; pass one of them or None")
+        keep = self._launch(direction, job) if len(job) else None
+        done = torch.cuda.Event()
+        done.record(stream)
+        self._pending.append((job_id, done, keep))
+        return done
 
-    def _launch(self, direction: Direction, sides: list[CopySide]) -> None:
+    def _launch(self, direction: Direction, job: Job) -> object:
         raise NotImplementedError
 
     def poll(self) -> list[int]:
@@ -60,7 +77,7 @@ class StreamEngine(EngineBase):
     def wait_all(self) -> list[int]:
         if self._pending:
             self._pending[-1][1].synchronize()
-        finished = [job_id for job_id, _ in self._pending]
+        finished = [job_id for job_id, _, _ in self._pending]
         self._pending.clear()
         return finished
 
@@ -71,9 +88,26 @@ class PerBlockEngine(StreamEngine):
 
     name = "per_block"
 
-    def _launch(self, direction: Direction, sides: list[CopySide]) -> None:
-        for side in sides:
-            page = side.page_bytes
-            for dst, src in zip(side.dst_offsets.tolist(), side.src_offsets.tolist(),
-                                strict=True):
-                side.dst[dst:dst + page].copy_(side.src[src:src + page], non_blocking=True)
+    def __init__(self, kv_tensors: Sequence[torch.Tensor], region: torch.Tensor,
+                 layout: SlotLayout, chunk_count: int, priority: int = 0) -> None:
+        super().__init__(kv_tensors, region, layout, chunk_count, priority)
+        g = self._geometry
+        self._pages = [
+            (page_view(kv, page, stride),
+             region_pages(self._region, offset, page, layout.blocks_per_chunk,
+                          layout.row_stride, chunk_count))
+            for kv, page, stride, offset in zip(kv_tensors, g.page_bytes, g.block_strides,
+                                                layout.host_page_offsets().tolist(), strict=True)
+        ]
+
+    def _launch(self, direction: Direction, job: Job) -> None:
+        bpc = self._layout.blocks_per_chunk
+        with torch.cuda.stream(self._stream):
+            for block, host_page in zip(job.blocks.tolist(), job.host_pages.tolist(),
+                                        strict=True):
+                chunk, position = divmod(host_page, bpc)
+                for kv, host in self._pages:
+                    if direction == "store":
+                        host[chunk, position].copy_(kv[block], non_blocking=True)
+                    else:
+                        kv[block].copy_(host[chunk, position], non_blocking=True)

@@ -36,12 +36,13 @@ def choose_backend(on_cuda: bool, pinned: bool, has_triton: bool, has_batch_copy
 
 def make_engine(kv_tensors: Sequence[torch.Tensor], region_tensor: torch.Tensor,
                 region_address: int | None, layout: SlotLayout, chunk_count: int, pinned: bool,
-                backend: str = "auto") -> TransferEngine:
+                backend: str = "auto", priority: int = 0) -> TransferEngine:
     """Build this rank's engine.
 
     ``auto`` picks by `choose_backend`.  ``region_address`` is the
     mapping's virtual address (the address CUDA kernels use for registered memory); it must be
-    where ``region_tensor`` starts.
+    where ``region_tensor`` starts.  ``priority`` is the CUDA backends' stream priority (lower
+    is higher, as in ``torch.cuda.Stream``).
     """
     if backend not in BACKENDS:
         raise OffloadError(
@@ -69,22 +70,22 @@ def make_engine(kv_tensors: Sequence[torch.Tensor], region_tensor: torch.Tensor,
         return HostEngine(kv_tensors, region_tensor, layout, chunk_count)
     if backend == "per_block":
         from offload.transfer.cuda import PerBlockEngine
-        return PerBlockEngine(kv_tensors, region_tensor, layout, chunk_count)
+        return PerBlockEngine(kv_tensors, region_tensor, layout, chunk_count, priority)
     if backend == "hybrid":
         from offload.transfer.batch_copy import batch_copy_available
         if not (triton_available() and batch_copy_available()):
             raise OffloadError("backend 'hybrid' needs triton and a CUDA 13 driver "
                                "(cuMemcpyBatchAsync_v2); use 'triton' or 'per_block'")
         from offload.transfer.hybrid import HybridEngine
-        return HybridEngine(kv_tensors, region_tensor, layout, chunk_count)
+        return HybridEngine(kv_tensors, region_tensor, layout, chunk_count, priority=priority)
     if backend == "copy_engine":
         from offload.transfer.batch_copy import BatchCopyEngine, batch_copy_available
         if not batch_copy_available():
             raise OffloadError("backend 'copy_engine' needs a CUDA 13 driver "
                                "(cuMemcpyBatchAsync_v2); use 'triton' or 'per_block'")
-        return BatchCopyEngine(kv_tensors, region_tensor, layout, chunk_count)
+        return BatchCopyEngine(kv_tensors, region_tensor, layout, chunk_count, priority)
     if not triton_available():
         raise OffloadError("backend 'triton' needs the triton package; install offload[gpu] "
                            "or use backend 'per_block'")
-    from offload.transfer.triton_copy import TritonEngine
-    return TritonEngine(kv_tensors, region_tensor, layout, chunk_count)
+    from offload.transfer.kernel import TritonEngine
+    return TritonEngine(kv_tensors, region_tensor, layout, chunk_count, priority=priority)

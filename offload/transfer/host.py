@@ -4,27 +4,45 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
-from offload.transfer.base import CopySide, Direction, EngineBase
-from offload.transfer.layout import IndexArray, SlotLayout
+from offload.transfer.base import After, Direction, EngineBase
+from offload.transfer.layout import Job, SlotLayout
+from offload.transfer.tensors import page_view, region_pages
 
 
 class HostEngine(EngineBase):
-    """Copies with vectorised indexing; each job is done when ``submit`` returns."""
+    """One gather and one scatter per tensor over ``[blocks, page]`` views of the KV tensors
+    (any block stride) and ``[chunks, positions, page]`` views of the region; each job is done
+    when ``submit`` returns."""
 
     name = "host"
 
     def __init__(self, kv_tensors: Sequence[torch.Tensor], region: torch.Tensor,
                  layout: SlotLayout, chunk_count: int) -> None:
         super().__init__(kv_tensors, region, layout, chunk_count)
+        g = self._geometry
+        self._pages = [
+            (page_view(kv, page, stride),
+             region_pages(self._region, offset, page, layout.blocks_per_chunk,
+                          layout.row_stride, chunk_count))
+            for kv, page, stride, offset in zip(kv_tensors, g.page_bytes, g.block_strides,
+                                                layout.host_page_offsets().tolist(), strict=True)
+        ]
         self._done: list[int] = []
 
-    def _issue(self, job_id: int, direction: Direction, sides: list[CopySide]) -> None:
-        for side in sides:
-            copy_pages(side)
+    def _issue(self, job_id: int, direction: Direction, job: Job, after: After) -> None:
+        if len(job):
+            blocks = torch.from_numpy(job.blocks)
+            chunk, position = (torch.from_numpy(a) for a in divmod(
+                job.host_pages, self._layout.blocks_per_chunk))
+            for kv, host in self._pages:
+                if direction == "store":
+                    host[chunk, position] = kv[blocks]
+                else:
+                    kv[blocks] = host[chunk, position]
         self._done.append(job_id)
+        return None
 
     def poll(self) -> list[int]:
         done, self._done = self._done, []
@@ -32,25 +50,3 @@ class HostEngine(EngineBase):
 
     def wait_all(self) -> list[int]:
         return self.poll()
-
-
-def copy_pages(side: CopySide) -> None:
-    """One gather/scatter per tensor: both buffers are viewed as rows of ``granule`` bytes, the
-    largest size dividing every offset and the page, so the index holds ``page / granule``
-    entries per page rather than one per byte."""
-    if side.dst_offsets.size == 0:
-        return
-    granule = int(np.gcd.reduce(np.concatenate(
-        [side.dst_offsets, side.src_offsets, [side.page_bytes]])))
-    per_page = side.page_bytes // granule
-    src = _rows(side.src, granule)[_row_index(side.src_offsets, granule, per_page)]
-    _rows(side.dst, granule)[_row_index(side.dst_offsets, granule, per_page)] = src
-
-
-def _rows(flat: torch.Tensor, granule: int) -> torch.Tensor:
-    return flat[: flat.numel() // granule * granule].view(-1, granule)
-
-
-def _row_index(offsets: IndexArray, granule: int, per_page: int) -> torch.Tensor:
-    first = torch.from_numpy(offsets // granule)
-    return (first[:, None] + torch.arange(per_page)).reshape(-1)

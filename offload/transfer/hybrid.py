@@ -1,34 +1,74 @@
-"""The default CUDA backend: per job, the copy engines or the Triton kernel, by run length.
+"""The default CUDA backend: the kernel, except where the copy engines' runs are long.
 
-Measured on an H200 (1 GiB of scattered blocks, docs/BENCHMARKS.md): one
-``cuMemcpyBatchAsync`` moves 1 MiB runs at 0.96-0.97x the single-buffer rate while a concurrent
-matmul keeps ~100% of its rate, but each descriptor costs the driver about a microsecond, so
-64 KiB runs reach only 0.70x and 4 KiB runs 0.05x; the Triton kernel holds 0.82-0.86x from
-16 KiB up (0.5-0.6x at 4 KiB) and takes 30-45% of a concurrent matmul.  So a job whose
-coalesced copies (`base.job_runs`) average at least ``COPY_ENGINE_MIN_RUN`` bytes goes
-to the copy engines, any other job to the kernel.  Both run on the engine's one stream, so
-jobs still complete in submission order.
+Copy engines win only on long contiguous copies (~1 µs per descriptor, and no SM taken from
+compute); the kernel wins on pages.  Which one a job gets is decided without per-page host work,
+at engine start where possible:
+
+* every page at least ``COPY_ENGINE_MIN_RUN`` (e.g. 1 MiB pages): every job goes to the copy
+  engines, one descriptor per page;
+* else, if every KV tensor holds its blocks back to back and a chunk's run (``blocks_per_chunk
+  × page``) averages at least ``COPY_ENGINE_MIN_RUN``: a chunk-granular job (whole chunks,
+  positions 0..bpc-1 from consecutive blocks — a few whole-array comparisons) is one descriptor
+  per tensor per chunk by construction and goes to the copy engines;
+* anything else runs on the kernel.
+
+Both share the engine's one stream, so jobs still complete in submission order.  Measured on an
+H200 (scripts/bench_engine.py): 64 tensors × 64 KiB whole-chunk jobs of consecutive blocks, copy
+engines 0.91-0.97× the link, the kernel 0.86-0.89× loads; 160 × 16 KiB jobs of scattered
+blocks, the kernel 0.81-0.88×, the copy engines 0.09-0.43×.
 """
 
 from __future__ import annotations
 
-from offload.transfer.base import CopySide, Direction, job_runs
-from offload.transfer.batch_copy import BatchCopyEngine
-from offload.transfer.triton_copy import TritonEngine
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from offload.transfer.base import Direction
+from offload.transfer.batch_copy import BatchCopier, page_copies
+from offload.transfer.cuda import StreamEngine
+from offload.transfer.kernel import NUM_WARPS, kernel_copier
+from offload.transfer.layout import Job, SlotLayout, chunk_starts
 
 COPY_ENGINE_MIN_RUN = 512 << 10
 
 
-class HybridEngine(TritonEngine, BatchCopyEngine):
-    """Routes each job by its mean run length; needs a pinned region, Triton and a CUDA 13
-    driver."""
+class HybridEngine(StreamEngine):
+    """Holds a kernel and a copy-engine path over one stream; ``routes`` counts the jobs each
+    one ran (``"kernel"``, ``"copy_engine"``)."""
 
     name = "hybrid"
 
-    def _launch(self, direction: Direction, sides: list[CopySide]) -> None:
-        runs = job_runs(sides, self._region, self._layout.row_stride)  # merged once, used twice
-        if runs[2].size and runs[2].mean() >= COPY_ENGINE_MIN_RUN:
-            self._launch_runs(runs)
-        else:
-            TritonEngine._launch(self, direction, sides)
-            self._keep.append(())  # keeps the per-job bookkeeping of the batch path aligned
+    def __init__(self, kv_tensors: Sequence[torch.Tensor], region: torch.Tensor,
+                 layout: SlotLayout, chunk_count: int,
+                 programs: Mapping[Direction, int] | None = None, num_warps: int = NUM_WARPS,
+                 priority: int = 0, min_run: int = COPY_ENGINE_MIN_RUN) -> None:
+        super().__init__(kv_tensors, region, layout, chunk_count, priority)
+        self.kernel = kernel_copier(self, programs, num_warps)
+        self.batch = BatchCopier(self._stream)
+        pages = np.asarray(layout.page_bytes, dtype=np.int64)
+        back_to_back = bool((self._block_strides == pages).all())
+        self.page_runs = bool(pages.min() >= min_run)
+        self.chunk_runs = back_to_back and layout.blocks_per_chunk * pages.mean() >= min_run
+        self._run_bytes = layout.blocks_per_chunk * pages[:, None]
+        self._host_bases = self._region.data_ptr() + layout.host_page_offsets()[:, None]
+        self.routes = {"kernel": 0, "copy_engine": 0}
+
+    def _launch(self, direction: Direction, job: Job) -> object:
+        if self.page_runs:
+            self.routes["copy_engine"] += 1
+            return self.batch.launch_runs(*page_copies(self, direction, job))
+        bpc = self._layout.blocks_per_chunk
+        starts = chunk_starts(job, bpc) if self.chunk_runs else None
+        if starts is None:
+            self.routes["kernel"] += 1
+            self.kernel.launch(direction, job)
+            return None
+        self.routes["copy_engine"] += 1
+        first_block, chunk = starts
+        kv = self._kv_bases[:, None] + first_block[None, :] * self._block_strides[:, None]
+        host = self._host_bases + chunk[None, :] * self._layout.row_stride
+        sizes = np.broadcast_to(self._run_bytes, kv.shape)
+        src, dst = (kv, host) if direction == "store" else (host, kv)
+        return self.batch.launch_runs(src.ravel(), dst.ravel(), sizes.ravel())

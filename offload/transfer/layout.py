@@ -1,12 +1,12 @@
 """Pure byte arithmetic of a job: where each page lives on the GPU and in the host region.
 
-No torch and no CUDA: the backends only execute the offsets computed here, so the placement
-rules (plan.py: tensor-major slots, one row per chunk) are tested exhaustively on any host.
+No torch and no CUDA: the backends execute the addresses these rules give (the Triton kernel
+recomputes them on the GPU from the same per-tensor table), so the placement rules (plan.py:
+tensor-major slots, one row per chunk) are tested exhaustively on any host.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,21 +66,33 @@ class SlotLayout:
         """Bytes a region must span to hold ``chunk_count`` rows."""
         return chunk_count * self.row_stride
 
+    def host_page_offsets(self) -> IndexArray:
+        """Per tensor, the byte offset of its page at (chunk 0, position 0) in the region."""
+        return self.slot_offset + np.asarray(self.tensor_offsets, dtype=np.int64)
+
 
 @dataclass(frozen=True)
-class TensorCopies:
-    """The pages one job moves for one KV tensor: byte offsets into the KV tensor and into the
-    region, ``page_bytes`` each."""
+class Job:
+    """A checked job: entry ``i`` moves GPU block ``blocks[i]`` to or from host page
+    ``host_pages[i]`` = chunk × ``blocks_per_chunk`` + position (one index per block of every
+    tensor, so per-job data does not grow with the tensor count)."""
 
-    page_bytes: int
-    kv_offsets: IndexArray
-    host_offsets: IndexArray
+    blocks: IndexArray
+    host_pages: IndexArray
+
+    def __len__(self) -> int:
+        return int(self.blocks.size)
 
 
 def as_index_array(values: object, what: str) -> IndexArray:
-    """A 1-D int64 copy of a job array (list, numpy array or CPU/GPU torch tensor)."""
+    """A 1-D integer array of a job (list, tuple, numpy array or CPU torch tensor), without a
+    copy when it already is one.  A CUDA tensor is refused: reading it would hide a device
+    synchronisation in ``submit``."""
     if hasattr(values, "detach"):  # a torch tensor, kept free of a torch import here
-        values = values.detach().cpu().numpy()
+        if getattr(values, "is_cuda", False):
+            raise OffloadError(f"{what} is a CUDA tensor; pass job indices in host memory "
+                               "(a list, numpy array or CPU tensor)")
+        values = values.detach().numpy()
     array = np.asarray(values)
     if array.size == 0:
         return np.zeros(0, dtype=np.int64)
@@ -88,18 +100,16 @@ def as_index_array(values: object, what: str) -> IndexArray:
         raise OffloadError(
             f"{what} must be a 1-D array of integers, got shape {array.shape} of {array.dtype}"
         )
-    return array.astype(np.int64, copy=False)
+    return array
 
 
-def job_offsets(layout: SlotLayout, gpu_blocks: object, chunk_ids: object, positions: object,
-                *, num_blocks: int, chunk_count: int) -> tuple[TensorCopies, ...]:
-    """Turn a job (block ``gpu_blocks[i]`` goes to page ``positions[i]`` of chunk
-    ``chunk_ids[i]``) into per-tensor byte offsets, after checking every index is in range.
-
-    KV tensor ``t`` is ``[num_blocks, page_bytes[t]]`` contiguous, so block ``b`` starts at
-    ``b * page_bytes[t]``; its host page is at ``chunk * row_stride + slot_offset +
-    tensor_offsets[t] + position * page_bytes[t]``.
-    """
+def check_job(layout: SlotLayout, gpu_blocks: object, chunk_ids: object, positions: object,
+              *, num_blocks: int, chunk_count: int, unique: UniqueDestinations | None = None
+              ) -> Job:
+    """Check a job (block ``gpu_blocks[i]`` goes to page ``positions[i]`` of chunk
+    ``chunk_ids[i]``): equal lengths, every index in range and, with ``unique``, no
+    destination written twice.  Costs a few whole-array numpy operations, nothing per page or
+    per tensor."""
     blocks = as_index_array(gpu_blocks, "gpu_blocks")
     chunks = as_index_array(chunk_ids, "chunk_ids")
     slots = as_index_array(positions, "positions")
@@ -108,19 +118,20 @@ def job_offsets(layout: SlotLayout, gpu_blocks: object, chunk_ids: object, posit
             f"a job needs equally long arrays, got {len(blocks)} gpu_blocks, {len(chunks)} "
             f"chunk_ids and {len(slots)} positions"
         )
-    _check_range(blocks, num_blocks, "gpu block", "the KV cache has {} blocks")
-    _check_range(chunks, chunk_count, "chunk id", "the region has {} chunks")
-    _check_range(slots, layout.blocks_per_chunk, "position", "a chunk holds {} blocks")
-    rows = chunks * layout.row_stride + layout.slot_offset
-    return tuple(
-        TensorCopies(page, blocks * page, rows + offset + slots * page)
-        for page, offset in zip(layout.page_bytes, layout.tensor_offsets, strict=True)
-    )
+    blocks = _in_range(blocks, num_blocks, "gpu block", "the KV cache has {} blocks")
+    chunks = _in_range(chunks, chunk_count, "chunk id", "the region has {} chunks")
+    slots = _in_range(slots, layout.blocks_per_chunk, "position", "a chunk holds {} blocks")
+    job = Job(blocks, chunks * layout.blocks_per_chunk + slots)
+    if unique is not None:
+        unique.check(job)
+    return job
 
 
-def _check_range(values: IndexArray, limit: int, what: str, meaning: str) -> None:
-    if values.size == 0 or (values.min() >= 0 and values.max() < limit):
-        return
+def _in_range(values: np.ndarray, limit: int, what: str, meaning: str) -> IndexArray:
+    """``values`` as int64 after one reduction: viewed unsigned, a negative index is huge."""
+    values = values.astype(np.int64, copy=False)
+    if values.size == 0 or values.view(np.uint64).max() < limit:
+        return values
     i = int(np.flatnonzero((values < 0) | (values >= limit))[0])
     raise OffloadError(
         f"{what} {int(values[i])} (entry {i} of the job) is out of range: "
@@ -128,26 +139,79 @@ def _check_range(values: IndexArray, limit: int, what: str, meaning: str) -> Non
     )
 
 
-def lowest_common_alignment(arrays: Sequence[IndexArray], cap: int) -> int:
-    """The largest power of two ≤ ``cap`` dividing every value of ``arrays``: the widest memory
-    access a copy of these addresses and sizes may use."""
-    acc = cap
-    for array in arrays:
-        if array.size:
-            acc |= int(np.bitwise_or.reduce(array))
-    return acc & -acc
+class UniqueDestinations:
+    """Refuses a job that writes one destination twice — the GPU blocks of a load or the host
+    pages of a store: two copies to one place race in the kernel and the copy engines.
+
+    For index spaces up to ``SCRATCH_LIMIT`` entries, one scatter and one gather over a reused
+    scratch array (entry ``i`` writes ``i`` at its destination; a repeated destination keeps
+    only one writer, so some entry reads back another's number); beyond it, a sort."""
+
+    SCRATCH_LIMIT = 1 << 22
+
+    def __init__(self, field: str, space: int, bpc: int) -> None:
+        self._field, self._bpc = field, bpc
+        self._scratch = np.zeros(space if space <= self.SCRATCH_LIMIT else 0, dtype=np.int64)
+        self._count = np.arange(0, dtype=np.int64)
+
+    def check(self, job: Job) -> None:
+        dest: IndexArray = getattr(job, self._field)
+        n = dest.size
+        if n < 2:
+            return
+        if not self._scratch.size:
+            order = np.argsort(dest, kind="stable")
+            repeats = np.flatnonzero(dest[order][1:] == dest[order][:-1])
+            if repeats.size:
+                self._raise(dest, int(order[repeats[0]]))
+            return
+        if n > self._count.size:
+            self._count = np.arange(n, dtype=np.int64)
+        count = self._count[:n]
+        self._scratch[dest] = count
+        if (self._scratch[dest] != count).any():
+            self._raise(dest, int(np.flatnonzero(self._scratch[dest] != count)[0]))
+
+    def _raise(self, dest: IndexArray, entry: int) -> None:
+        value = int(dest[entry])
+        first, second = np.flatnonzero(dest == value)[:2].tolist()
+        where = (f"GPU block {value}" if self._field == "blocks"
+                 else f"chunk {value // self._bpc} position {value % self._bpc}")
+        raise OffloadError(
+            f"entries {first} and {second} of the job both write {where}; two copies to one "
+            "destination race, so give every destination once per job"
+        )
 
 
-def split_tiles(src: IndexArray, dst: IndexArray, count: IndexArray, tile: int
-                ) -> tuple[IndexArray, IndexArray, IndexArray]:
-    """Split copies (``count[i]`` units from ``src[i]`` to ``dst[i]``) into pieces of at most
-    ``tile`` units, in order, so a kernel's work items are bounded whatever the page size."""
-    pieces = -(-count // tile)
-    if (pieces <= 1).all():
-        return src, dst, count
-    page = np.repeat(np.arange(count.size), pieces)
-    skip = (np.arange(page.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * tile
-    return src[page] + skip, dst[page] + skip, np.minimum(count[page] - skip, tile)
+def page_addresses(kv_bases: IndexArray, block_strides: IndexArray, region_base: int,
+                   layout: SlotLayout, job: Job) -> tuple[IndexArray, IndexArray]:
+    """The reference formula, as [tensors, entries] arrays of byte addresses: block ``b`` of
+    tensor ``t`` starts at ``kv_bases[t] + b * block_strides[t]``; host page ``h`` of tensor
+    ``t`` (chunk ``h // bpc``, position ``h % bpc``) at ``region_base + chunk * row_stride +
+    slot_offset + tensor_offsets[t] + position * page_bytes[t]``."""
+    bpc = layout.blocks_per_chunk
+    chunk, position = np.divmod(job.host_pages, bpc)
+    pages = np.asarray(layout.page_bytes, dtype=np.int64)[:, None]
+    kv = kv_bases[:, None] + job.blocks[None, :] * block_strides[:, None]
+    host = (region_base + layout.host_page_offsets()[:, None] + chunk[None, :] * layout.row_stride
+            + position[None, :] * pages)
+    return kv, host
+
+
+def chunk_starts(job: Job, bpc: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """If ``job`` is whole chunks, each filled in position order from consecutive blocks,
+    its (first block, chunk) per chunk; else None."""
+    n = len(job)
+    if n == 0 or n % bpc:
+        return None
+    steps = np.arange(bpc)
+    blocks = job.blocks.reshape(-1, bpc)
+    pages = job.host_pages.reshape(-1, bpc)
+    if ((pages[:, 0] % bpc).any() or not np.array_equal(pages - pages[:, :1], np.broadcast_to(
+            steps, pages.shape)) or not np.array_equal(blocks - blocks[:, :1],
+                                                        np.broadcast_to(steps, blocks.shape))):
+        return None
+    return blocks[:, 0], pages[:, 0] // bpc
 
 
 def coalesce(src: IndexArray, dst: IndexArray, count: IndexArray,
@@ -171,3 +235,12 @@ def coalesce(src: IndexArray, dst: IndexArray, count: IndexArray,
         joins &= row[1:] == row[:-1]
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
     return src[starts], dst[starts], np.add.reduceat(count, starts)
+
+
+def common_alignment(values: list[int], cap: int) -> int:
+    """The largest power of two ≤ ``cap`` dividing every value: the widest memory access a
+    copy between these addresses, strides and sizes may use."""
+    acc = cap
+    for value in values:
+        acc |= value
+    return acc & -acc

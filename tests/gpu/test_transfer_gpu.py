@@ -1,51 +1,71 @@
-"""The CUDA backends on a real device: byte-exact round trips at 4 KiB - 1 MiB pages, odd pages
-and unaligned regions (narrow elements), stream ordering against the compute stream, and the
-unpinned fallback."""
+"""The CUDA backends on a real device: byte-exact round trips at 4 KiB - 1 MiB pages, engine
+tensor layouts (K/V views, padded per-layer tensors, mixed page sizes, many tensors), odd pages
+and unaligned regions (narrow words), stream ordering and events, routing of the default
+backend, and the unpinned fallback."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from offload.errors import OffloadError
 from offload.transfer import make_engine, triton_available
-from offload.transfer.base import TransferEngine
 from offload.transfer.batch_copy import batch_copy_available
 from offload.transfer.registration import host_registered
-from tests.test_transfer_helpers import HYBRID_PAGES, kv_set, round_trip, scattered_job, slot_layout
+from tests.test_transfer_helpers import (
+    HYBRID_PAGES,
+    engine_kv_set,
+    expected_region,
+    kv_set,
+    page_sizes,
+    round_trip,
+    scattered_job,
+    slot_layout,
+)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 needs_triton = pytest.mark.skipif(not triton_available(), reason="needs triton")
+needs_batch = pytest.mark.skipif(not batch_copy_available(), reason="needs a CUDA 13 driver")
 KiB, MiB = 1 << 10, 1 << 20
 SLEEP_CYCLES = 300_000_000  # ~0.2 s of GPU time: long enough for a copy to overtake if it could
+BACKENDS = [pytest.param("hybrid", marks=[needs_triton, needs_batch]),
+            pytest.param("triton", marks=needs_triton),
+            pytest.param("copy_engine", marks=needs_batch), "per_block"]
 
 
 @contextmanager
-def cuda_engine(backend: str, pages: Sequence[int], num_blocks: int, chunk_count: int,
-                bpc: int = 4, skew: int = 0
-                ) -> Iterator[tuple[TransferEngine, list[torch.Tensor], torch.Tensor]]:
-    """An engine over random CUDA KV tensors and a random host region starting ``skew`` bytes
+def cuda_engine(backend: str, kv: list[torch.Tensor], chunk_count: int, bpc: int = 4,
+                skew: int = 0, **options: Any
+                ) -> Iterator[tuple[Any, list[torch.Tensor], torch.Tensor]]:
+    """An engine over CUDA KV tensors ``kv`` and a random host region starting ``skew`` bytes
     into its allocation; registered with CUDA for the pinned backends only."""
-    layout = slot_layout(pages, bpc)
-    kv = kv_set(num_blocks, pages, device="cuda")
+    layout = slot_layout(page_sizes(kv), bpc)
     buffer = torch.randint(0, 256, (layout.region_bytes(chunk_count) + skew,), dtype=torch.uint8)
     region = buffer[skew:]
     pinned = backend in ("hybrid", "triton", "copy_engine")
     with host_registered(buffer) if pinned else nullcontext():
-        engine = make_engine(kv, region, region.data_ptr(), layout, chunk_count, pinned, backend)
+        if options:
+            engine = _engine_class(backend)(kv, region, layout, chunk_count, **options)
+        else:
+            engine = make_engine(kv, region, region.data_ptr(), layout, chunk_count, pinned,
+                                 backend)
         try:
             yield engine, kv, region
         finally:
             engine.close()
 
-needs_batch = pytest.mark.skipif(not batch_copy_available(), reason="needs a CUDA 13 driver")
-BACKENDS = [pytest.param("hybrid", marks=[needs_triton, needs_batch]),
-            pytest.param("triton", marks=needs_triton),
-            pytest.param("copy_engine", marks=needs_batch), "per_block"]
+
+def _engine_class(backend: str) -> Any:
+    from offload.transfer.hybrid import HybridEngine
+    from offload.transfer.kernel import TritonEngine
+
+    return {"hybrid": HybridEngine, "triton": TritonEngine}[backend]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -53,7 +73,8 @@ BACKENDS = [pytest.param("hybrid", marks=[needs_triton, needs_batch]),
 def test_round_trip_is_byte_exact(backend: str, page: int) -> None:
     num_blocks = max(8, min(256, (64 * MiB) // page))
     chunk_count = num_blocks // 4 + 1
-    with cuda_engine(backend, [page], num_blocks, chunk_count) as (engine, kv, region):
+    kv = kv_set(num_blocks, [page], "cuda")
+    with cuda_engine(backend, kv, chunk_count) as (engine, kv, region):
         assert engine.name == backend
         job = scattered_job(np.random.default_rng(page), num_blocks - 3, num_blocks,
                             chunk_count, 4)
@@ -64,10 +85,68 @@ def test_round_trip_is_byte_exact(backend: str, page: int) -> None:
 @pytest.mark.parametrize("skew", [0, 1, 4, 8])
 def test_hybrid_pages_and_unaligned_regions(backend: str, skew: int) -> None:
     """Odd page sizes (60 B) and a region that starts off 16-byte alignment force narrower
-    elements in the kernel."""
-    with cuda_engine(backend, HYBRID_PAGES, 40, 12, skew=skew) as (engine, kv, region):
+    words in the kernel."""
+    kv = kv_set(40, HYBRID_PAGES, "cuda")
+    with cuda_engine(backend, kv, 12, skew=skew) as (engine, kv, region):
         job = scattered_job(np.random.default_rng(skew), 30, 40, 12, 4)
         round_trip(engine, kv, region, slot_layout(HYBRID_PAGES, 4), job)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("pages", [(16 * KiB, 4 * KiB, 64 * KiB), (16 * KiB, 61, 1000, 48)])
+def test_engine_layouts_many_tensors_both_directions(backend: str,
+                                                     pages: tuple[int, ...]) -> None:
+    """K/V views of [blocks, 2, ...] tensors plus padded per-layer tensors, 3 per page size,
+    repeated to dozens of tensors: the kernel's one launch covers them all."""
+    kv = engine_kv_set(48, pages * (4 if backend == "per_block" else 12), "cuda")
+    with cuda_engine(backend, kv, 14) as (engine, kv, region):
+        if backend == "triton":
+            from offload.transfer.kernel import MAX_WORD
+
+            aligned = all(p % 16 == 0 for p in pages)
+            assert engine.kernel.word == (MAX_WORD if aligned else 1)
+        job = scattered_job(np.random.default_rng(len(kv)), 40, 48, 14, 4)
+        round_trip(engine, kv, region, slot_layout(page_sizes(kv), 4), job)
+
+
+@needs_triton
+def test_many_jobs_in_flight_reuse_staging_and_stay_exact() -> None:
+    """Jobs queued behind a sleeping compute stream: the first ones sit in distinct staging
+    slots with their uploads pending (submit does not wait); later ones reuse slots and grow
+    the buffers twice (those submits wait for the pending uploads, by design).  Every job must
+    move the indices it was submitted with, in order."""
+    from offload.transfer.kernel import STAGING_SLOTS
+
+    sizes = [3, 9, 1, 300, 20, 600, 40, 5, 40, 6]
+    assert len(sizes) > STAGING_SLOTS and max(sizes[:3]) <= 256
+    kv = kv_set(sum(sizes), [4 * KiB, 1000], "cuda")
+    layout = slot_layout([4 * KiB, 1000], 4)
+    with cuda_engine("triton", kv, sum(sizes) // 4) as (engine, kv, region):
+        rng = np.random.default_rng(7)
+        blocks, pages = rng.permutation(sum(sizes)), rng.permutation(sum(sizes))
+        cuts = np.cumsum([0, *sizes])
+        jobs = [(blocks[a:b], pages[a:b] // 4, pages[a:b] % 4)
+                for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+        engine.submit(-2, "store", *jobs[0])  # compiles both directions before the sleep
+        engine.submit(-1, "load", *jobs[0])
+        engine.wait_all()
+        expected = region.clone()
+        for job in jobs:
+            expected = expected_region(expected, kv, layout, job)
+        original = [t.clone() for t in kv]
+        for direction in ("store", "load"):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            for job_id, job in enumerate(jobs):
+                engine.submit(job_id, direction, *job)
+                if job_id == 2:
+                    assert engine.poll() == []  # three jobs staged, none run yet
+            assert engine.wait_all() == list(range(len(jobs)))
+            if direction == "store":
+                assert torch.equal(region, expected)
+                for t in kv:
+                    t.zero_()
+        assert all(torch.equal(a, b) for a, b in zip(kv, original, strict=True))
+        assert engine.kernel._capacity == 1024  # grew twice, to the largest job rounded up
 
 
 @pytest.mark.parametrize(("pinned", "expected"), [
@@ -79,30 +158,32 @@ def test_auto_picks_by_pinning(pinned: bool, expected: str) -> None:
     assert engine.name == expected
 
 
-def _slow_write(kv: torch.Tensor, block: int, value: int) -> None:
-    """Queue on the compute stream a long sleep, then a write of ``value`` over ``block``."""
-    torch.cuda._sleep(SLEEP_CYCLES)
-    kv.view(torch.uint8)[block].fill_(value)
+def _slow_write(kv: torch.Tensor, block: int, value: int,
+                stream: torch.cuda.Stream | None = None) -> None:
+    """Queue on ``stream`` (default: current) a long sleep, then a write over ``block``."""
+    with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        torch.cuda._sleep(SLEEP_CYCLES)
+        kv.view(torch.uint8)[block].fill_(value)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_load_does_not_overtake_pending_compute_writes(backend: str) -> None:
-    with cuda_engine(backend, [16 * KiB], 8, 2) as (engine, kv, region):
+    with cuda_engine(backend, kv_set(8, [16 * KiB], "cuda"), 2) as (engine, kv, region):
         engine.submit(0, "store", [5], [1], [2])
         engine.wait_all()
         stored = kv[0].view(torch.uint8)[5].clone()
         _slow_write(kv[0], 3, 0x11)
-        engine.submit(1, "load", [3], [1], [2])
+        done = engine.submit(1, "load", [3], [1], [2])
         seen = engine.poll()
         if backend != "per_block":  # pageable copies may block in submit; pinned ones never do
-            assert seen == []  # the compute stream is still asleep and poll must not wait
-        assert seen + engine.wait_all() == [1]
+            assert seen == [] and not done.query()  # compute still asleep; poll must not wait
+        assert seen + engine.wait_all() == [1] and done.query()
         assert torch.equal(kv[0].view(torch.uint8)[3], stored)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_store_sees_pending_compute_writes(backend: str) -> None:
-    with cuda_engine(backend, [16 * KiB], 8, 2) as (engine, kv, region):
+    with cuda_engine(backend, kv_set(8, [16 * KiB], "cuda"), 2) as (engine, kv, region):
         _slow_write(kv[0], 6, 0x5A)
         engine.submit(0, "store", [6], [0], [3])
         assert engine.wait_all() == [0]
@@ -110,9 +191,35 @@ def test_store_sees_pending_compute_writes(backend: str) -> None:
         assert (region[start:start + 16 * KiB] == 0x5A).all()
 
 
+@needs_triton
+def test_after_orders_on_a_given_stream_or_event_and_the_event_orders_compute() -> None:
+    """``after=`` a side stream or event: the store waits for that stream's pending write, not
+    for the (idle) current stream; a compute stream that waits on a load's returned event reads
+    the loaded bytes."""
+    with cuda_engine("triton", kv_set(8, [16 * KiB], "cuda"), 2) as (engine, kv, region):
+        start = slot_layout([16 * KiB], 4).slot_offset
+        for value, as_event in ((0x21, False), (0x42, True)):
+            side = torch.cuda.Stream()
+            _slow_write(kv[0], 1, value, side)
+            after = side.record_event() if as_event else side
+            engine.submit(0, "store", [1], [0], [0], after=after)
+            engine.wait_all()
+            assert (region[start:start + 16 * KiB] == value).all()
+        kv[0].zero_()
+        compute = torch.cuda.Stream()
+        done = engine.submit(1, "load", [4], [0], [0])
+        compute.wait_event(done)
+        with torch.cuda.stream(compute):
+            seen = kv[0].view(torch.uint8)[4].clone()
+        compute.synchronize()
+        assert (seen == 0x42).all()
+        with pytest.raises(OffloadError, match="after=3 is neither a torch.cuda.Event"):
+            engine.submit(2, "load", [4], [0], [0], after=3)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_jobs_complete_in_submission_order(backend: str) -> None:
-    with cuda_engine(backend, [64 * KiB], 16, 4) as (engine, kv, region):
+    with cuda_engine(backend, kv_set(16, [64 * KiB], "cuda"), 4) as (engine, kv, region):
         torch.cuda._sleep(SLEEP_CYCLES)
         for job_id in range(5):
             engine.submit(job_id, "store" if job_id % 2 else "load", [job_id], [job_id % 4],
@@ -122,25 +229,65 @@ def test_jobs_complete_in_submission_order(backend: str) -> None:
         assert seen == list(range(5))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_destination_written_twice_is_refused(backend: str) -> None:
+    with cuda_engine(backend, kv_set(16, [4 * KiB], "cuda"), 4) as (engine, kv, region):
+        with pytest.raises(OffloadError, match="entries 0 and 2 of the job both write chunk 1"):
+            engine.submit(0, "store", [1, 2, 3], [1, 2, 1], [0, 0, 0])
+        with pytest.raises(OffloadError, match="entries 0 and 1 of the job both write GPU "
+                           "block 7"):
+            engine.submit(1, "load", [7, 7], [1, 2], [0, 0])
+        assert engine.wait_all() == []
+
+
 @needs_triton
 @needs_batch
-def test_hybrid_routes_long_runs_to_copy_engines_and_keeps_order() -> None:
-    from offload.transfer import job_offsets
-    from offload.transfer.base import job_runs
-
-    with cuda_engine("hybrid", [64 * KiB], 64, 4, bpc=16) as (engine, kv, region):
-        original = kv[0].view(torch.uint8).clone()  # bytes: random bf16 bits hold NaNs
-        whole_chunk = (list(range(16)), [2] * 16, list(range(16)))  # one 1 MiB run per chunk
-        scattered = ([40, 7, 63], [0, 3, 1], [5, 9, 2])  # three separate 64 KiB pages
-        copies = job_offsets(engine.layout, *whole_chunk, num_blocks=64, chunk_count=4)
-        sides = list(engine._orient("store", copies))
-        assert job_runs(sides, engine._region, engine.layout.row_stride)[2].tolist() == [MiB]
+@pytest.mark.parametrize("min_run", [512 * KiB, 1 << 62])
+def test_hybrid_routes_whole_chunks_to_copy_engines_and_keeps_order(min_run: int) -> None:
+    """Whole chunks of consecutive blocks (1 MiB runs) go to the copy engines, scattered
+    pages to the kernel — counted, so a router that never used the copy engines fails; with
+    the threshold out of reach everything runs on the kernel.  Bytes exact either way."""
+    kv = kv_set(64, [64 * KiB, 64 * KiB], "cuda")
+    with cuda_engine("hybrid", kv, 4, bpc=16, min_run=min_run) as (engine, kv, region):
+        original = [t.view(torch.uint8).clone() for t in kv]
+        whole_chunk = (list(range(16, 32)), [2] * 16, list(range(16)))
+        scattered = ([40, 7, 63], [0, 3, 1], [5, 9, 2])
         engine.submit(0, "store", *whole_chunk)
         engine.submit(1, "store", *scattered)
         assert engine.wait_all() == [0, 1]
-        kv[0].zero_()
+        long_runs = min_run <= MiB
+        assert engine.routes == {"kernel": 1 if long_runs else 2,
+                                 "copy_engine": 1 if long_runs else 0}
+        for t in kv:
+            t.zero_()
         engine.submit(2, "load", *scattered)
         engine.submit(3, "load", *whole_chunk)
         assert engine.wait_all() == [2, 3]
-        for block in [*range(16), 40, 7, 63]:
-            assert torch.equal(kv[0].view(torch.uint8)[block], original[block])
+        assert engine.routes["copy_engine"] == (2 if long_runs else 0)
+        for t, before in zip(kv, original, strict=True):
+            for block in [*range(16, 32), 40, 7, 63]:
+                assert torch.equal(t.view(torch.uint8)[block], before[block])
+
+
+@needs_triton
+@needs_batch
+def test_hybrid_sends_jobs_of_long_pages_to_copy_engines() -> None:
+    """Pages of at least the threshold: every job (scattered too) goes to the copy engines."""
+    kv = kv_set(16, [1 * MiB], "cuda")
+    with cuda_engine("hybrid", kv, 5) as (engine, kv, region):
+        assert engine.page_runs
+        job = scattered_job(np.random.default_rng(3), 12, 16, 5, 4)
+        round_trip(engine, kv, region, slot_layout([1 * MiB], 4), job)
+        assert engine.routes == {"kernel": 0, "copy_engine": 2}
+
+
+@needs_triton
+@needs_batch
+def test_hybrid_never_routes_strided_tensors_to_copy_engines() -> None:
+    """K/V views hold a block every two pages: a chunk is not one run, so the kernel runs."""
+    kv = engine_kv_set(64, [64 * KiB], "cuda")
+    with cuda_engine("hybrid", kv, 4, bpc=16, min_run=128 * KiB) as (engine, kv, region):
+        assert not engine.chunk_runs and not engine.page_runs
+        round_trip(engine, kv, region, slot_layout(page_sizes(kv), 16),
+                   (np.arange(16), np.full(16, 1), np.arange(16)))
+        assert engine.routes == {"kernel": 2, "copy_engine": 0}

@@ -1,0 +1,358 @@
+"""Engine-shaped transfers: every job moves N blocks × every KV tensor (DESIGN.md sections 6, 8).
+
+An inference engine's KV cache is one tensor per layer and K/V (``--layers 80`` → 160 tensors)
+with small pages (``--page-bytes 16KiB``); each scheduler step stores or loads a few to a few
+thousand blocks.  For each backend and job size (``--blocks``), both directions, median of
+``--reps`` jobs:
+
+* GB/s      job bytes ÷ (submit → completion), wall clock on the host;
+* submit_us host time inside ``submit`` (checks, index upload, launch);
+* link      one pinned buffer of ``--link-bytes`` copied in one piece, same run: the ratio's base.
+
+Every backend's last job of each size is verified byte for byte (stored blocks loaded back into
+other blocks).  ``--matmul`` adds a bf16 matmul's TFLOP/s while the largest jobs copy;
+``--sweep-programs 8,32:64,...`` runs the kernel with each program budget (and step KiB);
+``--contention`` times a small job submitted behind a long compute queue (no data dependency)
+on a normal and a high-priority stream.  ``--ranks N`` runs N processes at once (GPU
+``rank % devices``).
+
+    python scripts/bench_engine.py --layers 80 --page-bytes 16KiB --blocks 1,16,128,1024 \\
+        --backend hybrid,triton,copy_engine --json engine.json
+
+Works against older checkouts of the library too (only ``make_engine``, ``submit``,
+``wait_all``), so before/after figures come from one script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from offload.sizes import format_size, parse_size
+from offload.transfer import SlotLayout, make_engine
+from offload.transfer.registration import host_registered
+
+MATMUL_N = 8192
+
+
+def kv_tensors(layers: int, page: int, num_blocks: int, layout: str, device: torch.device
+               ) -> list[torch.Tensor]:
+    """2 × ``layers`` KV tensors of ``num_blocks`` pages: separate ``[blocks, page]`` tensors
+    or K/V views of one ``[blocks, 2, page]`` tensor per layer; random bytes."""
+    out = []
+    for _ in range(layers):
+        if layout == "views":
+            kv = torch.randint(0, 256, (num_blocks, 2, page), dtype=torch.uint8, device=device)
+            out += [kv[:, 0], kv[:, 1]]
+        else:
+            out += [torch.randint(0, 256, (num_blocks, page), dtype=torch.uint8, device=device)
+                    for _ in range(2)]
+    return out
+
+
+def make_job(rng: np.random.Generator, n: int, num_blocks: int, chunk_count: int, bpc: int,
+             pattern: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``scattered``: random blocks to random host pages; ``chunks``: random blocks filling
+    whole chunks in position order (what an engine stores); ``runs``: the same from consecutive
+    blocks (copy-engine friendly)."""
+    if pattern == "scattered":
+        blocks = rng.permutation(num_blocks)[:n]
+        pages = rng.permutation(chunk_count * bpc)[:n]
+        return blocks, pages // bpc, pages % bpc
+    chunks = rng.permutation(chunk_count)[: -(-n // bpc)]
+    pages = (chunks[:, None] * bpc + np.arange(bpc)).ravel()[:n]
+    if pattern == "chunks":
+        blocks = rng.permutation(num_blocks)[:n]
+    else:
+        starts = rng.permutation(num_blocks // bpc)[: chunks.size] * bpc
+        blocks = (starts[:, None] + np.arange(bpc)).ravel()[:n]
+    return blocks, pages // bpc, pages % bpc
+
+
+def link_rate(host: torch.Tensor, gpu: torch.Tensor, reps: int) -> dict[str, float]:
+    """GB/s of one ``copy_`` of the whole buffer, per direction (CUDA events)."""
+    out = {}
+    for direction, (dst, src) in {"store": (host, gpu), "load": (gpu, host)}.items():
+        samples = []
+        for _ in range(reps + 1):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        out[direction] = host.numel() / statistics.median(samples[1:]) / 1e9
+    return out
+
+
+def matmul_tflops(a: torch.Tensor, count: int, during: Callable[[], None] | None = None
+                  ) -> float:
+    torch.cuda.synchronize()
+    if during is not None:
+        during()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(count):
+        a @ a
+    end.record()
+    torch.cuda.synchronize()
+    return count * 2 * MATMUL_N**3 / (start.elapsed_time(end) / 1e3) / 1e12
+
+
+def build_engine(name: str, kv: list[torch.Tensor], region: torch.Tensor, layout: SlotLayout,
+                 chunk_count: int, kernel: str | None) -> Any:
+    """``name`` through ``make_engine``, or the kernel with ``kernel`` =
+    "PROGRAMS[:STEP_KIB[:WORD[:TILE_KIB[:WARPS]]]]" (the program budget of both directions,
+    bytes a program moves per step, widest access, largest piece of a page, warps)."""
+    if kernel is None:
+        return make_engine(kv, region, region.data_ptr(), layout, chunk_count, True, name)
+    from offload.transfer.kernel import (
+        MAX_TILE_BYTES,
+        MAX_WORD,
+        NUM_WARPS,
+        STEP_BYTES,
+        TritonEngine,
+    )
+
+    programs, step, word, tile, warps = (kernel.split(":") + [""] * 4)[:5]
+    return TritonEngine(kv, region, layout, chunk_count,
+                        {"store": int(programs), "load": int(programs)},
+                        int(warps) if warps else NUM_WARPS,
+                        step_bytes=int(step) << 10 if step else STEP_BYTES,
+                        max_word=int(word) if word else MAX_WORD,
+                        tile_bytes=int(tile) << 10 if tile else MAX_TILE_BYTES)
+
+
+class Rank:
+    def __init__(self, args: argparse.Namespace, rank: int, barrier: Any) -> None:
+        self.args, self.rank, self.barrier = args, rank, barrier
+        self.device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(self.device)
+        bpc, page = args.bpc, args.page_bytes
+        self.num_blocks = 2 * max(args.blocks)
+        self.chunk_count = -(-2 * max(args.blocks) // bpc)
+        self.kv = kv_tensors(args.layers, page, self.num_blocks, args.layout, self.device)
+        t = len(self.kv)
+        self.layout = SlotLayout(bpc * page * t, 0, bpc, (page,) * t,
+                                 tuple(bpc * page * i for i in range(t)))
+        self.region = torch.empty(self.layout.region_bytes(self.chunk_count), dtype=torch.uint8)
+        self.region.fill_(1)  # first touch, untimed
+        self.rng = np.random.default_rng(rank)
+        self.job_bytes = page * t
+
+    def sync(self) -> None:
+        torch.cuda.synchronize()
+        if self.barrier is not None:
+            self.barrier.wait()
+
+    def measure(self, engine: Any, n: int, direction: str) -> dict[str, float]:
+        a = self.args
+        jobs = [make_job(self.rng, n, self.num_blocks, self.chunk_count, a.bpc, a.pattern)
+                for _ in range(a.reps + 2)]
+        walls, hosts = [], []
+        for i, job in enumerate(jobs):
+            self.sync()
+            t0 = time.perf_counter()
+            engine.submit(i, direction, *job)
+            t1 = time.perf_counter()
+            engine.wait_all()
+            t2 = time.perf_counter()
+            if i >= 2:
+                walls.append(t2 - t0)
+                hosts.append(t1 - t0)
+        wall = statistics.median(walls)
+        return {"GBps": n * self.job_bytes / wall / 1e9, "submit_us": statistics.median(hosts)
+                * 1e6, "wall_us": wall * 1e6}
+
+    def verify(self, engine: Any, n: int) -> bool:
+        blocks, chunks, positions = make_job(self.rng, n, self.num_blocks, self.chunk_count,
+                                             self.args.bpc, self.args.pattern)
+        engine.submit(0, "store", blocks, chunks, positions)
+        engine.wait_all()
+        saved = [t[torch.from_numpy(blocks).to(self.device)].clone() for t in self.kv]
+        other = self.rng.permutation(self.num_blocks)[:n]
+        engine.submit(1, "load", other, chunks, positions)
+        engine.wait_all()
+        index = torch.from_numpy(other).to(self.device)
+        return all(torch.equal(t[index], s) for t, s in zip(self.kv, saved, strict=True))
+
+    def run(self) -> dict[str, Any]:
+        a = self.args
+        out: dict[str, Any] = {"rank": self.rank, "device": torch.cuda.get_device_name(),
+                               "rows": []}
+        with host_registered(self.region):
+            span = min(a.link_bytes, self.region.numel())
+            gpu = torch.empty(span, dtype=torch.uint8, device=self.device)
+            out["link_GBps"] = link_rate(self.region[:span], gpu, 5)
+            del gpu
+            configs = [(b, None) for b in a.backend]
+            configs += [("triton", k) for k in a.sweep_programs]
+            mm = None
+            if a.matmul:
+                mm = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device=self.device)
+                matmul_tflops(mm, 5)  # cuBLAS set-up, untimed
+                out["matmul_TFLOPs_alone"] = matmul_tflops(mm, 20)
+            for backend, kernel in configs:
+                engine = build_engine(backend, self.kv, self.region, self.layout,
+                                      self.chunk_count, kernel)
+                label = backend if kernel is None else f"triton@{kernel}"
+                for n in a.blocks:
+                    for direction in ("store", "load"):
+                        row = {"backend": label, "engine": engine.name, "blocks": n,
+                               "direction": direction, "bytes": n * self.job_bytes,
+                               **self.measure(engine, n, direction)}
+                        row["ratio"] = row["GBps"] / out["link_GBps"][direction]
+                        if mm is not None and n == max(a.blocks):
+                            row["matmul_TFLOPs"] = self.during(engine, mm, n, direction)
+                        out["rows"].append(row)
+                    out["rows"][-1]["verified"] = out["rows"][-2]["verified"] = \
+                        self.verify(engine, n)
+                engine.close()
+            if a.contention:
+                out["contention"] = self.contention()
+        return out
+
+    def during(self, engine: Any, mm: torch.Tensor, n: int, direction: str) -> float:
+        """Matmul TFLOP/s while jobs of ``n`` blocks copy back to back."""
+        jobs = [make_job(self.rng, n, self.num_blocks, self.chunk_count, self.args.bpc,
+                         self.args.pattern) for _ in range(4)]
+
+        def copies() -> None:
+            for i, job in enumerate(jobs):
+                engine.submit(i, direction, *job)
+
+        tflops = matmul_tflops(mm, 20, copies)
+        engine.wait_all()
+        return tflops
+
+    def contention(self) -> dict[str, float]:
+        """µs from submit to done of a 16-block load queued behind ~50 ms of matmuls that it
+        does not depend on, on a normal and a high-priority copy stream, and idle."""
+        from offload.transfer.kernel import TritonEngine
+
+        mm = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device=self.device)
+        matmul_tflops(mm, 5)
+        out = {}
+        for label, priority in (("normal", 0), ("high", -1)):
+            engine = TritonEngine(self.kv, self.region, self.layout, self.chunk_count,
+                                  priority=priority)
+            samples, idle = [], []
+            for _ in range(5):
+                job = make_job(self.rng, 16, self.num_blocks, self.chunk_count, self.args.bpc,
+                               "scattered")
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                engine.submit(0, "load", *job)
+                engine.wait_all()
+                idle.append(time.perf_counter() - t0)
+                free = torch.cuda.Event()
+                free.record()
+                for _ in range(40):
+                    mm @ mm
+                t0 = time.perf_counter()
+                engine.submit(1, "load", *job, after=free)
+                engine.wait_all()
+                samples.append(time.perf_counter() - t0)
+                torch.cuda.synchronize()
+            out[f"{label}_busy_us"] = statistics.median(samples) * 1e6
+            out[f"{label}_idle_us"] = statistics.median(idle) * 1e6
+            engine.close()
+        return out
+
+
+def _worker(rank: int, args: argparse.Namespace, barrier: Any, results: Any) -> None:
+    results.put(Rank(args, rank, barrier).run())
+
+
+def run_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
+    if args.ranks == 1:
+        return [Rank(args, 0, None).run()]
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(args.ranks), ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, args, barrier, results))
+             for r in range(args.ranks)]
+    for p in procs:
+        p.start()
+    out = [results.get() for _ in procs]
+    for p in procs:
+        p.join()
+    return sorted(out, key=lambda r: r["rank"])
+
+
+def print_table(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
+    print(f"{2 * args.layers} tensors x {format_size(args.page_bytes)} pages, layout "
+          f"{args.layout}, pattern {args.pattern}, {args.bpc} blocks per chunk")
+    print(f"{'rank':>4} {'backend':>12} {'blocks':>6} {'bytes':>9} {'dir':>5} {'GB/s':>6} "
+          f"{'ratio':>5} {'sub_us':>7} {'wall_us':>8} {'mm_TF':>5} ok")
+    for r in results:
+        for row in r["rows"]:
+            mm = row.get("matmul_TFLOPs")
+            print(f"{r['rank']:>4} {row['backend']:>12} {row['blocks']:>6} "
+                  f"{format_size(row['bytes']):>9} {row['direction']:>5} {row['GBps']:6.1f} "
+                  f"{row['ratio']:5.2f} {row['submit_us']:7.0f} {row['wall_us']:8.0f} "
+                  f"{'' if mm is None else f'{mm:.0f}':>5} {'y' if row['verified'] else 'NO'}")
+        link = r["link_GBps"]
+        print(f"{r['rank']:>4} {r['device']}: link (one pinned buffer) store {link['store']:.1f} "
+              f"/ load {link['load']:.1f} GB/s"
+              + (f"; matmul alone {r['matmul_TFLOPs_alone']:.0f} TFLOP/s"
+                 if "matmul_TFLOPs_alone" in r else ""))
+        if "contention" in r:
+            print(f"{r['rank']:>4} 16-block load behind 40 matmuls (us): "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in r["contention"].items()))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=80, help="layers; tensors = 2 x layers")
+    p.add_argument("--page-bytes", default="16KiB", help="bytes of one block in one tensor")
+    p.add_argument("--blocks", default="1,16,128,1024", help="job sizes in blocks")
+    p.add_argument("--backend", default="hybrid,triton,copy_engine",
+                   help="comma-separated backends to measure")
+    p.add_argument("--layout", default="separate", choices=("separate", "views"),
+                   help="separate [blocks, page] tensors or K/V views of [blocks, 2, page]")
+    p.add_argument("--pattern", default="chunks", choices=("scattered", "chunks", "runs"))
+    p.add_argument("--bpc", type=int, default=16, help="blocks per chunk")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--link-bytes", default="1GiB")
+    p.add_argument("--ranks", type=int, default=1)
+    p.add_argument("--matmul", action="store_true")
+    p.add_argument("--contention", action="store_true")
+    p.add_argument("--sweep-programs", default="",
+                   help="kernel settings to try, comma-separated "
+                        "PROGRAMS[:STEP_KIB[:WORD[:TILE_KIB[:WARPS]]]]")
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args(argv)
+    args.page_bytes = parse_size(args.page_bytes, "--page-bytes")
+    args.link_bytes = parse_size(args.link_bytes, "--link-bytes")
+    args.blocks = [int(b) for b in args.blocks.split(",")]
+    args.backend = [b for b in args.backend.split(",") if b]
+    args.sweep_programs = [x for x in args.sweep_programs.split(",") if x]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_engine: needs CUDA (no CUDA device visible); nothing measured",
+              file=sys.stderr)
+        return 2
+    results = run_ranks(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items()}, "results": results}, f,
+                      indent=1)
+    print_table(args, results)
+    return 0 if all(row["verified"] for r in results for row in r["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
