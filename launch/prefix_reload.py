@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import itertools
 import json
 import logging
@@ -195,8 +196,10 @@ class PagedCache:
 
 # ---------------------------------------------------------------------- the model
 def import_transformers() -> Any:
+    """The optional dependency, imported by name: mypy then does not follow it into its
+    1,300 modules (it ships py.typed), and a missing install is a one-line user error."""
     try:
-        import transformers
+        transformers = importlib.import_module("transformers")
     except ImportError:
         raise OffloadError("launch/prefix_reload.py needs transformers, which is not "
                            "installed; pip install 'offload[model]'") from None
@@ -353,15 +356,19 @@ def reload_once(engine: Engine, prompt: Prompt, reload: int, table: list[int], a
     cache = build_cache(engine.tf, full)
     sync(engine.device)
     rebuilt = time.perf_counter()
-    where = {"rank": dist.get_rank(), "prompt": prompt.index, "reload": reload}
-    diff = page_difference(prompt, pages, engine.heads, args) or cache_difference(prompt, full)
+    kv_diff = page_difference(prompt, pages, engine.heads, args) or cache_difference(prompt,
+                                                                                     full)
     tokens = greedy(engine.model, cache, prompt.first_token, prompt.tokens, args.decode_tokens)
-    if diff is None and tokens != prompt.reference_tokens:
-        step = next(i for i, (a, b) in enumerate(zip(tokens, prompt.reference_tokens, strict=True))
-                    if a != b)
-        diff = {"what": "token", "step": step, "position": prompt.tokens + step,
-                "expected": prompt.reference_tokens[step], "got": tokens[step]}
-    return {"ok": diff is None, "difference": None if diff is None else {**where, **diff},
+    step = next((i for i, (a, b) in enumerate(zip(tokens, prompt.reference_tokens, strict=True))
+                 if a != b), None)
+    token_diff = None if step is None else {
+        "what": "token", "position": prompt.tokens + step,
+        "expected": prompt.reference_tokens[step], "got": tokens[step]}
+    diff = kv_diff or token_diff
+    if diff is not None:  # where, what, and whether decoding diverged (at which step)
+        diff = {"rank": dist.get_rank(), "prompt": prompt.index, "reload": reload, **diff,
+                "decode_diverged_at_step": step}
+    return {"ok": diff is None, "difference": diff,
             "reload_s": loaded - started, "rebuild_s": rebuilt - loaded}
 
 
