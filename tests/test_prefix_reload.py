@@ -34,12 +34,12 @@ SMALL = ("--prompt-tokens", "21,40", "--layers", "2", "--decode-tokens", "5",
          "--cpu-bytes", "8MiB", "--num-gpu-blocks", "24", "--timeout", "60")
 
 
-def torchrun(nproc: int, *args: str, shm_dir: str, env: dict[str, str] | None = None
-             ) -> subprocess.CompletedProcess[str]:
+def torchrun(nproc: int, *args: str, shm_dir: str, env: dict[str, str] | None = None,
+             device: str = "cpu") -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
            "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), str(ROOT / "launch" / "prefix_reload.py"),
-           "--device", "cpu", "--shm-dir", shm_dir, *args]
+           "--device", device, "--shm-dir", shm_dir, *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
