@@ -12,6 +12,7 @@ import json
 import logging
 import mmap
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -429,3 +430,13 @@ def test_parallel_callers_get_their_own_bytes(tier_dir: str) -> None:
         with ThreadPoolExecutor(4) as pool:
             assert all(pool.map(worker, range(4)))
         assert tier.stats().hits == 24
+
+
+def test_readme_example_runs(tier_dir: str) -> None:
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
+        readme = f.read()
+    example = next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+                   if "FileTier(" in b)
+    assert example.count("tempfile.mkdtemp()") == 1
+    exec(example.replace("tempfile.mkdtemp()", repr(tier_dir)), {})
+    assert len(os.listdir(tier_dir)) == 1  # its fingerprint subdirectory
