@@ -25,7 +25,7 @@ from collections.abc import Iterator
 import pytest
 
 from offload.errors import OffloadError
-from offload.tiers import FileTier, geometry_fingerprint, host_view
+from offload.tiers import FileTier, chunk_file_bytes, geometry_fingerprint, host_view
 from offload.tiers.file_format import file_name, key_bytes
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -109,6 +109,9 @@ def test_put_get_round_trip_and_report(tier_dir: str, warnings_seen: list[str]) 
         assert (report["written_bytes"], report["read_bytes"]) == (5 * FILE, 5 * FILE)
         assert (report["hits"], report["misses"], report["corrupt"]) == (5, 1, 0)
         assert report["files"] == 5 and report["write_GBps"] > 0 and report["read_GBps"] > 0
+        assert report["file_bytes"] == chunk_file_bytes(ROW, 4096) == FILE
+        assert all(os.path.getsize(os.path.join(tier.directory, n)) == FILE
+                   for n in _files(tier))
         json.dumps(report)
         assert _files(tier) == sorted(file_name(key_bytes(("seq", i))) for i in range(5))
     assert warnings_seen == []

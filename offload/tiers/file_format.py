@@ -79,6 +79,12 @@ def file_name(key: bytes) -> str:
     return hashlib.sha256(key).hexdigest()[:40] + SUFFIX
 
 
+def chunk_file_bytes(row_bytes: int, page_size: int) -> int:
+    """Disk bytes of one chunk file: a header page plus the row.  A plan that wants the same
+    number of files on every rank gives each ``capacity × chunk_file_bytes(its row)``."""
+    return page_size + row_bytes
+
+
 def max_key_bytes(header_bytes: int) -> int:
     """The longest key a header of ``header_bytes`` can store."""
     return header_bytes - FIXED_BYTES

@@ -56,6 +56,7 @@ from offload.tiers.file_format import (
     Crc,
     FormatError,
     Header,
+    chunk_file_bytes,
     file_name,
     geometry_fingerprint,
     key_bytes,
@@ -174,7 +175,7 @@ class FileTier:
         _check_geometry(budget_bytes, row_bytes, io_threads, page_size)
         self.row_bytes = row_bytes
         self.page_size = page_size
-        self.file_bytes = page_size + row_bytes
+        self.file_bytes = chunk_file_bytes(row_bytes, page_size)
         self.capacity = budget_bytes // self.file_bytes
         self.budget_bytes = budget_bytes
         if self.capacity < 1:
