@@ -246,8 +246,13 @@ def test_a_crash_mid_write_leaves_no_visible_partial_file() -> None:
         assert child.stdout is not None
         subdir = child.stdout.readline().strip()
         deadline = time.monotonic() + 60
-        while not any(n.endswith(".tmp") for n in os.listdir(subdir)):
+        while True:  # freeze the writer at a moment a temp file exists, then kill it
             assert child.poll() is None and time.monotonic() < deadline
+            if any(n.endswith(".tmp") for n in os.listdir(subdir)):
+                os.kill(child.pid, signal.SIGSTOP)
+                if any(n.endswith(".tmp") for n in os.listdir(subdir)):
+                    break
+                os.kill(child.pid, signal.SIGCONT)
             time.sleep(0.005)
         os.kill(child.pid, signal.SIGKILL)
         child.wait(30)
