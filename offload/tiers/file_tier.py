@@ -165,8 +165,10 @@ class FileTier:
     value the bytes of a row depend on (slot bytes, blocks per chunk, page bytes and offsets
     per tensor, layout, tp/pp, this rank's tp/pp rank or slot, dtype): equal geometry = same
     files.  ``row_bytes`` (a page multiple) is the size of every payload; ``budget_bytes``
-    bounds the files (header page + row each).  Thread-safety: the methods may be called from
-    any thread, the order of calls is the order of decisions.
+    bounds the files (header page + row each).  ``io_threads`` is the number of row transfers
+    in flight (the queue depth seen by the disk; the block layer splits each row further).
+    Thread-safety: the methods may be called from any thread; the order of calls is the order
+    of decisions.
     """
 
     def __init__(self, directory: str, budget_bytes: int, geometry: Mapping[str, object],
@@ -206,7 +208,12 @@ class FileTier:
         self._counts = dict.fromkeys(("hits", "misses", "corrupt", "evicted", "write_errors"), 0)
         self._warned_errors: set[int] = set()
         self._closed = False
-        self._seq = itertools.count(self._rebuild())
+        try:
+            self._seq = itertools.count(self._rebuild())
+        except BaseException:
+            self._pool.shutdown()
+            os.close(self._dir_fd)
+            raise
 
     # ------------------------------------------------------------------ public API
 
