@@ -9,6 +9,9 @@ on older kernels (or filesystems that do not report it) an ``O_DIRECT`` open plu
 write of a page is the probe, and the page is then taken as the alignment (512-byte and 4 KiB
 logical blocks both divide it).  Whatever the check says, a file tier whose header and rows are
 page multiples only needs alignment ≤ the page size.
+
+`transfer_all` moves a list of buffers with ``pwritev``/``preadv`` straight from/to them (in
+O_DIRECT mode the kernel DMAs into the caller's memory: no bounce buffer).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import ctypes
 import errno
 import mmap
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 STATX_DIOALIGN = 0x2000
@@ -123,3 +127,22 @@ def _probe(path: str, page_size: int) -> IoMode:
     finally:
         os.close(fd)
     return IoMode(True, page_size, page_size, "probe")
+
+
+def transfer_all(op: Callable[[int, list[memoryview], int], int], fd: int,
+                 views: Iterable[memoryview]) -> None:
+    """``pwritev``/``preadv`` all of ``views`` from file offset 0, resuming after short
+    transfers (one syscall moves at most ~2 GiB); running out of file is an error."""
+    pending = [v for v in views if len(v)]
+    offset = 0
+    while pending:
+        moved = op(fd, pending, offset)
+        if moved <= 0:
+            raise OSError(errno.EIO, "the file ended early" if moved == 0 else "I/O error")
+        offset += moved
+        while moved:
+            if moved >= len(pending[0]):
+                moved -= len(pending.pop(0))
+            else:
+                pending[0] = pending[0][moved:]
+                moved = 0

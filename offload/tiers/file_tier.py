@@ -32,24 +32,22 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import fcntl
 import itertools
 import logging
 import mmap
 import os
-import stat
 import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Collection, Hashable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from offload.errors import OffloadError
 from offload.sizes import format_size
-from offload.tiers.direct_io import IoMode, detect_io_mode
+from offload.tiers.direct_io import IoMode, detect_io_mode, transfer_all
 from offload.tiers.file_format import (
     FORMAT_VERSION,
     SUFFIX,
@@ -64,9 +62,10 @@ from offload.tiers.file_format import (
     pack_header,
     unpack_header,
 )
+from offload.tiers.keyed_pool import KeyedPool, all_done, done
+from offload.tiers.tier_dir import check_directory, open_locked_subdir
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 _WRITING, _STORED, _DEAD = "writing", "stored", "dead"
 _TMP_SUFFIX = ".tmp"
@@ -188,9 +187,9 @@ class FileTier:
         self.fingerprint = geometry_fingerprint(
             {"geometry": dict(geometry), "row_bytes": row_bytes, "header_bytes": page_size,
              "format": FORMAT_VERSION})
-        root = _check_directory(directory)
+        root = check_directory(directory)
         self.directory = os.path.join(root, "fp-" + self.fingerprint.hex()[:16])
-        self._dir_fd = _open_locked_subdir(root, self.directory)
+        self._dir_fd = open_locked_subdir(root, self.directory)
         try:
             self.mode = detect_io_mode(self.directory, page_size)
         except OSError as exc:
@@ -201,9 +200,8 @@ class FileTier:
             _warn_buffered(root, self.mode.reason)
         self._lock = threading.Lock()
         self._index: OrderedDict[str, _Entry] = OrderedDict()  # LRU first
-        self._tails: dict[str, Future[Any]] = {}  # the last scheduled operation per file
         self._local = threading.local()
-        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="offload-fs")
+        self._pool = KeyedPool(io_threads, "offload-fs")  # I/O of one file in call order
         self._write_busy, self._read_busy = _Busy(), _Busy()
         self._counts = dict.fromkeys(("hits", "misses", "corrupt", "evicted", "write_errors"), 0)
         self._warned_errors: set[int] = set()
@@ -242,7 +240,7 @@ class FileTier:
             entry = _Entry(next(self._seq), _WRITING, Future())
             self._index[name] = entry
             self._index.move_to_end(name)
-            entry.stored = self._schedule(
+            entry.stored = self._pool.submit(
                 name, lambda: self._write(name, entry, key_b, view, done))
         return Spill(done, entry.stored)
 
@@ -261,9 +259,9 @@ class FileTier:
             entry = self._index.get(name)
             if entry is None or entry.state == _DEAD:
                 self._counts["misses"] += 1
-                return _done(False)
+                return done(False)
             self._index.move_to_end(name)
-            return self._schedule(name, lambda: self._read(name, entry, key_b, view))
+            return self._pool.submit(name, lambda: self._read(name, entry, key_b, view))
 
     def contains(self, key: Hashable) -> bool:
         """True when ``key`` is stored or being stored (a `get` would wait for it); a pure
@@ -289,16 +287,11 @@ class FileTier:
         with self._lock:
             self._check_open()
             doomed = [self._drop(n) for n in list(self._index) if n not in names]
-        return _all_done(doomed)
+        return all_done(doomed)
 
     def flush(self) -> None:
         """Wait until every operation scheduled so far has finished."""
-        while True:
-            with self._lock:
-                pending = list(self._tails.values())
-            if not pending:
-                return
-            wait(pending)
+        self._pool.drain()
 
     def stats(self) -> FileTierStats:
         with self._lock:
@@ -319,8 +312,7 @@ class FileTier:
             if self._closed:
                 return
             self._closed = True
-        self.flush()
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown()
         os.close(self._dir_fd)
 
     def __enter__(self) -> FileTier:
@@ -340,36 +332,8 @@ class FileTier:
 
     def _drop(self, name: str) -> Future[None]:
         if self._index.pop(name, None) is None:
-            return _done(None)
-        return self._schedule(name, lambda: self._unlink(name))
-
-    def _schedule(self, name: str, fn: Callable[[], T]) -> Future[T]:
-        """Run ``fn`` on the pool after the previous operation on the same file: the I/O of one
-        key is serialised in call order without blocking a caller or an I/O thread."""
-        result: Future[T] = Future()
-
-        def run() -> None:
-            try:
-                result.set_result(fn())
-            except BaseException as exc:  # a bug: surface it through the future
-                result.set_exception(exc)
-
-        def start(_: object = None) -> None:
-            self._pool.submit(run)
-
-        def forget(_: object) -> None:
-            with self._lock:
-                if self._tails.get(name) is result:
-                    del self._tails[name]
-
-        previous = self._tails.get(name)
-        self._tails[name] = result
-        result.add_done_callback(forget)
-        if previous is None:
-            start()
-        else:
-            previous.add_done_callback(start)
-        return result
+            return done(None)
+        return self._pool.submit(name, lambda: self._unlink(name))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -390,7 +354,7 @@ class FileTier:
                                          entry.seq, self.fingerprint, key_b), self._crc)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
                              | self.mode.open_flags, 0o600, dir_fd=self._dir_fd)
-                _transfer(os.pwritev, fd, [page, row])
+                transfer_all(os.pwritev, fd, [page, row])
             finally:
                 released.set_result(None)
             os.fdatasync(fd)
@@ -453,7 +417,7 @@ class FileTier:
             size = os.fstat(fd).st_size
             if size != self.file_bytes:
                 return f"{size} bytes instead of {self.file_bytes}"
-            _transfer(os.preadv, fd, views)
+            transfer_all(os.preadv, fd, views)
             return ""
         except OSError as exc:
             return f"read failed: {exc.strerror or exc}"
@@ -528,9 +492,9 @@ class FileTier:
         for name in names:
             if name.endswith(_TMP_SUFFIX) or name.startswith(".dio-probe-"):
                 self._unlink(name)  # a write or probe interrupted by a crash
-        headers = self._pool.map(self._header_of, [n for n in names if n.endswith(SUFFIX)])
-        for name, (header, problem) in zip([n for n in names if n.endswith(SUFFIX)], headers,
-                                           strict=True):
+        chunk_files = [n for n in names if n.endswith(SUFFIX)]
+        headers = self._pool.map(self._header_of, chunk_files)
+        for name, (header, problem) in zip(chunk_files, headers, strict=True):
             if problem:
                 self._corrupt(name, problem)
             else:
@@ -541,7 +505,7 @@ class FileTier:
             self._counts["evicted"] += 1
             self._unlink(name)
         for seq, name in found[-self.capacity:]:
-            self._index[name] = _Entry(seq, _STORED, _done(True))
+            self._index[name] = _Entry(seq, _STORED, done(True))
         return found[-1][0] + 1 if found else 0
 
     def _header_of(self, name: str) -> tuple[Header | None, str]:
@@ -556,7 +520,7 @@ class FileTier:
             size = os.fstat(fd).st_size
             if size != self.file_bytes:
                 return None, f"{size} bytes instead of {self.file_bytes}"
-            _transfer(os.preadv, fd, [page])
+            transfer_all(os.preadv, fd, [page])
             header = unpack_header(page, self._crc)
             return header, self._mismatch(header, name, None)
         except (OSError, FormatError) as exc:
@@ -617,44 +581,6 @@ def _check_geometry(budget_bytes: int, row_bytes: int, io_threads: int, page_siz
                            "byte count such as 64GiB")
 
 
-def _check_directory(directory: str) -> str:
-    """The absolute path of an existing directory, or a one-line OffloadError."""
-    root = os.path.abspath(directory)
-    try:
-        mode = os.stat(root).st_mode
-    except FileNotFoundError:
-        raise OffloadError(f"file tier directory {root} does not exist; create it or pass an "
-                           "existing directory") from None
-    except OSError as exc:
-        raise OffloadError(f"file tier directory {root} cannot be used ({exc.strerror}); pass "
-                           "another directory") from None
-    if not stat.S_ISDIR(mode):
-        raise OffloadError(f"file tier path {root} is not a directory; pass a directory")
-    return root
-
-
-def _open_locked_subdir(root: str, path: str) -> int:
-    """Create (0700) and open the fingerprint subdirectory without following a planted
-    symlink, and lock it so a second process with the same geometry cannot share it."""
-    try:
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path, 0o700)
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise OffloadError(f"file tier directory {root} is not writable ({exc.strerror}); "
-                               "pass a writable directory") from None
-        raise OffloadError(f"file tier directory {path} cannot be opened ({exc.strerror}); "
-                           "remove it or pass another directory") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise OffloadError(f"file tier directory {path} is in use by another process with the "
-                           "same geometry; give each job its own directory") from None
-    return fd
-
-
 def _warn_buffered(root: str, reason: str) -> None:
     with _warn_lock:
         if root in _buffered_warned:
@@ -662,25 +588,6 @@ def _warn_buffered(root: str, reason: str) -> None:
         _buffered_warned.add(root)
     log.warning("file tier %s: %s, so chunk files use buffered I/O (slower, through the page "
                 "cache)", root, reason)
-
-
-def _transfer(op: Callable[[int, list[memoryview], int], int], fd: int,
-              views: Iterable[memoryview]) -> None:
-    """``pwritev``/``preadv`` all of ``views`` from file offset 0, resuming after short
-    transfers (one syscall moves at most ~2 GiB); running out of file is an error."""
-    pending = [v for v in views if len(v)]
-    offset = 0
-    while pending:
-        moved = op(fd, pending, offset)
-        if moved <= 0:
-            raise OSError(errno.EIO, "the file ended early" if moved == 0 else "I/O error")
-        offset += moved
-        while moved:
-            if moved >= len(pending[0]):
-                moved -= len(pending.pop(0))
-            else:
-                pending[0] = pending[0][moved:]
-                moved = 0
 
 
 def _address(view: memoryview) -> int:
@@ -695,29 +602,3 @@ def _busy_seconds(busy: _Busy) -> float:
 
 def _gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0
-
-
-def _done(value: T) -> Future[T]:
-    future: Future[T] = Future()
-    future.set_result(value)
-    return future
-
-
-def _all_done(futures: list[Future[None]]) -> Future[None]:
-    """One future that completes when all of ``futures`` have."""
-    result: Future[None] = Future()
-    remaining = [len(futures)]
-    lock = threading.Lock()
-    if not futures:
-        result.set_result(None)
-
-    def one(_: object) -> None:
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            result.set_result(None)
-
-    for future in futures:
-        future.add_done_callback(one)
-    return result
