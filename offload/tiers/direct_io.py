@@ -29,6 +29,7 @@ _STATX_SIZE = 256  # struct statx is 256 bytes on every Linux architecture
 _STX_MASK = 0  # u32 stx_mask
 _STX_DIO_MEM_ALIGN = 152  # u32 stx_dio_mem_align
 _STX_DIO_OFFSET_ALIGN = 156  # u32 stx_dio_offset_align
+PROBE_PREFIX = ".dio-probe-"  # the probe file's name; a crash can leave one behind
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _statx = getattr(_libc, "statx", None)  # glibc ≥ 2.28
@@ -89,7 +90,7 @@ def detect_io_mode(directory: str, page_size: int) -> IoMode:
     Raises OSError when the probe file cannot be created at all (the caller turns that into a
     "not writable" error); everything else decides between direct and buffered I/O.
     """
-    path = os.path.join(directory, f".dio-probe-{os.getpid()}")
+    path = os.path.join(directory, f"{PROBE_PREFIX}{os.getpid()}")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
         reported = statx_dio_align(fd)

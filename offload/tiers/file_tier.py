@@ -47,7 +47,7 @@ from typing import Any
 
 from offload.errors import OffloadError
 from offload.sizes import format_size
-from offload.tiers.direct_io import IoMode, detect_io_mode, transfer_all
+from offload.tiers.direct_io import PROBE_PREFIX, IoMode, detect_io_mode, transfer_all
 from offload.tiers.file_format import (
     FORMAT_VERSION,
     SUFFIX,
@@ -406,8 +406,8 @@ class FileTier:
         return not problem
 
     def _read_file(self, name: str, views: list[memoryview]) -> str:
-        """Read a whole file into ``views``; a non-empty string says why it is not a valid
-        file (missing, wrong size, read error)."""
+        """Fill ``views`` from the start of a file of the right size; a non-empty string says
+        why it is not a valid file (missing, wrong size, read error)."""
         try:
             fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | self.mode.open_flags,
                          dir_fd=self._dir_fd)
@@ -490,7 +490,7 @@ class FileTier:
         found: list[tuple[int, str]] = []
         names = os.listdir(self._dir_fd)
         for name in names:
-            if name.endswith(_TMP_SUFFIX) or name.startswith(".dio-probe-"):
+            if name.endswith(_TMP_SUFFIX) or name.startswith(PROBE_PREFIX):
                 self._unlink(name)  # a write or probe interrupted by a crash
         chunk_files = [n for n in names if n.endswith(SUFFIX)]
         headers = self._pool.map(self._header_of, chunk_files)
@@ -511,22 +511,14 @@ class FileTier:
     def _header_of(self, name: str) -> tuple[Header | None, str]:
         """Read and check only the header page of one file."""
         page = self._header_page()
+        problem = self._read_file(name, [page])
+        if problem:
+            return None, problem
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | self.mode.open_flags,
-                         dir_fd=self._dir_fd)
-        except FileNotFoundError:
-            return None, "the file is missing"
-        try:
-            size = os.fstat(fd).st_size
-            if size != self.file_bytes:
-                return None, f"{size} bytes instead of {self.file_bytes}"
-            transfer_all(os.preadv, fd, [page])
             header = unpack_header(page, self._crc)
-            return header, self._mismatch(header, name, None)
-        except (OSError, FormatError) as exc:
+        except FormatError as exc:
             return None, str(exc)
-        finally:
-            os.close(fd)
+        return header, self._mismatch(header, name, None)
 
     # ------------------------------------------------------------------ argument checks
 
