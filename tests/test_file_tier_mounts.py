@@ -99,6 +99,8 @@ print("RESULT " + json.dumps(getattr(t, name)(directory, t._warnings())))
 def _run(scenario: Scenario, fstype: str, options: str) -> dict[str, object]:
     directory = tempfile.mkdtemp(prefix="pytest-fstier-mnt-", dir="/tmp")
     try:
+        if shutil.which("unshare") is None or shutil.which("mount") is None:
+            pytest.skip("util-linux unshare/mount are not installed")
         probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "true"],
                                capture_output=True, text=True)
         if probe.returncode != 0:
