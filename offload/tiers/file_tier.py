@@ -1,0 +1,596 @@
+"""A node-local file tier behind host memory: one file per chunk key, O_DIRECT from the host row.
+
+What it guarantees (DESIGN.md section 6, "File tier"):
+
+* **Never wrong bytes.**  A file becomes visible only by ``rename`` after its bytes are on disk
+  (written under a temporary name, ``fdatasync``, rename, ``fsync`` of the directory).  Every
+  file carries a header (format version, geometry fingerprint, key, payload length) and two
+  crc32c checksums (payload and header); a read verifies all of them, so a damaged, short,
+  truncated, renamed or foreign file is a *miss* (counted in ``corrupt``, the file removed).
+* **Geometry isolation.**  Files live in a subdirectory named by the geometry fingerprint and
+  the header repeats the whole fingerprint: a restart with the same geometry finds its files
+  (the index is rebuilt from the headers), any other geometry never reads them.
+* **Off the copy path.**  Every read and write runs on a bounded pool of I/O threads and the
+  API returns futures.  Bytes go straight between the caller's page-aligned host row and the
+  disk (``pwritev``/``preadv`` on a memoryview, one syscall for header + row, no bounce
+  buffer).  Filesystems without O_DIRECT get buffered I/O and one warning.
+* **Its own budget.**  ``budget_bytes // file_bytes`` files at most, evicted least recently
+  used first (``evicted``).  A write that fails (disk full, quota, I/O error) leaves that chunk a
+  miss, logs one warning per kind of error and the job goes on.
+
+Determinism across ranks: every rank keeps its own tier with its own slot's bytes.  All index
+decisions (what is stored, what is evicted, the LRU order) are taken when `put`, `get` and
+`discard` are *called*, never when I/O completes, so ranks that make the same calls in the same
+order with the same capacity evict the same keys.  A failed write or a corrupt file therefore
+keeps its place in the budget (as a *dead* entry: not readable) until `discard` or the LRU
+removes it, and the I/O of one key is serialised (a read waits for the key's write, an
+eviction waits for the key's read), so no decision has to wait for a disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import itertools
+import logging
+import mmap
+import os
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Collection, Hashable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from offload.errors import OffloadError
+from offload.sizes import format_size
+from offload.tiers.direct_io import PROBE_PREFIX, IoMode, detect_io_mode, transfer_all
+from offload.tiers.file_format import (
+    FORMAT_VERSION,
+    SUFFIX,
+    Crc,
+    FormatError,
+    Header,
+    chunk_file_bytes,
+    file_name,
+    geometry_fingerprint,
+    key_bytes,
+    max_key_bytes,
+    pack_header,
+    unpack_header,
+)
+from offload.tiers.keyed_pool import KeyedPool, all_done, done
+from offload.tiers.tier_dir import check_directory, open_locked_subdir
+
+log = logging.getLogger(__name__)
+
+_WRITING, _STORED, _DEAD = "writing", "stored", "dead"
+_TMP_SUFFIX = ".tmp"
+_buffered_warned: set[str] = set()  # directories whose buffered fallback was already logged
+_warn_lock = threading.Lock()
+
+
+def host_view(address: int, nbytes: int) -> memoryview:
+    """A writable byte view of ``nbytes`` of host memory at ``address`` (e.g. one chunk row of
+    a region: ``base + chunk * row_stride``); the caller keeps the memory mapped while in use."""
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+@dataclass(frozen=True)
+class Spill:
+    """The two moments of one `FileTier.put`.
+
+    ``released`` completes (with None) once the tier no longer reads the host row, whether the
+    write succeeded or not: only then may the row be overwritten.  ``stored`` completes later
+    with True when the file is durable and readable, False when the chunk stays a miss.
+    """
+
+    released: Future[None]
+    stored: Future[bool]
+
+
+@dataclass(frozen=True)
+class FileTierStats:
+    """Counters of one tier since it was opened.
+
+    ``hits``/``misses``: `get` calls that returned verified bytes / that did not (a miss includes
+    keys never stored and corrupt files).  ``corrupt``: files found damaged, short or foreign
+    (at open or on read), each removed.  ``evicted``: files removed by the LRU budget.
+    ``write_errors``: writes that failed (disk full…).  ``write_s``/``read_s``: wall time
+    during which at least one write/read was in flight, so the GB/s figures are the tier's
+    aggregate throughput, not one thread's.
+    """
+
+    directory: str
+    mode: IoMode
+    budget_bytes: int
+    file_bytes: int
+    capacity_files: int
+    files: int
+    written_bytes: int
+    read_bytes: int
+    hits: int
+    misses: int
+    corrupt: int
+    evicted: int
+    write_errors: int
+    write_s: float
+    read_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``fs_tier`` object of the main job's report (DESIGN.md section 10)."""
+        return {
+            "dir": self.directory, "o_direct": self.mode.o_direct, "mode": self.mode.name,
+            "dio_align": self.mode.offset_align, "budget_bytes": self.budget_bytes,
+            "file_bytes": self.file_bytes, "capacity_files": self.capacity_files,
+            "files": self.files, "written_bytes": self.written_bytes,
+            "read_bytes": self.read_bytes, "hits": self.hits, "misses": self.misses,
+            "corrupt": self.corrupt, "evicted": self.evicted, "write_errors": self.write_errors,
+            "write_s": round(self.write_s, 6), "read_s": round(self.read_s, 6),
+            "write_GBps": _gbps(self.written_bytes, self.write_s),
+            "read_GBps": _gbps(self.read_bytes, self.read_s),
+        }
+
+
+class _Entry:
+    """One key in the index: its write order and the state of its file."""
+
+    __slots__ = ("seq", "state", "stored")
+
+    def __init__(self, seq: int, state: str, stored: Future[bool]) -> None:
+        self.seq = seq
+        self.state = state
+        self.stored = stored
+
+
+class _Busy:
+    """Wall time during which at least one operation of a kind was in flight."""
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.since = 0.0
+        self.seconds = 0.0
+        self.bytes = 0
+
+
+class FileTier:
+    """Chunk rows on local disk, keyed by chunk key, under one geometry fingerprint.
+
+    ``directory`` must exist and be writable; the tier uses its subdirectory
+    ``fp-<fingerprint>`` (created, locked against a second process).  ``geometry`` is every
+    value the bytes of a row depend on (slot bytes, blocks per chunk, page bytes and offsets
+    per tensor, layout, tp/pp, this rank's tp/pp rank or slot, dtype): equal geometry = same
+    files.  ``row_bytes`` (a page multiple) is the size of every payload; ``budget_bytes``
+    bounds the files (header page + row each).  ``io_threads`` is the number of row transfers
+    in flight (the queue depth seen by the disk; the block layer splits each row further).
+    Thread-safety: the methods may be called from any thread; the order of calls is the order
+    of decisions.
+    """
+
+    def __init__(self, directory: str, budget_bytes: int, geometry: Mapping[str, object],
+                 row_bytes: int, *, io_threads: int = 8, page_size: int = 4096) -> None:
+        self._crc = _load_crc32c()
+        _check_geometry(budget_bytes, row_bytes, io_threads, page_size)
+        self.row_bytes = row_bytes
+        self.page_size = page_size
+        self.file_bytes = chunk_file_bytes(row_bytes, page_size)
+        self.capacity = budget_bytes // self.file_bytes
+        self.budget_bytes = budget_bytes
+        if self.capacity < 1:
+            raise OffloadError(
+                f"file tier budget fs_bytes = {budget_bytes} B ({format_size(budget_bytes)}) is "
+                f"smaller than one chunk file of {self.file_bytes} B; give at least "
+                f"{self.file_bytes} B")
+        self.fingerprint = geometry_fingerprint(
+            {"geometry": dict(geometry), "row_bytes": row_bytes, "header_bytes": page_size,
+             "format": FORMAT_VERSION})
+        root = check_directory(directory)
+        self.directory = os.path.join(root, "fp-" + self.fingerprint.hex()[:16])
+        self._dir_fd = open_locked_subdir(root, self.directory)
+        try:
+            self.mode = detect_io_mode(self.directory, page_size)
+        except OSError as exc:
+            os.close(self._dir_fd)
+            raise OffloadError(f"file tier directory {root} is not writable ({exc.strerror}); "
+                               "pass a writable directory") from None
+        if not self.mode.o_direct:
+            _warn_buffered(root, self.mode.reason)
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, _Entry] = OrderedDict()  # LRU first
+        self._local = threading.local()
+        self._pool = KeyedPool(io_threads, "offload-fs")  # I/O of one file in call order
+        self._write_busy, self._read_busy = _Busy(), _Busy()
+        self._counts = dict.fromkeys(("hits", "misses", "corrupt", "evicted", "write_errors"), 0)
+        self._warned_errors: set[int] = set()
+        self._closed = False
+        try:
+            self._seq = itertools.count(self._rebuild())
+        except BaseException:
+            self._pool.shutdown()
+            os.close(self._dir_fd)
+            raise
+
+    # ------------------------------------------------------------------ public API
+
+    def put(self, key: Hashable, row: Any) -> Spill:
+        """Spill ``row`` (the chunk's host row: any contiguous buffer of ``row_bytes``,
+        page-aligned in O_DIRECT mode) under ``key``.
+
+        Returns at once.  The row must not be written until ``released`` is done (the same
+        quarantine as a failed job's chunks); ``stored`` says whether the key is now on disk.
+        A key already stored (or being stored) is not written again: it only becomes most
+        recently used.  When the budget is full the least recently used keys are evicted.
+        """
+        view = self._view(row, writable=False)
+        key_b = self._key(key)
+        name = file_name(key_b)
+        done: Future[None] = Future()
+        with self._lock:
+            self._check_open()
+            entry = self._index.get(name)
+            if entry is not None and entry.state != _DEAD:
+                self._index.move_to_end(name)
+                done.set_result(None)
+                return Spill(done, entry.stored)
+            if entry is None:
+                self._make_room()
+            entry = _Entry(next(self._seq), _WRITING, Future())
+            self._index[name] = entry
+            self._index.move_to_end(name)
+            entry.stored = self._pool.submit(
+                name, lambda: self._write(name, entry, key_b, view, done))
+        return Spill(done, entry.stored)
+
+    def get(self, key: Hashable, row: Any) -> Future[bool]:
+        """Read ``key``'s bytes into ``row`` (a writable host row of ``row_bytes``).
+
+        The future is True when the row now holds the verified bytes; False is a miss (never
+        stored, evicted, failed write, or a damaged file, which is then removed) and the row's
+        contents are undefined.  A key whose spill is still running is read after it.
+        """
+        view = self._view(row, writable=True)
+        key_b = self._key(key)
+        name = file_name(key_b)
+        with self._lock:
+            self._check_open()
+            entry = self._index.get(name)
+            if entry is None or entry.state == _DEAD:
+                self._counts["misses"] += 1
+                return done(False)
+            self._index.move_to_end(name)
+            return self._pool.submit(name, lambda: self._read(name, entry, key_b, view))
+
+    def contains(self, key: Hashable) -> bool:
+        """True when ``key`` is stored or being stored (a `get` would wait for it); a pure
+        query for the longest-prefix lookup: it does not change the LRU order."""
+        with self._lock:
+            entry = self._index.get(file_name(self._key(key)))
+            return entry is not None and entry.state != _DEAD
+
+    def discard(self, key: Hashable) -> Future[None]:
+        """Forget ``key`` and remove its file (after any I/O of it still running)."""
+        with self._lock:
+            self._check_open()
+            return self._drop(file_name(self._key(key)))
+
+    def stored_names(self) -> frozenset[str]:
+        """File names of the readable keys: what ranks exchange after a restart to agree on
+        the keys every rank has (then `keep_only` their intersection)."""
+        with self._lock:
+            return frozenset(n for n, e in self._index.items() if e.state != _DEAD)
+
+    def keep_only(self, names: Collection[str]) -> Future[None]:
+        """Discard every key whose file name is not in ``names``; done when the files are gone."""
+        with self._lock:
+            self._check_open()
+            doomed = [self._drop(n) for n in list(self._index) if n not in names]
+        return all_done(doomed)
+
+    def flush(self) -> None:
+        """Wait until every operation scheduled so far has finished."""
+        self._pool.drain()
+
+    def stats(self) -> FileTierStats:
+        with self._lock:
+            c = self._counts
+            return FileTierStats(
+                self.directory, self.mode, self.budget_bytes, self.file_bytes, self.capacity,
+                sum(e.state != _DEAD for e in self._index.values()), self._write_busy.bytes,
+                self._read_busy.bytes, c["hits"], c["misses"], c["corrupt"], c["evicted"],
+                c["write_errors"], _busy_seconds(self._write_busy),
+                _busy_seconds(self._read_busy))
+
+    def to_json(self) -> dict[str, Any]:
+        return self.stats().to_json()
+
+    def close(self) -> None:
+        """Finish all I/O, stop the threads and release the directory.  Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._pool.shutdown()
+        os.close(self._dir_fd)
+
+    def __enter__(self) -> FileTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ decisions (locked)
+
+    def _make_room(self) -> None:
+        """Evict least recently used keys until one more fits the budget."""
+        while len(self._index) >= self.capacity:
+            victim = next(iter(self._index))
+            self._counts["evicted"] += 1
+            self._drop(victim)
+
+    def _drop(self, name: str) -> Future[None]:
+        if self._index.pop(name, None) is None:
+            return done(None)
+        return self._pool.submit(name, lambda: self._unlink(name))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"file tier {self.directory} is closed")
+
+    # ------------------------------------------------------------------ I/O (pool threads)
+
+    def _write(self, name: str, entry: _Entry, key_b: bytes, row: memoryview,
+               released: Future[None]) -> bool:
+        tmp = f".{name}.{uuid.uuid4().hex[:12]}{_TMP_SUFFIX}"
+        fd = -1
+        ok = False
+        self._begin(self._write_busy)
+        try:
+            try:
+                page = self._header_page()
+                pack_header(page, Header(self.page_size, self.row_bytes, self._crc(row, 0, 1),
+                                         entry.seq, self.fingerprint, key_b), self._crc)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+                             | self.mode.open_flags, 0o600, dir_fd=self._dir_fd)
+                transfer_all(os.pwritev, fd, [page, row])
+            finally:
+                released.set_result(None)
+            os.fdatasync(fd)
+            os.close(fd)
+            fd = -1
+            os.rename(tmp, name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+            os.fsync(self._dir_fd)
+            ok = True
+        except OSError as exc:
+            self._write_failed(name, exc)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            if not ok:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp, dir_fd=self._dir_fd)
+            self._end(self._write_busy, self.file_bytes if ok else 0)
+            with self._lock:
+                entry.state = _STORED if ok else _DEAD
+        return ok
+
+    def _read(self, name: str, entry: _Entry, key_b: bytes, row: memoryview) -> bool:
+        with self._lock:
+            if entry.state == _DEAD:  # its write failed after get() was called
+                self._counts["misses"] += 1
+                return False
+        self._begin(self._read_busy)
+        problem = ""
+        try:
+            page = self._header_page()
+            problem = self._read_file(name, [page, row])
+            if not problem:
+                header = unpack_header(page, self._crc)
+                problem = self._mismatch(header, name, key_b)
+            if not problem and self._crc(row, 0, 1) != header.payload_crc:
+                problem = "payload checksum mismatch"
+        except FormatError as exc:
+            problem = str(exc)
+        finally:
+            self._end(self._read_busy, 0 if problem else self.file_bytes)
+        with self._lock:
+            if problem:
+                entry.state = _DEAD
+                self._counts["misses"] += 1
+            else:
+                self._counts["hits"] += 1
+        if problem:
+            self._corrupt(name, problem)
+        return not problem
+
+    def _read_file(self, name: str, views: list[memoryview]) -> str:
+        """Fill ``views`` from the start of a file of the right size; a non-empty string says
+        why it is not a valid file (missing, wrong size, read error)."""
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | self.mode.open_flags,
+                         dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            return "the file is missing"
+        try:
+            size = os.fstat(fd).st_size
+            if size != self.file_bytes:
+                return f"{size} bytes instead of {self.file_bytes}"
+            transfer_all(os.preadv, fd, views)
+            return ""
+        except OSError as exc:
+            return f"read failed: {exc.strerror or exc}"
+        finally:
+            os.close(fd)
+
+    def _mismatch(self, header: Header, name: str, key_b: bytes | None) -> str:
+        """Why a verified header does not belong to this tier (or to ``key_b``); "" if it does."""
+        if header.fingerprint != self.fingerprint:
+            return "written under another geometry (fingerprint differs)"
+        if header.payload_bytes != self.row_bytes:
+            return f"payload of {header.payload_bytes} bytes instead of {self.row_bytes}"
+        if file_name(header.key) != name:
+            return "its key does not hash to its name"
+        if key_b is not None and header.key != key_b:
+            return "it holds another key"
+        return ""
+
+    def _unlink(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=self._dir_fd)
+
+    def _corrupt(self, name: str, problem: str) -> None:
+        with self._lock:
+            self._counts["corrupt"] += 1
+        log.warning("file tier %s: %s is damaged (%s); removed, counted as a miss",
+                    self.directory, name, problem)
+        self._unlink(name)
+
+    def _write_failed(self, name: str, exc: OSError) -> None:
+        code = exc.errno or 0
+        with self._lock:
+            self._counts["write_errors"] += 1
+            first = code not in self._warned_errors
+            self._warned_errors.add(code)
+        if first:
+            what = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is spent",
+                    errno.EFBIG: "the file size limit is reached"}.get(code, "it failed")
+            log.warning("file tier %s: writing %s failed because %s (%s); that chunk stays a "
+                        "miss and the job goes on (later %s errors are only counted in "
+                        "write_errors)", self.directory, name, what, exc.strerror,
+                        errno.errorcode.get(code, code))
+
+    def _header_page(self) -> memoryview:
+        """This thread's page-aligned header buffer (an anonymous mapping is page-aligned, as
+        O_DIRECT needs)."""
+        page = getattr(self._local, "page", None)
+        if page is None:
+            page = self._local.page = memoryview(mmap.mmap(-1, self.page_size))
+        return page
+
+    def _begin(self, busy: _Busy) -> None:
+        with self._lock:
+            if busy.active == 0:
+                busy.since = time.perf_counter()
+            busy.active += 1
+
+    def _end(self, busy: _Busy, nbytes: int) -> None:
+        with self._lock:
+            busy.active -= 1
+            busy.bytes += nbytes
+            if busy.active == 0:
+                busy.seconds += time.perf_counter() - busy.since
+
+    # ------------------------------------------------------------------ opening
+
+    def _rebuild(self) -> int:
+        """Index the files of a previous run from their headers (LRU = write order), remove
+        leftovers of interrupted writes, and return the next sequence number."""
+        found: list[tuple[int, str]] = []
+        names = os.listdir(self._dir_fd)
+        for name in names:
+            if name.endswith(_TMP_SUFFIX) or name.startswith(PROBE_PREFIX):
+                self._unlink(name)  # a write or probe interrupted by a crash
+        chunk_files = [n for n in names if n.endswith(SUFFIX)]
+        headers = self._pool.map(self._header_of, chunk_files)
+        for name, (header, problem) in zip(chunk_files, headers, strict=True):
+            if problem:
+                self._corrupt(name, problem)
+            else:
+                assert header is not None
+                found.append((header.seq, name))
+        found.sort()
+        for _, name in found[:max(0, len(found) - self.capacity)]:
+            self._counts["evicted"] += 1
+            self._unlink(name)
+        for seq, name in found[-self.capacity:]:
+            self._index[name] = _Entry(seq, _STORED, done(True))
+        return found[-1][0] + 1 if found else 0
+
+    def _header_of(self, name: str) -> tuple[Header | None, str]:
+        """Read and check only the header page of one file."""
+        page = self._header_page()
+        problem = self._read_file(name, [page])
+        if problem:
+            return None, problem
+        try:
+            header = unpack_header(page, self._crc)
+        except FormatError as exc:
+            return None, str(exc)
+        return header, self._mismatch(header, name, None)
+
+    # ------------------------------------------------------------------ argument checks
+
+    def _view(self, row: Any, writable: bool) -> memoryview:
+        view = memoryview(row)
+        if not view.c_contiguous:
+            raise ValueError("a file tier row must be one contiguous buffer")
+        view = view.cast("B")
+        if len(view) != self.row_bytes:
+            raise ValueError(f"row of {len(view)} bytes, the file tier stores rows of "
+                             f"{self.row_bytes}")
+        if view.readonly and (writable or self.mode.o_direct):
+            raise ValueError("the file tier needs a writable row here (get() fills it; O_DIRECT "
+                             "needs its address); pass the host row itself")
+        if self.mode.o_direct and _address(view) % self.mode.mem_align:
+            raise ValueError(f"row at {_address(view):#x} is not aligned to "
+                             f"{self.mode.mem_align} bytes, as O_DIRECT needs; pass the "
+                             "page-aligned host row (or host_view of it)")
+        return view
+
+    def _key(self, key: Hashable) -> bytes:
+        key_b = key_bytes(key)
+        if len(key_b) > max_key_bytes(self.page_size):
+            raise ValueError(f"chunk key repr of {len(key_b)} bytes is longer than the "
+                             f"{max_key_bytes(self.page_size)} a file header holds")
+        return key_b
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _load_crc32c() -> Crc:
+    try:
+        import crc32c
+    except ImportError:
+        raise OffloadError("the file tier needs the crc32c package, which is not installed; "
+                           "install it with pip install 'offload[fs]'") from None
+    fn: Crc = crc32c.crc32c
+    return fn
+
+
+def _check_geometry(budget_bytes: int, row_bytes: int, io_threads: int, page_size: int) -> None:
+    if page_size < 512 or page_size & (page_size - 1):
+        raise OffloadError(f"page_size = {page_size} is not a power of two ≥ 512; use 4096")
+    if row_bytes < 1 or row_bytes % page_size:
+        raise OffloadError(f"row_bytes = {row_bytes} is not a positive multiple of the "
+                           f"{page_size}-byte page; pass the plan's page-rounded slot or row")
+    if io_threads < 1:
+        raise OffloadError(f"io_threads = {io_threads} is below its minimum 1; give at least 1")
+    if budget_bytes < 0:
+        raise OffloadError(f"file tier budget fs_bytes = {budget_bytes} is negative; give a "
+                           "byte count such as 64GiB")
+
+
+def _warn_buffered(root: str, reason: str) -> None:
+    with _warn_lock:
+        if root in _buffered_warned:
+            return
+        _buffered_warned.add(root)
+    log.warning("file tier %s: %s, so chunk files use buffered I/O (slower, through the page "
+                "cache)", root, reason)
+
+
+def _address(view: memoryview) -> int:
+    """The address of a writable buffer."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def _busy_seconds(busy: _Busy) -> float:
+    running = time.perf_counter() - busy.since if busy.active else 0.0
+    return busy.seconds + running
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0

@@ -1,0 +1,55 @@
+"""The directory of a file tier: checked, created without following links, locked.
+
+The user's directory must exist and be a directory (one-line errors otherwise); the tier works
+in its fingerprint subdirectory, created mode 0700, opened with ``O_NOFOLLOW`` (a symlink
+planted there is refused, not followed) and locked with ``flock`` so two processes with the same
+geometry never share files.  The lock dies with the process, whatever kills it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import stat
+
+from offload.errors import OffloadError
+
+
+def check_directory(directory: str) -> str:
+    """The absolute path of an existing directory, or a one-line OffloadError."""
+    root = os.path.abspath(directory)
+    try:
+        mode = os.stat(root).st_mode
+    except FileNotFoundError:
+        raise OffloadError(f"file tier directory {root} does not exist; create it or pass an "
+                           "existing directory") from None
+    except OSError as exc:
+        raise OffloadError(f"file tier directory {root} cannot be used ({exc.strerror}); pass "
+                           "another directory") from None
+    if not stat.S_ISDIR(mode):
+        raise OffloadError(f"file tier path {root} is not a directory; pass a directory")
+    return root
+
+
+def open_locked_subdir(root: str, path: str) -> int:
+    """Create (0700) and open the fingerprint subdirectory without following a planted
+    symlink, and lock it so a second process with the same geometry cannot share it."""
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise OffloadError(f"file tier directory {root} is not writable ({exc.strerror}); "
+                               "pass a writable directory") from None
+        raise OffloadError(f"file tier directory {path} cannot be opened ({exc.strerror}); "
+                           "remove it or pass another directory") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise OffloadError(f"file tier directory {path} is in use by another process with the "
+                           "same geometry; give each job its own directory") from None
+    return fd
