@@ -140,8 +140,6 @@ def test_a_corrupted_reloaded_page_is_caught_with_its_position(tmp_path: Path,
 
 
 @needs_transformers
-@pytest.mark.xfail(strict=True, reason="HostTier.create rejects the strided K/V views of one "
-                                       "[blocks, 2, ...] tensor until issue 10 item 4 lands")
 def test_kv_as_views_of_one_tensor_per_layer(tmp_path: Path, shm_dir: str) -> None:
     report_path = tmp_path / "r.json"
     proc = torchrun(2, *SMALL, "--kv-views", "--report-json", str(report_path),
