@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         tier.release()
         report = {
             "world_size": world, "tp": config.tp, "pp": config.pp, "layout": config.layout,
-            "device": device.type, "job_id": tier.actor.job_id,
+            "device": device.type, "tier_id": tier.actor.tier_id,
             "nodes": tier.topology.to_json(), "plan": tier.plan.to_json(),
             "ranks": ranks, "transfer": stats.to_json(),
         }
@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
 def shm_files_left(tier: HostTier, shm_dir: str) -> int:
     """Collective: every node leader counts this job's files on its own host after close;
     the total comes back on every rank (other hosts' /dev/shm is not visible from rank 0)."""
-    mine = count_shm_files(shm_dir, tier.actor.job_id) if tier.topology.is_leader else 0
+    mine = count_shm_files(shm_dir, tier.actor.tier_id) if tier.topology.is_leader else 0
     counts: list[Any] = [None] * tier.topology.world_size
     dist.all_gather_object(counts, (socket.gethostname(), mine))
     per_host: dict[str, int] = {}

@@ -126,8 +126,8 @@ def test_enospc_at_reservation_is_the_same_clear_error(paths: list[str],
     assert not any(os.path.lexists(p) for p in paths)
 
 
-def test_job_id_must_be_a_plain_name() -> None:
-    with pytest.raises(OffloadError, match="job id"):
+def test_tier_id_must_be_a_plain_name() -> None:
+    with pytest.raises(OffloadError, match="tier id"):
         shm.segment_paths(SHM, "../etc", "t", 1)
     assert shm.segment_paths(SHM, "j1", "r0", 2) == [f"{SHM}/offload-j1-r0-s0",
                                                       f"{SHM}/offload-j1-r0-s1"]

@@ -6,7 +6,7 @@
   status exchange; the others open, verify and map them; a status exchange; every rank then
   unlinks the paths (the leader's unlink is the protocol; the others' closes the window in
   which a leader killed right after the exchange would leak them).  Segment names derive
-  from the job id, so on any error path every rank removes whatever of them is still there.
+  from the tier id, so on any error path every rank removes whatever of them is still there.
 
 Then the rank pre-faults its share (``geometry.prefault_ranges``) and registers
 ``geometry.registration_ranges``.  When this rank populates every byte it registers (private,
@@ -126,7 +126,7 @@ class HostRegion:
         return self._mapping.size if self._mapping is not None else 0
 
     @classmethod
-    def create(cls, plan: Plan, topology: Topology, config: TierConfig, job_id: str,
+    def create(cls, plan: Plan, topology: Topology, config: TierConfig, tier_id: str,
                registrar: Registrar, progress: ProgressFn | None = None) -> HostRegion:
         """Build, pre-fault and pin this rank's region.  Collective over the node for the
         shared and replicated layouts (every local rank must call it); on any failure the
@@ -140,20 +140,20 @@ class HostRegion:
         cleanup.register(region.close)
         cleanup.register_unlinker(region.unlink_names)
         try:
-            region._build(topology, config, job_id, progress)
+            region._build(topology, config, tier_id, progress)
         except BaseException:
             region.close()
             raise
         return region
 
-    def _build(self, topology: Topology, config: TierConfig, job_id: str,
+    def _build(self, topology: Topology, config: TierConfig, tier_id: str,
                progress: ProgressFn | None) -> None:
         start = time.perf_counter()
         segments = segment_ranges(self.geometry, config)
         lengths = [s.length for s in segments]
         node_layout = self.plan.layout != "private"
         tag = f"L{topology.node.leader_rank}" if node_layout else f"r{topology.rank}"
-        self._paths = segment_paths(config.shm_dir, job_id, tag, len(segments))
+        self._paths = segment_paths(config.shm_dir, tier_id, tag, len(segments))
         sync = NodeSync(topology) if node_layout else None
         if sync is None:
             self._map_private(config, lengths)

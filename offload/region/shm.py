@@ -43,18 +43,18 @@ MAP_FIXED = 0x10
 MAP_NORESERVE = 0x4000
 MAP_FAILED = ctypes.c_void_p(-1).value
 FILE_MODE = 0o600
-_JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_TIER_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
-def segment_paths(shm_dir: str, job_id: str, tag: str, count: int) -> list[str]:
-    """Deterministic segment paths: every rank that knows the job id knows them, so any
+def segment_paths(shm_dir: str, tier_id: str, tag: str, count: int) -> list[str]:
+    """Deterministic segment paths: every rank that knows the tier id knows them, so any
     survivor can remove them after a peer dies."""
-    if not _JOB_ID_RE.match(job_id):
+    if not _TIER_ID_RE.match(tier_id):
         raise OffloadError(
-            f"job id {job_id!r} is not 1-64 characters of letters, digits, '_', '.' or '-'; "
+            f"tier id {tier_id!r} is not 1-64 characters of letters, digits, '_', '.' or '-'; "
             "pass such an id"
         )
-    return [os.path.join(shm_dir, f"offload-{job_id}-{tag}-s{i}") for i in range(count)]
+    return [os.path.join(shm_dir, f"offload-{tier_id}-{tag}-s{i}") for i in range(count)]
 
 
 def check_free_space(directory: str, needed: int) -> None:
