@@ -79,10 +79,6 @@ class Topology:
     def is_leader(self) -> bool:
         return self.node.leader_rank == self.rank
 
-    def node_barrier(self) -> None:
-        """Barrier over this rank's node (bounded by the node group's timeout)."""
-        dist.barrier(group=self.node_group)
-
     def to_json(self) -> list[dict[str, object]]:
         return [{"node_id": n.node_id, "leader_rank": n.leader_rank, "ranks": list(n.ranks)}
                 for n in self.nodes]

@@ -16,11 +16,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def torchrun(nproc: int, *args: str, env: dict[str, str] | None = None, timeout: float = 120,
-             shm_dir: str = "/dev/shm") -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+             shm_dir: str | None = None, prefix: tuple[str, ...] = ()
+             ) -> subprocess.CompletedProcess[str]:
+    """The main job under torchrun; nameless regions unless ``shm_dir`` is given.  ``prefix``
+    runs the whole command under a wrapper (e.g. a private mount namespace)."""
+    cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
            "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), str(ROOT / "launch" / "run.py"),
-           "--device", "cpu", "--timeout", "30", "--shm-dir", shm_dir, *args]
+           "--device", "cpu", "--timeout", "30",
+           *(("--shm-dir", shm_dir) if shm_dir else ()), *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
@@ -84,7 +88,8 @@ def test_heterogeneous_stages_share_one_chunk_count(tmp_path: Path) -> None:
     (["--layout", "replicated", "--tp", "1", "--pp", "2", "--stage-kv-bytes", "64KiB,32KiB"],
      "layout 'replicated' needs equal KV payloads"),
     (["--stage-kv-bytes", "64KiB,32KiB,1KiB"], "--stage-kv-bytes gives 3 payloads but --pp is 1"),
-    (["--shm-dir", "/proc"], "/proc has 0 B (0 B) free but the region needs"),
+    (["--cpu-bytes", "64TiB"], "of memory is available (MemAvailable in /proc/meminfo); "
+                               "lower --cpu-bytes or free memory"),
     (["--pp", "3"], "--pp 3 does not divide the 2 ranks"),
     (["--tp", "1", "--pp", "3"], "--tp 1 x --pp 3 = 3 but the world has 2 ranks"),
     (["--segment-bytes", "0"], "(--segment-bytes) = 0 is below its minimum"),
@@ -99,6 +104,47 @@ def test_bad_input_is_one_line_nonzero_and_leaves_nothing(args: list[str], needl
     errors = our_errors(proc)
     assert len(errors) == 1 and needle in errors[0], proc.stderr[-3000:]
     assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("problem", ["missing", "file", "disk"])
+def test_an_unusable_shm_dir_is_one_line_before_anything_is_created(tmp_path: Path,
+                                                                    problem: str) -> None:
+    path = {"missing": tmp_path / "nope", "file": tmp_path / "f", "disk": ROOT}[problem]
+    if problem == "file":
+        path.write_text("")
+    needle = {"missing": "does not exist", "file": "is not a directory",
+              "disk": "filesystem, not a memory-backed one (tmpfs, hugetlbfs, ramfs)"}[problem]
+    proc = torchrun(2, "--layout", "shared", shm_dir=str(path))
+    assert proc.returncode == 1
+    errors = our_errors(proc)
+    assert len(errors) == 1, proc.stderr[-2000:]
+    assert errors[0].startswith(f"offload: error: shm_dir (--shm-dir) {path} ")
+    assert needle in errors[0] and "leave it unset for nameless regions" in errors[0]
+    assert "Traceback" not in proc.stderr
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("offload")]
+
+
+def test_a_read_only_shm_dir_is_one_line_before_anything_is_created(tmp_path: Path) -> None:
+    """A read-only tmpfs (root may write anywhere else), mounted in a private mount namespace
+    that lives only as long as the job."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() != 0:
+        ro.chmod(0o500)
+        prefix: tuple[str, ...] = ()
+    else:
+        prefix = ("unshare", "--mount", "--propagation", "private", "sh", "-c",
+                  f'mount -t tmpfs -o ro,size=1m tmpfs "{ro}" && exec "$0" "$@"')
+        probe = subprocess.run([*prefix, "true"], capture_output=True)
+        if probe.returncode != 0:
+            pytest.skip(f"cannot mount a read-only tmpfs here: {probe.stderr[-200:]!r}")
+    proc = torchrun(2, "--layout", "shared", shm_dir=str(ro), prefix=prefix)
+    assert proc.returncode == 1
+    assert our_errors(proc) == [f"offload: error: shm_dir (--shm-dir) {ro} is not writable by "
+                                f"uid {os.geteuid()} (read-only mount or permissions); give a "
+                                "tmpfs directory such as /dev/shm, or leave it unset for "
+                                "nameless regions"], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
 
 
 def test_unknown_layout_is_refused_by_the_parser() -> None:
