@@ -33,6 +33,12 @@ def our_errors(proc: subprocess.CompletedProcess[str]) -> list[str]:
     return [line for line in proc.stderr.splitlines() if line.startswith("offload: error:")]
 
 
+def our_tracebacks(proc: subprocess.CompletedProcess[str]) -> bool:
+    """Whether any traceback shows a frame of our code (torchrun prints its own when a worker
+    exits non-zero)."""
+    return f'File "{ROOT}/' in proc.stderr
+
+
 def test_tp2_pp2_report_matches_the_plan_formula(tmp_path: Path, shm_dir: str) -> None:
     report_path = tmp_path / "r.json"
     proc = torchrun(4, "--tp", "2", "--pp", "2", "--cpu-bytes", "64MiB",
@@ -88,8 +94,6 @@ def test_heterogeneous_stages_share_one_chunk_count(tmp_path: Path) -> None:
     (["--layout", "replicated", "--tp", "1", "--pp", "2", "--stage-kv-bytes", "64KiB,32KiB"],
      "layout 'replicated' needs equal KV payloads"),
     (["--stage-kv-bytes", "64KiB,32KiB,1KiB"], "--stage-kv-bytes gives 3 payloads but --pp is 1"),
-    (["--cpu-bytes", "64TiB"], "of memory is available (MemAvailable in /proc/meminfo); "
-                               "lower --cpu-bytes or free memory"),
     (["--pp", "3"], "--pp 3 does not divide the 2 ranks"),
     (["--tp", "1", "--pp", "3"], "--tp 1 x --pp 3 = 3 but the world has 2 ranks"),
     (["--segment-bytes", "0"], "(--segment-bytes) = 0 is below its minimum"),
@@ -120,7 +124,7 @@ def test_an_unusable_shm_dir_is_one_line_before_anything_is_created(tmp_path: Pa
     assert len(errors) == 1, proc.stderr[-2000:]
     assert errors[0].startswith(f"offload: error: shm_dir (--shm-dir) {path} ")
     assert needle in errors[0] and "leave it unset for nameless regions" in errors[0]
-    assert "Traceback" not in proc.stderr
+    assert not our_tracebacks(proc), proc.stderr[-3000:]
     assert not [n for n in os.listdir(tmp_path) if n.startswith("offload")]
 
 
@@ -144,7 +148,20 @@ def test_a_read_only_shm_dir_is_one_line_before_anything_is_created(tmp_path: Pa
                                 f"uid {os.geteuid()} (read-only mount or permissions); give a "
                                 "tmpfs directory such as /dev/shm, or leave it unset for "
                                 "nameless regions"], proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
+    assert not our_tracebacks(proc), proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("layout", ["private", "shared"])
+def test_more_than_the_hosts_memory_is_one_line_before_anything_is_created(layout: str) -> None:
+    """Nameless regions are not bounded by /dev/shm: the budget meets available memory."""
+    proc = torchrun(2, "--layout", layout, "--cpu-bytes", "64TiB")
+    assert proc.returncode == 1
+    errors = our_errors(proc)
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "the node's regions need 70368744177664 B (64.00 TiB) but only" in errors[0]
+    assert "of memory is available (MemAvailable in /proc/meminfo); lower --cpu-bytes or free " \
+        "memory" in errors[0]
+    assert not our_tracebacks(proc), proc.stderr[-3000:]
 
 
 def test_unknown_layout_is_refused_by_the_parser() -> None:
