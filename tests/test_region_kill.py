@@ -111,7 +111,7 @@ def kill_job_during_setup(shm_dir: str | None, where: str, log: Path) -> tuple[s
         while time.monotonic() < deadline and proc.poll() is None:
             pids = [proc.pid, *descendants(proc.pid)]
             tier = region_tier(pids, shm_dir, where)
-            if tier and (where == "mapped" or shmem() - start >= BUDGET // 8):
+            if tier and (where == "mapped" or shmem() - start >= BUDGET // 2):
                 break
             time.sleep(0.005)
         grown = shmem() - start
@@ -140,7 +140,7 @@ def settle(baseline: int, limit: int) -> int:
 def test_a_node_wide_sigkill_during_setup_leaves_nothing(where: str, tmp_path: Path) -> None:
     baseline = shmem()
     tier, grown = kill_job_during_setup(None, where, tmp_path / "job.log")
-    assert grown >= BUDGET // 8  # the kill really caught the region in memory
+    assert grown >= BUDGET // 2  # the kill really caught the region in memory
     extra = settle(baseline, BUDGET // 4)
     assert extra < BUDGET // 4, f"{extra} B of shared memory still held after the kill"
     assert [n for n in os.listdir("/dev/shm") if tier in n] == []
@@ -155,7 +155,7 @@ def test_named_files_outlive_a_node_wide_sigkill(shm_dir: str, tmp_path: Path) -
     left = [n for n in os.listdir(shm_dir) if tier in n]
     try:
         assert left, "the named region files vanished with the job"
-        assert shmem() - baseline >= min(grown, BUDGET // 8) - BUDGET // 16
+        assert shmem() - baseline >= BUDGET // 2 - BUDGET // 8
     finally:
         for name in left:
             os.unlink(os.path.join(shm_dir, name))
