@@ -55,9 +55,11 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def region_tier(pids: list[int], shm_dir: str | None, where: str) -> str | None:
+def region_tier(pids: list[int], shm_dir: str | None, where: str
+                ) -> tuple[str | None, set[int]]:
     """The tier id of the job's region once the moment ``where`` is reached: ``reserving``
-    (the leader holds a region file) or ``mapped`` (every worker maps one)."""
+    (the leader holds a region file) or ``mapped`` (every worker maps one); and the processes
+    that hold it."""
     holders = set()
     tier = None
     for pid in pids:
@@ -78,7 +80,7 @@ def region_tier(pids: list[int], shm_dir: str | None, where: str) -> str | None:
         tier = next((m.group(1) for n in os.listdir(shm_dir)
                      if (m := REGION_FILE.search(n))), None)
     enough = len(holders) >= 2 if where == "mapped" else tier is not None
-    return tier if enough else None
+    return (tier if enough else None), holders
 
 
 def alive(pid: int) -> bool:
@@ -90,9 +92,11 @@ def alive(pid: int) -> bool:
         return False
 
 
-def kill_job_during_setup(shm_dir: str | None, where: str, log: Path) -> tuple[str, int]:
-    """Start the job, SIGKILL all of it at ``where``; return the tier id and how much Shmem
-    had grown by then."""
+def kill_job_during_setup(shm_dir: str | None, where: str, log: Path,
+                          sigterm_leader: bool = False) -> tuple[str, int]:
+    """Start the job and SIGKILL all of it at ``where`` (or SIGTERM only the rank that holds
+    the region then and let torchrun stop the rest); return the tier id and how much Shmem had
+    grown by then."""
     start = shmem()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
            "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
@@ -110,11 +114,15 @@ def kill_job_during_setup(shm_dir: str | None, where: str, log: Path) -> tuple[s
         tier = None
         while time.monotonic() < deadline and proc.poll() is None:
             pids = [proc.pid, *descendants(proc.pid)]
-            tier = region_tier(pids, shm_dir, where)
+            tier, holders = region_tier(pids, shm_dir, where)
             if tier and (where == "mapped" or shmem() - start >= BUDGET // 2):
                 break
             time.sleep(0.005)
         grown = shmem() - start
+        if sigterm_leader and tier is not None:
+            assert len(holders) == 1
+            os.kill(holders.pop(), signal.SIGTERM)
+            proc.wait(90)
     finally:
         for pid in [proc.pid, *descendants(proc.pid)]:  # the whole job, at once
             with contextlib.suppress(ProcessLookupError):
@@ -144,6 +152,24 @@ def test_a_node_wide_sigkill_during_setup_leaves_nothing(where: str, tmp_path: P
     extra = settle(baseline, BUDGET // 4)
     assert extra < BUDGET // 4, f"{extra} B of shared memory still held after the kill"
     assert [n for n in os.listdir("/dev/shm") if tier in n] == []
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_sigterm_of_the_leader_mid_reservation_leaves_nothing(named: bool, shm_dir: str,
+                                                             tmp_path: Path) -> None:
+    """SIGTERM (what torchrun and container stops send) runs the handlers: named files are
+    unlinked at once, the reservation unwinds, the job fails; nothing stays.  (The rank's own
+    exit status, 143, is checked in test_region_cleanup: torchrun reports the SIGTERM it sends
+    the unwinding rank once its peer has failed, not the rank's status.)"""
+    baseline = shmem()
+    log = tmp_path / "job.log"
+    tier, grown = kill_job_during_setup(shm_dir if named else None, "reserving", log,
+                                        sigterm_leader=True)
+    assert grown >= BUDGET // 2
+    assert "ChildFailedError" in log.read_text()
+    assert f'File "{ROOT}/' not in log.read_text()  # no traceback of ours: a clean unwind
+    assert settle(baseline, BUDGET // 4) < BUDGET // 4
+    assert os.listdir(shm_dir) == [] and [n for n in os.listdir("/dev/shm") if tier in n] == []
 
 
 def test_named_files_outlive_a_node_wide_sigkill(shm_dir: str, tmp_path: Path) -> None:
