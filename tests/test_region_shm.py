@@ -45,7 +45,7 @@ def test_multi_segment_mapping_is_contiguous_and_backed_by_the_files(paths: list
             offset += length
         mapping.close()
         mapping.close()  # idempotent
-        assert not mapping.mapped
+        assert mapping.size == 0
     finally:
         shm.close_fds(fds)
         for p in paths:

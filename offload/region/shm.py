@@ -228,10 +228,6 @@ class Mapping:
             raise
         self.tensor = tensor_at(base, size)
 
-    @property
-    def mapped(self) -> bool:
-        return self.size > 0
-
     def close(self) -> None:
         """Unmap the whole range; idempotent and reentrant (the size is cleared first, so a
         signal-handler call racing a normal one unmaps once)."""
