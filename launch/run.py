@@ -4,7 +4,7 @@
 
 Every rank creates its share of the tier; rank 0 drives verified store/load rounds, prints the
 start-up table and writes the JSON report.  Exit status 0 only when every round verified
-byte-exact; user errors print one line and exit 1 with nothing left in the shm directory.
+byte-exact; user errors print one line and exit 1 with nothing left behind.
 """
 
 from __future__ import annotations
@@ -79,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "report (exit 1 on any)")
     p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="transfer backend (auto picks by device and pinning)")
-    p.add_argument("--shm-dir", default="/dev/shm", help="where region files are created")
+    p.add_argument("--shm-dir", default=None, metavar="DIR",
+                   help="keep visible region files in DIR (an existing, writable tmpfs such as "
+                        "/dev/shm); default: nameless regions the kernel frees with the job")
     p.add_argument("--prefault-threads", type=int, default=8,
                    help="threads populating each rank's region")
     p.add_argument("--segment-bytes", default="1GiB", metavar="SIZE",
@@ -154,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         tier.release()
         report = {
             "world_size": world, "tp": config.tp, "pp": config.pp, "layout": config.layout,
-            "device": device.type, "job_id": tier.actor.job_id,
+            "device": device.type, "tier_id": tier.actor.tier_id,
             "nodes": tier.topology.to_json(), "plan": tier.plan.to_json(),
             "ranks": ranks, "transfer": stats.to_json(),
         }
@@ -165,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         tier.serve()
     tier.close()
     dist.barrier()
-    left = shm_files_left(tier, config.shm_dir)
+    left = shm_files_left(tier, config.shm_dir or "/dev/shm")
     if rank != 0:
         return 0
     report["shm_files_left"] = left
@@ -186,8 +188,9 @@ def run(args: argparse.Namespace) -> int:
 
 def shm_files_left(tier: HostTier, shm_dir: str) -> int:
     """Collective: every node leader counts this job's files on its own host after close;
-    the total comes back on every rank (other hosts' /dev/shm is not visible from rank 0)."""
-    mine = count_shm_files(shm_dir, tier.actor.job_id) if tier.topology.is_leader else 0
+    the total comes back on every rank (other hosts' /dev/shm is not visible from rank 0).
+    Nameless regions count /dev/shm, where a named file of theirs would be a bug."""
+    mine = count_shm_files(shm_dir, tier.actor.tier_id) if tier.topology.is_leader else 0
     counts: list[Any] = [None] * tier.topology.world_size
     dist.all_gather_object(counts, (socket.gethostname(), mine))
     per_host: dict[str, int] = {}

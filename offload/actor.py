@@ -65,7 +65,7 @@ class RankActor:
     topology: Topology
     config: TierConfig
     kv_tensors: list[torch.Tensor]
-    job_id: str
+    tier_id: str
     quorum: Quorum
     progress: Callable[[int, int, float], None] | None = None
     backend: str = "auto"
@@ -105,7 +105,7 @@ class RankActor:
                                     daemon=True)
         compiler.start()
         try:
-            self.region = HostRegion.create(plan, self.topology, self.config, self.job_id,
+            self.region = HostRegion.create(plan, self.topology, self.config, self.tier_id,
                                             registrar, self.progress)
         finally:
             compiler.join()

@@ -3,9 +3,10 @@
 torchrun sends SIGTERM to the surviving ranks when one dies, and a user presses Ctrl-C; without
 handlers Python would die without unlinking.  Two kinds of callbacks:
 
-* **unlinkers** remove names that would outlive the process (shm files between creation and
-  the mapping exchange).  A signal runs them at once: nothing else can leak, because the kernel
-  frees mappings and CUDA registrations with the process.
+* **unlinkers** remove names that would outlive the process (``--shm-dir`` files between
+  creation and the mapping exchange; nameless regions have none).  A signal runs them at once:
+  nothing else can leak, because the kernel frees mappings, memfds, hand-off sockets and CUDA
+  registrations with the process.
 * **closers** (``close`` of a region) unpin and unmap.  A signal does not run them: threads may
   still be pre-faulting or copying into the mapping.  The signal raises ``SystemExit`` instead,
   the main thread unwinds (joining its pools) and ``atexit`` runs the closers, newest first.

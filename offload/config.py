@@ -22,7 +22,10 @@ class TierConfig:
 
     ``segment_threshold`` / ``min_segment_bytes`` / ``max_segments`` control how a region is
     split into several shm files (one file serialises page-cache insertion); tests shrink them
-    to MiB.  ``max_registration_bytes`` caps one CUDA host registration (a single call of
+    to MiB.  ``shm_dir`` None (the default) makes regions nameless memfds that the kernel frees
+    with the last process holding them; a directory keeps visible region files there (it must
+    exist, be writable and be memory-backed: checked here, before anything is created).
+    ``max_registration_bytes`` caps one CUDA host registration (a single call of
     512 GiB fails on current drivers; 64 GiB is safe).
     """
 
@@ -32,7 +35,7 @@ class TierConfig:
     tp: int | None = None
     pp: int = 1
     page_size: int = 4096
-    shm_dir: str = "/dev/shm"
+    shm_dir: str | None = None
     segment_threshold: int = 2 * GiB
     min_segment_bytes: int = 1 * GiB
     max_segments: int = 32
@@ -62,6 +65,11 @@ class TierConfig:
         if self.timeout_s <= 0:
             raise OffloadError(f"{_describe('timeout_s')} = {self.timeout_s} must be positive; "
                                "give the seconds a rank may wait for a peer")
+        if self.shm_dir is not None:
+            # imported here: offload.region imports this module
+            from offload.region.space import check_shm_dir
+
+            check_shm_dir(self.shm_dir)
 
     def as_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)

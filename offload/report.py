@@ -13,10 +13,10 @@ from offload.timeline import PHASES
 _PHASES = (*(name for name, _ in PHASES), "total")
 
 
-def count_shm_files(shm_dir: str, job_id: str) -> int:
+def count_shm_files(shm_dir: str, tier_id: str) -> int:
     """Files of this job still present in the shm directory (0 after a clean close)."""
     try:
-        return sum(1 for name in os.listdir(shm_dir) if job_id in name)
+        return sum(1 for name in os.listdir(shm_dir) if tier_id in name)
     except FileNotFoundError:
         return 0
 

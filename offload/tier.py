@@ -74,13 +74,13 @@ class HostTier:
         started = time.perf_counter()
         topology = discover(config.tp, config.pp, config.timeout_s)
         config = dataclasses.replace(config, tp=topology.tp)  # None meant world // pp
-        job_id, store = _job_store(topology, config)
+        tier_id, store = _tier_store(topology, config)
         rpc = CollectiveRPC(dist.PrefixStore("rpc", store), topology.rank,
                             topology.world_size, config.timeout_s)
         quorum = Quorum(store, topology.world_size)
         progress = (progress_logger(log, f"pre-fault ({config.layout})")
                     if topology.rank == 0 else None)
-        actor = RankActor(topology, config, list(kv_tensors), job_id, quorum, progress, backend,
+        actor = RankActor(topology, config, list(kv_tensors), tier_id, quorum, progress, backend,
                           auditor=Auditor() if audit else None,
                           registrar_factory=registrar_factory, created_at=started)
         descriptor = _describe(actor)
@@ -202,21 +202,21 @@ class HostTier:
             cleanup.unregister(self.actor.close)
 
 
-def _job_store(topology: Topology, config: TierConfig) -> tuple[str, dist.Store]:
-    """A fresh job id (rank 0's uuid, shared through the store) and this tier's store."""
+def _tier_store(topology: Topology, config: TierConfig) -> tuple[str, dist.Store]:
+    """A fresh tier id (rank 0's uuid, shared through the store) and this tier's store."""
     base = default_store("offload", config.timeout_s)
-    key = f"tier{next(_tier_seq)}/job_id"
+    key = f"tier{next(_tier_seq)}/tier_id"
     if topology.rank == 0:
-        job_id = uuid.uuid4().hex[:16]
-        base.set(key, job_id)
+        tier_id = uuid.uuid4().hex[:16]
+        base.set(key, tier_id)
     else:
         try:  # bounded by the tier's timeout without touching the store's own setting
             base.wait([key], datetime.timedelta(seconds=config.timeout_s))
         except dist.DistError:
-            raise PeerError(f"rank {topology.rank} got no job id from rank 0 within "
+            raise PeerError(f"rank {topology.rank} got no tier id from rank 0 within "
                             f"{config.timeout_s:g} s; rank 0 is not creating the tier") from None
-        job_id = base.get(key).decode()
-    return job_id, dist.PrefixStore(job_id, base)
+        tier_id = base.get(key).decode()
+    return tier_id, dist.PrefixStore(tier_id, base)
 
 
 def _describe(actor: RankActor) -> RankDescriptor | str:

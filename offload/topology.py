@@ -96,10 +96,6 @@ class Topology:
     def is_stage_writer(self) -> bool:
         return self.stage_writer_of(self.rank) == self.rank
 
-    def node_barrier(self) -> None:
-        """Barrier over this rank's node (bounded by the node group's timeout)."""
-        dist.barrier(group=self.node_group)
-
     def to_json(self) -> list[dict[str, object]]:
         return [{"node_id": n.node_id, "leader_rank": n.leader_rank, "ranks": list(n.ranks)}
                 for n in self.nodes]

@@ -2,15 +2,16 @@
 
 One run, one table.  For a budget B per node and N ranks on this host:
 
-* **ours/<layout>** — `HostTier.create` on every rank (secure files, multi-segment mapping,
-  sharded GIL-free pre-fault, selective pipelined pinning);
+* **ours/<layout>** — `HostTier.create` on every rank (nameless memfds, or secure files in
+  ``--shm-dir``; multi-segment mapping, sharded GIL-free pre-fault, selective pipelined pinning);
 * **naive** — one shared file of B bytes; every rank maps all of it, pre-faults all of it and
   registers all of it (what a first implementation does);
 * **pin_memory** — every rank allocates its share with ``torch.empty(..., pin_memory=True)``
   (PyTorch's caching host allocator rounds each request up to a power of two);
-* **floor** — one process creating 16 files of B/16 bytes (``posix_fallocate`` from 16 threads;
-  on tmpfs that allocates the pages) and populating them with ``MADV_POPULATE_WRITE`` from 16
-  threads, nothing else: how fast this host can make B bytes resident, without pinning.
+* **floor** — one process creating 16 files of B/16 bytes of the same kind as ours (memfds, or
+  files in ``--shm-dir``; ``posix_fallocate`` from 16 threads allocates their shmem pages) and
+  populating them with ``MADV_POPULATE_WRITE`` from 16 threads, nothing else: how fast this host
+  can make B bytes resident, without pinning.
 
 Node start-up = from the moment every rank starts (barrier) until the last rank is ready.
 Resident bytes are the growth of used memory (``MemTotal - MemFree``) while the variant holds
@@ -38,6 +39,7 @@ import torch.multiprocessing as mp
 
 from offload.config import TierConfig
 from offload.geometry import ByteRange, RegionGeometry, segment_ranges
+from offload.region.nameless import create_memfds
 from offload.region.prefault import plan_pieces, prefault
 from offload.region.shm import Mapping, close_fds, create_segments, open_segment, unlink_quiet
 from offload.sizes import format_size, parse_size
@@ -74,7 +76,7 @@ def ours(rank: int, world: int, args: argparse.Namespace, layout: str) -> dict[s
           for _ in range(2)]
     config = TierConfig(cpu_bytes_per_node=args.cpu_bytes, layout=layout,
                         blocks_per_chunk=args.blocks_per_chunk, tp=tp, pp=args.pp,
-                        prefault_threads=args.threads, timeout_s=600)
+                        prefault_threads=args.threads, timeout_s=600, shm_dir=args.shm_dir)
     start, baseline = begin(rank)
     tier = HostTier.create(kv, config)
     ready = time.time()
@@ -101,7 +103,7 @@ def naive(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     path = os.path.join("/dev/shm", f"offload-bench-naive-{os.getppid()}")
     registrar = choose_registrar(device)
     start, baseline = begin(rank)
-    fds = create_segments("/dev/shm", [path], [size]) if rank == 0 else []
+    fds = create_segments([path], [size]) if rank == 0 else []
     dist.barrier()
     if rank != 0:
         fds = [open_segment(path, size)]
@@ -201,11 +203,15 @@ def floor(args: argparse.Namespace) -> dict[str, Any]:
     config = TierConfig(cpu_bytes_per_node=args.cpu_bytes, segment_threshold=1,
                         min_segment_bytes=geometry.row_stride, max_segments=files)
     segments = segment_ranges(geometry, config)
-    paths = [f"/dev/shm/offload-bench-floor-{os.getpid()}-{i}" for i in range(len(segments))]
+    lengths = [s.length for s in segments]
     baseline = used_bytes()
     start = time.perf_counter()
-    fds = create_segments("/dev/shm", paths, [s.length for s in segments], threads=threads,
-                          unlink=True)
+    if args.shm_dir is None:
+        fds = create_memfds(f"bench-floor-{os.getpid()}", lengths, threads)
+    else:
+        paths = [os.path.join(args.shm_dir, f"offload-bench-floor-{os.getpid()}-{i}")
+                 for i in range(len(segments))]
+        fds = create_segments(paths, lengths, threads=threads, unlink=True)
     mapping = Mapping(fds, [s.length for s in segments])
     close_fds(fds)
     pieces = plan_pieces([ByteRange(0, geometry.total_bytes)], segments, threads, 4096)
@@ -221,8 +227,8 @@ def warm(nbytes: int) -> float:
     """Touch ``nbytes`` once so the VM has grown its RAM before anything is timed."""
     if nbytes <= 0:
         return 0.0
-    return floor(argparse.Namespace(cpu_bytes=nbytes, floor_files=16,
-                                    floor_threads=16))["seconds"]
+    return floor(argparse.Namespace(cpu_bytes=nbytes, floor_files=16, floor_threads=16,
+                                    shm_dir=None))["seconds"]
 
 
 def main() -> None:
@@ -239,6 +245,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=16, help="pre-fault threads per rank")
     p.add_argument("--layouts", default="private,shared,replicated")
     p.add_argument("--variants", default="floor,ours,naive,pin_memory")
+    p.add_argument("--shm-dir", default=None, metavar="DIR",
+                   help="ours and floor use named files in DIR (default: nameless memfds)")
     p.add_argument("--warm", default=None, help="bytes to touch first (default 2 x budget)")
     p.add_argument("--json", default=None, help="write all figures there")
     p.add_argument("--timeline", default=None, metavar="PREFIX",

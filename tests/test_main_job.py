@@ -16,17 +16,27 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def torchrun(nproc: int, *args: str, env: dict[str, str] | None = None, timeout: float = 120,
-             shm_dir: str = "/dev/shm") -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+             shm_dir: str | None = None, prefix: tuple[str, ...] = ()
+             ) -> subprocess.CompletedProcess[str]:
+    """The main job under torchrun; nameless regions unless ``shm_dir`` is given.  ``prefix``
+    runs the whole command under a wrapper (e.g. a private mount namespace)."""
+    cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
            "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), str(ROOT / "launch" / "run.py"),
-           "--device", "cpu", "--timeout", "30", "--shm-dir", shm_dir, *args]
+           "--device", "cpu", "--timeout", "30",
+           *(("--shm-dir", shm_dir) if shm_dir else ()), *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def our_errors(proc: subprocess.CompletedProcess[str]) -> list[str]:
     return [line for line in proc.stderr.splitlines() if line.startswith("offload: error:")]
+
+
+def our_tracebacks(proc: subprocess.CompletedProcess[str]) -> bool:
+    """Whether any traceback shows a frame of our code (torchrun prints its own when a worker
+    exits non-zero)."""
+    return f'File "{ROOT}/' in proc.stderr
 
 
 def test_tp2_pp2_report_matches_the_plan_formula(tmp_path: Path, shm_dir: str) -> None:
@@ -106,7 +116,6 @@ def test_replicated_pipeline_stages_verify_with_their_own_slots(tp: int, tmp_pat
     (["--tp", "3"], "--tp 3 x --pp 1 = 3 but the world has 2 ranks"),
     (["--cpu-bytes", "12 parsecs"], "--cpu-bytes '12 parsecs' is not a size"),
     (["--stage-kv-bytes", "64KiB,32KiB,1KiB"], "--stage-kv-bytes gives 3 payloads but --pp is 1"),
-    (["--shm-dir", "/proc"], "/proc has 0 B (0 B) free but the region needs"),
     (["--pp", "3"], "--pp 3 does not divide the 2 ranks"),
     (["--tp", "1", "--pp", "3"], "--tp 1 x --pp 3 = 3 but the world has 2 ranks"),
     (["--segment-bytes", "0"], "(--segment-bytes) = 0 is below its minimum"),
@@ -121,6 +130,60 @@ def test_bad_input_is_one_line_nonzero_and_leaves_nothing(args: list[str], needl
     errors = our_errors(proc)
     assert len(errors) == 1 and needle in errors[0], proc.stderr[-3000:]
     assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("problem", ["missing", "file", "disk"])
+def test_an_unusable_shm_dir_is_one_line_before_anything_is_created(tmp_path: Path,
+                                                                    problem: str) -> None:
+    path = {"missing": tmp_path / "nope", "file": tmp_path / "f", "disk": ROOT}[problem]
+    if problem == "file":
+        path.write_text("")
+    needle = {"missing": "does not exist", "file": "is not a directory",
+              "disk": "filesystem, not a memory-backed one (tmpfs, hugetlbfs, ramfs)"}[problem]
+    proc = torchrun(2, "--layout", "shared", shm_dir=str(path))
+    assert proc.returncode == 1
+    errors = our_errors(proc)
+    assert len(errors) == 1, proc.stderr[-2000:]
+    assert errors[0].startswith(f"offload: error: shm_dir (--shm-dir) {path} ")
+    assert needle in errors[0] and "leave it unset for nameless regions" in errors[0]
+    assert not our_tracebacks(proc), proc.stderr[-3000:]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("offload")]
+
+
+def test_a_read_only_shm_dir_is_one_line_before_anything_is_created(tmp_path: Path) -> None:
+    """A read-only tmpfs (root may write anywhere else), mounted in a private mount namespace
+    that lives only as long as the job."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() != 0:
+        ro.chmod(0o500)
+        prefix: tuple[str, ...] = ()
+    else:
+        prefix = ("unshare", "--mount", "--propagation", "private", "sh", "-c",
+                  f'mount -t tmpfs -o ro,size=1m tmpfs "{ro}" && exec "$0" "$@"')
+        probe = subprocess.run([*prefix, "true"], capture_output=True)
+        if probe.returncode != 0:
+            pytest.skip(f"cannot mount a read-only tmpfs here: {probe.stderr[-200:]!r}")
+    proc = torchrun(2, "--layout", "shared", shm_dir=str(ro), prefix=prefix)
+    assert proc.returncode == 1
+    assert our_errors(proc) == [f"offload: error: shm_dir (--shm-dir) {ro} is not writable by "
+                                f"uid {os.geteuid()} (read-only mount or permissions); give a "
+                                "tmpfs directory such as /dev/shm, or leave it unset for "
+                                "nameless regions"], proc.stderr[-2000:]
+    assert not our_tracebacks(proc), proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("layout", ["private", "shared"])
+def test_more_than_the_hosts_memory_is_one_line_before_anything_is_created(layout: str) -> None:
+    """Nameless regions are not bounded by /dev/shm: the budget meets available memory."""
+    proc = torchrun(2, "--layout", layout, "--cpu-bytes", "64TiB")
+    assert proc.returncode == 1
+    errors = our_errors(proc)
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "the node's regions need 70368744177664 B (64.00 TiB) but only" in errors[0]
+    assert "of memory is available (MemAvailable in /proc/meminfo); lower --cpu-bytes or free " \
+        "memory" in errors[0]
+    assert not our_tracebacks(proc), proc.stderr[-3000:]
 
 
 def test_unknown_layout_is_refused_by_the_parser() -> None:

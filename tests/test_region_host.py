@@ -1,7 +1,8 @@
-"""HostRegion end to end: real processes (gloo groups), real /dev/shm files, real mappings.
+"""HostRegion end to end: real processes (gloo groups), real memfds or shm files, real mappings.
 
 Regions are a few MiB with MiB-sized segment thresholds so every layout gets several files.
-Each test checks that /dev/shm holds nothing new afterwards.
+Tests run nameless (the default) and, where the protocol differs, with named files in a private
+shm directory (``--shm-dir``); each checks that nothing of its job is left afterwards.
 """
 
 from __future__ import annotations
@@ -96,8 +97,22 @@ def expected_region(plan: Plan, ranks: Sequence[int], size: int) -> torch.Tensor
     return expected
 
 
-def job_files(job_id: str) -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if job_id in n]
+def job_files(job_id: str, directory: str = "/dev/shm") -> list[str]:
+    return [n for n in os.listdir(directory) if job_id in n]
+
+
+def memfd_mappings(job_id: str) -> set[str]:
+    """The job's nameless files this process maps (``/proc/self/maps`` shows memfds as
+    ``/memfd:<name> (deleted)``)."""
+    with open("/proc/self/maps") as f:
+        return {line.split()[-2] for line in f if f"/memfd:offload-{job_id}" in line}
+
+
+@pytest.fixture(params=["nameless", "named"])
+def mode(request: pytest.FixtureRequest, shm_dir: str) -> dict[str, Any]:
+    """Config overrides of each kind of region file: nameless memfds or files in a private
+    shm directory (checked empty afterwards by the ``shm_dir`` fixture)."""
+    return {} if request.param == "nameless" else {"shm_dir": shm_dir}
 
 
 @pytest.fixture
@@ -117,10 +132,14 @@ def errors(outcomes: list[Outcome]) -> list[str]:
 
 # ---------------------------------------------------------------- private, in this process
 
-def test_private_region_is_unlinked_at_once_and_maps_every_segment(job: str) -> None:
-    region = single_rank_region("private", 3 * MiB, job_id=job)
+def test_private_region_is_nameless_or_unlinked_and_maps_every_segment(
+        job: str, mode: dict[str, Any]) -> None:
+    region = single_rank_region("private", 3 * MiB, job_id=job, **mode)
     try:
-        assert region.stats.segments > 1 and job_files(job) == []
+        assert region.stats.segments > 1 and job_files(job, mode.get("shm_dir", "/dev/shm")) == []
+        memfds = memfd_mappings(job)
+        assert memfds == ({f"/memfd:offload-{job}-r0-s{i}" for i in range(region.stats.segments)}
+                          if not mode else set())
         assert region.size == region.stats.region_bytes == region.geometry.total_bytes
         assert region.stats.prefault_bytes == region.size
         assert resident_bytes(region.address, region.size) == region.size
@@ -136,21 +155,23 @@ def test_private_region_is_unlinked_at_once_and_maps_every_segment(job: str) -> 
 
 # ---------------------------------------------------------------- shared / replicated
 
-def _shared_body(rank: int, job_id: str) -> dict[str, Any]:
+def _shared_body(rank: int, job_id: str, mode: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     created = counting_creates(rank)
     region, plan, registrar = group_region(rank, job_id, "shared", 3 * MiB,
-                                           pages=lambda r: PAGES if r == 0 else SLOW_PAGES)
+                                           pages=lambda r: PAGES if r == 0 else SLOW_PAGES,
+                                           **mode)
     try:
-        left = job_files(job_id)
+        left = job_files(job_id, mode.get("shm_dir", "/dev/shm"))
+        memfds = sorted(memfd_mappings(job_id))
         resident = resident_bytes(region.address, region.size)
         fill_own_slot(region)
         dist.barrier()
         # Both ranks' bytes, read through this rank's own mapping of the shared files.
         same = torch.equal(region.tensor, expected_region(plan, [0, 1], region.size))
         slot = plan.slots[rank]
-        return {"created": bool(created), "left": left, "same": same,
+        return {"created": bool(created), "left": left, "same": same, "memfds": memfds,
                 "segments": region.stats.segments,
                 "registered": sorted((a - region.address, n)
                                      for a, n in registrar.registered.items()),
@@ -163,13 +184,17 @@ def _shared_body(rank: int, job_id: str) -> dict[str, Any]:
         region.close()
 
 
-def test_shared_one_creator_and_each_rank_lands_in_its_slot(job: str) -> None:
-    out = run_group(_shared_body, 2, args=(job,))
+def test_shared_one_creator_and_each_rank_lands_in_its_slot(job: str,
+                                                            mode: dict[str, Any]) -> None:
+    out = run_group(_shared_body, 2, args=(job, mode))
     assert all(o.ok for o in out), errors(out)
     values = [o.value for o in out]
     assert [v["created"] for v in values] == [True, False]
     for v in values:
         assert v["left"] == [] and v["same"] and v["segments"] > 1
+        # nameless: both ranks map the leader's memfds (handed over, not opened by name)
+        assert v["memfds"] == ([] if mode else [f"/memfd:offload-{job}-L0-s{i}"
+                                                for i in range(v["segments"])])
         offset, size, stride, rows = v["slot"]
         # one registration per row over exactly this rank's slot
         assert v["registered"] == [(r * stride + offset, size) for r in range(rows)]
@@ -251,19 +276,19 @@ def counting_creates(rank: int) -> list[int]:
     import offload.region.host_region as hr
 
     created: list[int] = []
-    real_create = hr.create_segments
+    real_create = hr._Files.create
 
     def counting_create(*args: Any, **kwargs: Any) -> list[int]:
         created.append(rank)
         return real_create(*args, **kwargs)
 
-    hr.create_segments = counting_create
+    hr._Files.create = counting_create  # type: ignore[method-assign]
     return created
 
 
 def _two_nodes_body(rank: int, job_id: str) -> tuple[bool, int]:
     created = counting_creates(rank)
-    region, _plan, _reg = group_region(rank, job_id, "shared", 2 * MiB)
+    region, _plan, _reg = group_region(rank, job_id, "shared", 2 * MiB)  # nameless: 2 sockets
     try:
         return bool(created), region.size
     finally:
@@ -278,72 +303,148 @@ def test_each_simulated_node_has_its_own_leader_and_files(job: str) -> None:
 
 # ---------------------------------------------------------------- failures
 
-def _failing_joiner_body(rank: int, job_id: str) -> None:
+def _failing_joiner_body(rank: int, job_id: str, mode: dict[str, Any]) -> None:
     import offload.region.host_region as hr
 
     if rank == 1:
-        def broken_open(path: str, length: int) -> int:
-            raise OffloadError(f"injected failure opening {path}")
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise OffloadError(f"injected failure receiving {args[0]}")
 
-        hr.open_segment = broken_open
-    group_region(rank, job_id, "shared", 2 * MiB)
+        if mode:
+            hr.open_segment = broken
+        else:
+            hr.fetch_fds = broken
+    group_region(rank, job_id, "shared", 2 * MiB, **mode)
 
 
-def test_a_rank_failing_mid_protocol_fails_every_peer_cleanly(job: str) -> None:
+def test_a_rank_failing_mid_protocol_fails_every_peer_cleanly(job: str,
+                                                              mode: dict[str, Any]) -> None:
     start = time.monotonic()
-    out = run_group(_failing_joiner_body, 2, args=(job,), pg_timeout=10)
+    out = run_group(_failing_joiner_body, 2, args=(job, mode), pg_timeout=10)
     assert time.monotonic() - start < 20
     assert [o.error_type for o in out] == ["PeerError", "OffloadError"]
     first = errors(out)
-    assert "rank 1 failed while mapping the node's region" in first[0]
-    assert "injected failure opening" in first[0]
+    assert "rank 1 failed while handing the node's region over and mapping it" in first[0]
+    assert "injected failure receiving" in first[0]
 
 
-def _killed_leader_body(rank: int, job_id: str) -> None:
+def _dying_leader_body(rank: int, job_id: str, mode: dict[str, Any], where: str) -> None:
     import offload.region.host_region as hr
 
-    if rank == 0:
-        real_create = hr.create_segments
+    if rank == 0 and where == "created":
+        real_create = hr._Files.create
 
         def create_then_die(*args: Any, **kwargs: Any) -> list[int]:
             real_create(*args, **kwargs)
-            assert job_files(job_id)
             os.kill(os.getpid(), signal.SIGKILL)
             raise AssertionError("unreachable")
 
-        hr.create_segments = create_then_die
-    group_region(rank, job_id, "shared", 2 * MiB)
+        hr._Files.create = create_then_die  # type: ignore[method-assign]
+    if rank == 0 and where == "handing out":
+        def die(*args: Any, **kwargs: Any) -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        hr.FdOffer.hand_out = die  # type: ignore[method-assign]
+    group_region(rank, job_id, "shared", 2 * MiB, **mode)
 
 
-def test_a_leader_killed_after_creating_files_leaves_nothing(job: str) -> None:
+@pytest.mark.parametrize("where", ["created", "handing out"])
+def test_a_leader_killed_mid_protocol_leaves_nothing(job: str, mode: dict[str, Any],
+                                                     where: str) -> None:
+    if mode and where == "handing out":
+        pytest.skip("named files are opened by name: there is no hand-out")
     start = time.monotonic()
-    out = run_group(_killed_leader_body, 2, args=(job,), pg_timeout=10, timeout=40)
+    out = run_group(_dying_leader_body, 2, args=(job, mode, where), pg_timeout=10, timeout=40)
     assert time.monotonic() - start < 30
     assert out[0].exitcode == -signal.SIGKILL
     assert out[1].exitcode not in (0, None) and out[1].error_type == "PeerError"
-    assert "stopped answering" in errors(out)[1]
+    # after creation the peer learns it from the exchange; during the hand-out from the socket
+    assert ("stopped answering" if where == "created" else "hand-off") in errors(out)[1]
+    # named: the peer removes the dead leader's files (the shm_dir fixture checks)
 
 
-def _too_big_body(rank: int, job_id: str, budget: int) -> None:
-    group_region(rank, job_id, "shared", budget, max_segments=32)
+def _peer_dies_body(rank: int, job_id: str) -> None:
+    import offload.region.host_region as hr
+
+    if rank == 1:
+        def die(*args: Any, **kwargs: Any) -> list[int]:
+            os.kill(os.getpid(), signal.SIGKILL)
+            raise AssertionError("unreachable")
+
+        hr.fetch_fds = die
+    group_region(rank, job_id, "shared", 2 * MiB, timeout_s=60)
 
 
-def test_shm_too_small_is_a_clear_error_before_anything_is_created(job: str) -> None:
-    st = os.statvfs("/dev/shm")
-    budget = 2 * st.f_bavail * st.f_frsize
-    out = run_group(_too_big_body, 2, args=(job, budget))
+def test_a_peer_killed_before_fetching_fails_the_leader_at_once(job: str) -> None:
+    """The leader serves the hand-off on a thread and learns from the node exchange, not from
+    waiting out its hand-off timeout (here 60 s)."""
+    start = time.monotonic()
+    out = run_group(_peer_dies_body, 2, args=(job,), pg_timeout=10, timeout=40)
+    assert time.monotonic() - start < 20
+    assert out[1].exitcode == -signal.SIGKILL
+    assert out[0].error_type == "PeerError"
+    assert "stopped answering while handing the node's region over" in errors(out)[0]
+
+
+def _too_big_body(rank: int, job_id: str, budget: int, mode: dict[str, Any]) -> None:
+    group_region(rank, job_id, "shared", budget, max_segments=32, **mode)
+
+
+def test_too_little_memory_is_a_clear_error_before_anything_is_created(job: str) -> None:
+    from offload.region.space import meminfo
+
+    budget = 2 * meminfo()["MemAvailable"]
+    out = run_group(_too_big_body, 2, args=(job, budget, {}))
     assert [o.error_type for o in out] == ["OffloadError", "PeerError"]
     leader, peer = errors(out)
-    assert leader.startswith("/dev/shm has") and "lower --cpu-bytes or enlarge the mount" \
+    assert leader.startswith(f"the node's regions need {budget // 4096 * 4096} B") or \
+        leader.startswith("the node's regions need"), leader
+    assert "of memory is available (MemAvailable in /proc/meminfo); lower --cpu-bytes or " \
+        "free memory" in leader
+    assert peer.startswith("rank 0 failed while creating the node's region: the node's "
+                           "regions need")
+
+
+def test_a_full_shm_dir_is_a_clear_error_before_anything_is_created(job: str,
+                                                                    shm_dir: str) -> None:
+    st = os.statvfs(shm_dir)
+    budget = 2 * st.f_bavail * st.f_frsize
+    out = run_group(_too_big_body, 2, args=(job, budget, {"shm_dir": shm_dir}))
+    assert [o.error_type for o in out] == ["OffloadError", "PeerError"]
+    leader, peer = errors(out)
+    assert leader.startswith(f"{shm_dir} has") and "lower --cpu-bytes or enlarge the mount" \
         in leader
-    assert peer.startswith("rank 0 failed while creating the node's region files: /dev/shm has")
+    assert peer.startswith(f"rank 0 failed while creating the node's region: {shm_dir} has")
 
 
-def test_a_symlink_at_a_region_path_is_refused(job: str) -> None:
-    link = f"/dev/shm/offload-{job}-L0-s0"
+def _private_check_body(rank: int, job_id: str, available: int) -> int:
+    import offload.region.space as space
+
+    real = space.meminfo
+    space.meminfo = lambda: {**real(), "MemAvailable": available}
+    region, _plan, _reg = group_region(rank, job_id, "private", 4 * MiB)
+    region.close()
+    return region.stats.region_bytes
+
+
+def test_private_regions_are_checked_together_against_the_nodes_memory(job: str) -> None:
+    """Each rank's region (42 rows of 48 KiB) fits in 3 MiB; the node's two do not.
+    (MemAvailable is faked: really exhausting this shared host's memory is not an option.)"""
+    own = 42 * 48 * KiB
+    out = run_group(_private_check_body, 2, args=(job, 3 * MiB))
+    assert [o.error_type for o in out] == ["OffloadError", "PeerError"], errors(out)
+    assert errors(out)[0].startswith(f"the node's regions need {2 * own} B (3.94 MiB) but only "
+                                     "3145728 B (3.00 MiB) of memory is available")
+    assert errors(out)[1].startswith("rank 0 failed while checking the node's memory")
+    out = run_group(_private_check_body, 2, args=(job, 5 * MiB))
+    assert all(o.ok for o in out) and [o.value for o in out] == [own, own]
+
+
+def test_a_symlink_at_a_region_path_is_refused(job: str, shm_dir: str) -> None:
+    link = f"{shm_dir}/offload-{job}-L0-s0"
     os.symlink("/tmp/not-yours", link)
     try:
-        out = run_group(_too_big_body, 2, args=(job, 2 * MiB))
+        out = run_group(_too_big_body, 2, args=(job, 2 * MiB, {"shm_dir": shm_dir}))
         assert [o.error_type for o in out] == ["OffloadError", "PeerError"]
         assert f"{link} is already a symbolic link" in errors(out)[0]
         assert os.path.islink(link)  # left alone: it is not ours

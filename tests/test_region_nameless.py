@@ -11,7 +11,8 @@ import uuid
 import pytest
 
 from offload.errors import PeerError
-from offload.region.nameless import FdOffer, close_all, create_memfd, fetch_fds, socket_name
+from offload.region.nameless import FdOffer, create_memfd, fetch_fds, socket_name
+from offload.region.shm import close_fds
 
 
 def _peer(name: str, count: int, results: mp.Queue) -> None:
@@ -22,7 +23,7 @@ def _peer(name: str, count: int, results: mp.Queue) -> None:
             view[5:10] = b"peer!"  # visible to the leader: the same memory
         results.put((seen, [os.fstat(fd).st_size for fd in fds]))
     finally:
-        close_all(fds)
+        close_fds(fds)
 
 
 def test_peers_map_the_leaders_nameless_files() -> None:
@@ -44,7 +45,7 @@ def test_peers_map_the_leaders_nameless_files() -> None:
         assert got == [(b"hello", [4096, 8192])] * 2
         assert os.pread(fds[0], 10, 0) == b"hellopeer!"
     finally:
-        close_all(fds)
+        close_fds(fds)
 
 
 def test_memfd_is_nameless_and_sealed_against_shrinking() -> None:

@@ -12,7 +12,7 @@ import torch
 
 from offload.geometry import ByteRange
 from offload.region import RecordingRegistrar, choose_registrar
-from offload.region.pin import CudaRegistrar, Pinner, pin_ranges
+from offload.region.pin import CudaRegistrar, Pinner
 from offload.region.pipeline import PinPipeline, split_rows
 from tests.test_region_host import single_rank_region
 
@@ -36,18 +36,24 @@ class FailingRegistrar(RecordingRegistrar):
         super().register(address, length)
 
 
-def test_pin_ranges_registers_at_the_base_address() -> None:
+def test_pinner_registers_at_the_base_address() -> None:
     registrar = RecordingRegistrar()
+    pinner = Pinner(registrar, 1 << 40)
     ranges = [ByteRange(0, 4096), ByteRange(8192, 4096)]
-    assert pin_ranges(registrar, 1 << 40, ranges) == ranges
+    for r in ranges:
+        pinner.pin(r)
+    assert pinner.registered == ranges
     assert registrar.registered == {1 << 40: 4096, (1 << 40) + 8192: 4096}
 
 
 def test_a_failed_registration_rolls_back_the_ones_before_it() -> None:
     registrar = FailingRegistrar(fail_on=3)
-    ranges = [ByteRange(i * 4096, 4096) for i in range(5)]
+    pinner = Pinner(registrar, 0)
     with pytest.raises(RuntimeError, match="call 3"):
-        pin_ranges(registrar, 0, ranges)
+        for i in range(5):
+            pinner.pin(ByteRange(i * 4096, 4096))
+    assert len(pinner.registered) == 2
+    pinner.unpin_all()
     assert registrar.registered == {} and registrar.calls == 3
 
 

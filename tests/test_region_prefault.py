@@ -1,10 +1,9 @@
-"""Pre-fault of real shm mappings: residency is read back from /proc/self/smaps."""
+"""Pre-fault of real memfd mappings: residency is read back from /proc/self/smaps."""
 
 from __future__ import annotations
 
 import errno
 import re
-import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 from offload.geometry import ByteRange
 from offload.region import prefault as pf
 from offload.region import shm
-from tests.harness import shm_entries
+from offload.region.nameless import create_memfds
 
 MiB = 1 << 20
 _HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) ")
@@ -35,17 +34,13 @@ def resident_bytes(address: int, size: int) -> int:
 
 @pytest.fixture
 def mapping() -> Iterator[shm.Mapping]:
-    """Two 2 MiB segments, unlinked at once, mapped back to back."""
-    before = shm_entries()
-    job_id = uuid.uuid4().hex[:12]
-    paths = shm.segment_paths("/dev/shm", job_id, "pf", 2)
+    """Two 2 MiB nameless segments mapped back to back."""
     lengths = [2 * MiB, 2 * MiB]
-    fds = shm.create_segments("/dev/shm", paths, lengths, unlink=True)
+    fds = create_memfds("pf", lengths, 2)
     m = shm.Mapping(fds, lengths)
     shm.close_fds(fds)
     yield m
     m.close()
-    assert {n for n in shm_entries() - before if job_id in n} == set()
 
 
 def pieces_of(m: shm.Mapping, threads: int = 2) -> list[ByteRange]:

@@ -53,7 +53,7 @@ def test_discover_on_two_simulated_nodes_builds_leaders_and_node_groups() -> Non
         topo = discover(tp=2, pp=2)
         total = torch.tensor([rank])
         dist.all_reduce(total, group=topo.node_group)  # node-local group really works
-        topo.node_barrier()
+        dist.barrier(group=topo.node_group)
         return (topo.node_id, topo.local_rank, topo.local_world_size, topo.is_leader,
                 topo.tp_rank, topo.pp_rank, int(total.item()), topo.to_json())
 

@@ -1,12 +1,23 @@
 """One rank's host region: create, map, pre-fault and pin it per the plan's layout.
 
-* ``private`` — the rank's own files: created, unlinked at once and mapped; no cross-rank step,
+A region is one or several shmem files mapped back to back (``shm.Mapping``).  By default they
+are nameless memfds (``nameless``): the kernel frees them with the last process holding them,
+whatever ends the job.  With ``shm_dir`` they are named files there, for hosts that want to see
+them.  Before anything is created the node leader checks that the node's regions fit in memory
+(and in ``shm_dir``): one node exchange for private regions (every rank creates its own, so the
+check must precede all of them), the first step of the protocol below for node regions.
+
+* ``private`` — the rank's own files: nameless, or unlinked right after creation; no hand-off,
   nothing to leak even on SIGKILL.
-* ``shared`` / ``replicated`` — the node leader checks space and creates the files; a node
-  status exchange; the others open, verify and map them; a status exchange; every rank then
-  unlinks the paths (the leader's unlink is the protocol; the others' closes the window in
-  which a leader killed right after the exchange would leak them).  Segment names derive
-  from the job id, so on any error path every rank removes whatever of them is still there.
+* ``shared`` / ``replicated``, nameless — the leader binds its hand-off socket, creates and
+  reserves the memfds; node exchange; the leader hands the descriptors to each peer over the
+  socket while the peers fetch them, and every rank maps them; node exchange.  Every rank then
+  closes its descriptors: only the mappings hold the memory.
+* ``shared`` / ``replicated``, named — the leader creates the files; node exchange; the others
+  open, verify and map them; node exchange; every rank then unlinks the paths (the leader's
+  unlink is the protocol; the others' closes the window in which a leader killed right after
+  the exchange would leak them).  Segment names derive from the tier id, so on any error path
+  every rank removes whatever of them is still there.
 
 Then the rank pre-faults its share (``geometry.prefault_ranges``) and registers
 ``geometry.registration_ranges``.  When this rank populates every byte it registers (private,
@@ -42,11 +53,13 @@ from offload.geometry import (
     segment_ranges,
 )
 from offload.plan import Plan
+from offload.region.nameless import FdOffer, check_sizes, create_memfds, fetch_fds, socket_name
 from offload.region.pin import Pinner, Registrar
 from offload.region.pipeline import PinPipeline, split_rows
 from offload.region.prefault import ProgressFn, plan_pieces, prefault
 from offload.region.shm import (
     Mapping,
+    check_tier_id,
     close_fds,
     create_segments,
     open_segment,
@@ -54,6 +67,7 @@ from offload.region.shm import (
     unlink_if_ours,
     unlink_quiet,
 )
+from offload.region.space import check_space
 from offload.region.sync import NodeSync, one_line
 from offload.topology import Topology
 
@@ -127,7 +141,7 @@ class HostRegion:
         return self._mapping.size if self._mapping is not None else 0
 
     @classmethod
-    def create(cls, plan: Plan, topology: Topology, config: TierConfig, job_id: str,
+    def create(cls, plan: Plan, topology: Topology, config: TierConfig, tier_id: str,
                registrar: Registrar, progress: ProgressFn | None = None) -> HostRegion:
         """Build, pre-fault and pin this rank's region.  Collective over the node for the
         shared and replicated layouts (every local rank must call it); on any failure the
@@ -141,56 +155,82 @@ class HostRegion:
         cleanup.register(region.close)
         cleanup.register_unlinker(region.unlink_names)
         try:
-            region._build(topology, config, job_id, progress)
+            region._build(topology, config, tier_id, progress)
         except BaseException:
             region.close()
             raise
         return region
 
-    def _build(self, topology: Topology, config: TierConfig, job_id: str,
+    def _build(self, topology: Topology, config: TierConfig, tier_id: str,
                progress: ProgressFn | None) -> None:
         start = time.perf_counter()
         segments = segment_ranges(self.geometry, config)
         lengths = [s.length for s in segments]
         node_layout = self.plan.layout != "private"
         tag = f"L{topology.node.leader_rank}" if node_layout else f"r{topology.rank}"
-        self._paths = segment_paths(config.shm_dir, job_id, tag, len(segments))
-        sync = NodeSync(topology) if node_layout else None
-        if sync is None:
-            self._map_private(config, lengths)
+        files = _Files(config, tier_id, tag, lengths)
+        self._paths = files.paths()
+        sync = NodeSync(topology)
+        needed = self._node_bytes(topology)
+
+        def check() -> None:
+            check_space(config.shm_dir, needed)
+
+        if node_layout:
+            self._map_node(sync, topology.is_leader, files, check)
         else:
-            self._map_node(sync, topology.is_leader, config, lengths)
+            sync.step("checking the node's memory", check if topology.is_leader else None)
+            self._map_private(files)
         self.stats.segments = len(segments)
         self.stats.timings_s["create"] = time.perf_counter() - start
-        self._prefault_and_pin(sync, topology, config, segments, progress)
+        self._prefault_and_pin(sync if node_layout else None, topology, config, segments,
+                               progress)
 
-    def _map_private(self, config: TierConfig, lengths: list[int]) -> None:
-        fds = create_segments(config.shm_dir, self._paths, lengths, config.prefault_threads,
-                              unlink=True)
+    def _node_bytes(self, topology: Topology) -> int:
+        """What this node's tier creates: every local rank's private region, or the one node
+        region."""
+        if self.plan.layout != "private":
+            return self.geometry.total_bytes
+        return sum(region_geometry(self.plan, r).total_bytes for r in topology.node.ranks)
+
+    def _map_private(self, files: _Files) -> None:
+        fds = files.create(self._paths, unlink=True)
         self._paths = []
         try:
-            self._attach(fds, lengths)
+            self._attach(fds, files.lengths)
         finally:
             close_fds(fds)
 
-    def _map_node(self, sync: NodeSync, leader: bool, config: TierConfig,
-                  lengths: list[int]) -> None:
+    def _map_node(self, sync: NodeSync, leader: bool, files: _Files,
+                  check: Callable[[], None]) -> None:
         fds: list[int] = []
+        offer: list[FdOffer] = []
+        peers = sync.topology.local_world_size - 1
 
         def create() -> None:
-            fds.extend(create_segments(config.shm_dir, self._paths, lengths,
-                                       config.prefault_threads))
+            check()
+            if files.nameless:  # bound before the exchange that tells peers to connect
+                offer.append(FdOffer(files.socket, peers))
+            fds.extend(files.create(self._paths))
 
-        def open_and_map() -> None:
-            if not leader:
-                for path, length in zip(self._paths, lengths, strict=True):
-                    fds.append(open_segment(path, length))
-            self._attach(fds, lengths)
+        def hand_over_and_map() -> None:
+            if files.nameless and leader:
+                offer[0].start(fds, files.timeout_s)  # served while we map and exchange
+            elif files.nameless:
+                fds.extend(fetch_fds(files.socket, len(files.lengths), files.timeout_s,
+                                     offered=True))
+                check_sizes(fds, files.lengths, files.socket)
+            elif not leader:
+                fds.extend(open_segment(p, n) for p, n in zip(self._paths, files.lengths,
+                                                              strict=True))
+            self._attach(fds, files.lengths)
 
         try:
-            sync.step("creating the node's region files", create if leader else None)
-            sync.step("mapping the node's region", open_and_map)
+            sync.step("creating the node's region", create if leader else None)
+            sync.step("handing the node's region over and mapping it", hand_over_and_map)
         finally:
+            for o in offer:
+                o.close()
             close_fds(fds)
         for path in self._paths:
             unlink_quiet(path)
@@ -287,11 +327,44 @@ class HostRegion:
         for path in paths:
             _logged(unlink_if_ours, path)
 
-    def __enter__(self) -> HostRegion:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+@dataclass(frozen=True)
+class _Files:
+    """How this region's files are made: nameless memfds (``shm_dir`` None) or named files in
+    ``shm_dir``.  Either way their names carry the tier id and the creator's tag (``L<leader>``
+    or ``r<rank>``), so ``/proc/<pid>/fd`` and the shm directory say whose they are."""
+
+    config: TierConfig
+    tier_id: str
+    tag: str
+    lengths: list[int]
+
+    def __post_init__(self) -> None:
+        check_tier_id(self.tier_id)
+
+    @property
+    def nameless(self) -> bool:
+        return self.config.shm_dir is None
+
+    @property
+    def socket(self) -> str:
+        return socket_name(self.tier_id, self.tag)
+
+    @property
+    def timeout_s(self) -> float:
+        return self.config.timeout_s
+
+    def paths(self) -> list[str]:
+        if self.config.shm_dir is None:
+            return []
+        return segment_paths(self.config.shm_dir, self.tier_id, self.tag, len(self.lengths))
+
+    def create(self, paths: list[str], unlink: bool = False) -> list[int]:
+        """Create and reserve the files; return their descriptors."""
+        threads = self.config.prefault_threads
+        if self.nameless:
+            return create_memfds(f"{self.tier_id}-{self.tag}", self.lengths, threads)
+        return create_segments(paths, self.lengths, threads, unlink=unlink)
 
 
 def _logged(fn: Callable[..., object], *args: object) -> None:

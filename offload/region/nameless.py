@@ -16,20 +16,22 @@ fail likewise.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import os
 import socket
 import struct
+import threading
 import time
 from collections.abc import Sequence
 
 from offload.errors import OffloadError, PeerError
+from offload.region.shm import close_fds, reserve
 
 _HEADER = struct.Struct("!II")  # magic, descriptor count
 _MAGIC = 0x0FF10AD0
 _RETRY_S = 0.002
+_POLL_S = 0.05
 
 
 def create_memfd(name: str, length: int) -> int:
@@ -45,6 +47,29 @@ def create_memfd(name: str, length: int) -> int:
     return fd
 
 
+def create_memfds(name: str, lengths: Sequence[int], threads: int) -> list[int]:
+    """One sealed memfd per segment (``offload-<name>-s<i>`` in ``/proc/<pid>/fd``), reserved
+    in parallel; on any failure every one of them is closed, which frees it."""
+    fds: list[int] = []
+    try:
+        for i, length in enumerate(lengths):
+            fds.append(create_memfd(f"{name}-s{i}", length))
+        reserve(fds, lengths, threads)
+    except BaseException:
+        close_fds(fds)
+        raise
+    return fds
+
+
+def check_sizes(fds: Sequence[int], lengths: Sequence[int], name: str) -> None:
+    """A peer's check that the descriptors it received are the plan's segments (a shorter file
+    would SIGBUS on first touch of its missing tail)."""
+    sizes = [os.fstat(fd).st_size for fd in fds]
+    if sizes != list(lengths):
+        raise PeerError(f"hand-off {name!r} delivered files of {sizes} B; the plan expects "
+                        f"{list(lengths)} B")
+
+
 def socket_name(tier_id: str, tag: str) -> str:
     """The abstract socket name of one hand-off (unique per tier and node)."""
     return f"offload/{tier_id}/{tag}"
@@ -52,11 +77,19 @@ def socket_name(tier_id: str, tag: str) -> str:
 
 class FdOffer:
     """The leader's side of a hand-off: a listening socket, bound *before* the node learns that
-    the descriptors exist, so a peer that connects right after that exchange finds it."""
+    the descriptors exist, so a peer that connects right after that exchange finds it.
+
+    ``hand_out`` serves the peers in the calling thread; ``start`` serves them on a thread of
+    its own, so the leader can meanwhile map the files and join the node exchange that tells it
+    whether every peer got them -- a peer that failed before fetching then costs the leader
+    nothing but that exchange.  ``close`` stops serving (within ``_POLL_S``)."""
 
     def __init__(self, name: str, peers: int) -> None:
         self.name = name
         self.peers = peers
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.bind("\0" + name)
@@ -75,13 +108,16 @@ class FdOffer:
         deadline = time.monotonic() + timeout_s
         served = 0
         while served < self.peers:
-            sock.settimeout(max(0.0, deadline - time.monotonic()))
+            left = deadline - time.monotonic()
+            if left <= 0 or self._stop.is_set():
+                why = f"within {timeout_s:g} s" if left <= 0 else "before the offer closed"
+                raise PeerError(f"only {served} of {self.peers} node peers fetched the region "
+                                f"descriptors {why}; a peer failed, died or stopped answering")
+            sock.settimeout(min(_POLL_S, left))
             try:
                 conn, _ = sock.accept()
             except TimeoutError:
-                raise PeerError(f"only {served} of {self.peers} node peers fetched the region "
-                                f"descriptors within {timeout_s:g} s; a peer died or stopped "
-                                "answering") from None
+                continue
             with conn:
                 uid = _peer_uid(conn)
                 if uid != os.geteuid():  # a stranger found the name: ignore it
@@ -90,8 +126,24 @@ class FdOffer:
                 socket.send_fds(conn, [_HEADER.pack(_MAGIC, len(fds))], list(fds))
                 served += 1
 
+    def start(self, fds: Sequence[int], timeout_s: float) -> None:
+        """``hand_out`` on a thread; its error, if any, lands in ``error``.  The caller keeps
+        ``fds`` open until ``close``."""
+        def serve() -> None:
+            try:
+                self.hand_out(fds, timeout_s)
+            except BaseException as exc:
+                self.error = exc
+
+        self._thread = threading.Thread(target=serve, name="offload-handoff", daemon=True)
+        self._thread.start()
+
     def close(self) -> None:
-        """Stop listening (idempotent); the abstract name disappears with the socket."""
+        """Stop serving and listening (idempotent); the abstract name disappears with the
+        socket."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
@@ -108,9 +160,11 @@ class FdOffer:
         self.close()
 
 
-def fetch_fds(name: str, count: int, timeout_s: float) -> list[int]:
-    """A peer's side: connect to the leader's offer ``name`` (retrying until it exists) and
-    receive exactly ``count`` descriptors, close-on-exec."""
+def fetch_fds(name: str, count: int, timeout_s: float, offered: bool = False) -> list[int]:
+    """A peer's side: connect to the leader's offer ``name`` and receive exactly ``count``
+    descriptors, close-on-exec.  Connecting retries until the offer exists, unless ``offered``
+    says the leader bound it already: then a refused connection means the leader closed it
+    (it failed or died) and waiting longer cannot help."""
     deadline = time.monotonic() + timeout_s
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         while True:
@@ -118,6 +172,9 @@ def fetch_fds(name: str, count: int, timeout_s: float) -> list[int]:
                 sock.connect("\0" + name)
                 break
             except (ConnectionRefusedError, FileNotFoundError):
+                if offered:
+                    raise PeerError(f"the node leader's offer {name!r} is gone: the leader "
+                                    "failed or died; check its error") from None
                 if time.monotonic() >= deadline:
                     raise PeerError(f"the node leader offered no region descriptors under "
                                     f"{name!r} within {timeout_s:g} s; check the leader's "
@@ -130,17 +187,14 @@ def fetch_fds(name: str, count: int, timeout_s: float) -> list[int]:
         except TimeoutError:
             raise PeerError(f"the node leader sent no descriptors under {name!r} within "
                             f"{timeout_s:g} s") from None
+        except ConnectionError as exc:
+            raise PeerError(f"the node leader dropped the hand-off {name!r} ({exc.strerror}): "
+                            "it failed or died; check its error") from None
     if len(data) != _HEADER.size or _HEADER.unpack(data) != (_MAGIC, count) or len(fds) != count:
-        close_all(fds)
+        close_fds(fds)
         raise PeerError(f"hand-off {name!r} delivered {len(fds)} descriptors and header "
                         f"{data!r}; expected {count} from the node leader")
     return fds
-
-
-def close_all(fds: Sequence[int]) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
 
 
 def _peer_uid(conn: socket.socket) -> int:

@@ -10,7 +10,6 @@ the ranges it would have registered, which is what CPU-only CI checks.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -133,19 +132,6 @@ class Pinner:
         if not self.registrar.counts_as_pinned:
             return 0
         return sum(r.length for r in self.registered)
-
-
-def pin_ranges(registrar: Registrar, base_address: int, ranges: Sequence[ByteRange]
-               ) -> list[ByteRange]:
-    """Register every range; if one fails, unregister the ones that succeeded and re-raise."""
-    pinner = Pinner(registrar, base_address)
-    try:
-        for r in ranges:
-            pinner.pin(r)
-    except BaseException:
-        pinner.unpin_all()
-        raise
-    return pinner.registered
 
 
 def choose_registrar(device: torch.device | str) -> Registrar:

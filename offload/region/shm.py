@@ -1,9 +1,10 @@
-"""Secure shm segment files and their mapping into one contiguous address range.
+"""Region files: named ones in a ``--shm-dir``, their reservation, and the contiguous mapping.
 
-A region is one or several files in ``shm_dir`` (one file serialises page-cache insertion, so
-large regions are split).  Files are created with ``O_CREAT|O_EXCL|O_NOFOLLOW`` and mode 0600 so
-another user can neither pre-plant nor read them, space is checked and reserved up front so a
-full ``/dev/shm`` is a clear error instead of a SIGBUS later, and joiners verify what they open.
+A region is one or several shmem files (one file serialises page-cache insertion, so large
+regions are split): nameless memfds by default (``nameless``), or, with ``--shm-dir``, named
+files created ``O_CREAT|O_EXCL|O_NOFOLLOW`` with mode 0600 so another user can neither pre-plant
+nor read them; joiners verify what they open.  Either kind is reserved up front so running out
+of memory is a clear error instead of a SIGBUS later.
 
 The files are mapped ``MAP_SHARED|MAP_FIXED`` back to back into one anonymous ``PROT_NONE``
 reservation so the region stays a single address range (one registration or one copy may cross
@@ -43,61 +44,67 @@ MAP_FIXED = 0x10
 MAP_NORESERVE = 0x4000
 MAP_FAILED = ctypes.c_void_p(-1).value
 FILE_MODE = 0o600
-_JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_TIER_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
-def segment_paths(shm_dir: str, job_id: str, tag: str, count: int) -> list[str]:
-    """Deterministic segment paths: every rank that knows the job id knows them, so any
-    survivor can remove them after a peer dies."""
-    if not _JOB_ID_RE.match(job_id):
+def check_tier_id(tier_id: str) -> None:
+    """Tier ids become parts of file and socket names: plain characters only."""
+    if not _TIER_ID_RE.match(tier_id):
         raise OffloadError(
-            f"job id {job_id!r} is not 1-64 characters of letters, digits, '_', '.' or '-'; "
+            f"tier id {tier_id!r} is not 1-64 characters of letters, digits, '_', '.' or '-'; "
             "pass such an id"
         )
-    return [os.path.join(shm_dir, f"offload-{job_id}-{tag}-s{i}") for i in range(count)]
 
 
-def check_free_space(directory: str, needed: int) -> None:
-    """Fail before anything is created when ``directory`` cannot hold ``needed`` bytes."""
-    st = os.statvfs(directory)
-    free = st.f_bavail * st.f_frsize
-    if needed > free:
-        raise _no_space(directory, needed, free)
+def segment_paths(shm_dir: str, tier_id: str, tag: str, count: int) -> list[str]:
+    """Deterministic segment paths: every rank that knows the tier id knows them, so any
+    survivor can remove them after a peer dies."""
+    check_tier_id(tier_id)
+    return [os.path.join(shm_dir, f"offload-{tier_id}-{tag}-s{i}") for i in range(count)]
 
 
-def _no_space(directory: str, needed: int, free: int) -> OffloadError:
-    return OffloadError(
-        f"{directory} has {free} B ({format_size(free)}) free but the region needs {needed} B "
-        f"({format_size(needed)}); lower --cpu-bytes or enlarge the mount"
-    )
-
-
-def create_segments(directory: str, paths: Sequence[str], lengths: Sequence[int],
-                    threads: int = 1, unlink: bool = False) -> list[int]:
-    """Check space, then create and reserve every segment; return their open descriptors.
+def create_segments(paths: Sequence[str], lengths: Sequence[int], threads: int = 1,
+                    unlink: bool = False) -> list[int]:
+    """Create and reserve every segment file; return their open descriptors.  The caller has
+    checked the space (``space.check_space``).
 
     ``unlink`` removes each name right after it is created, before the (slow) reservation:
     a private region then has no name to leak for more than a few microseconds, even on
     SIGKILL.  On any failure every file this call created is closed and unlinked before the
-    error propagates.  Reservations run in parallel (``posix_fallocate`` releases the GIL and
-    each file allocates its pages independently).
+    error propagates.
     """
-    check_free_space(directory, sum(lengths))
     fds: list[int] = []
     try:
         for path in paths:
             fds.append(_create_one(path))
             if unlink:
                 os.unlink(path)
-        with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(fds)))) as pool:
-            list(pool.map(lambda fd_len: _reserve(directory, *fd_len), zip(fds, lengths,
-                                                                           strict=True)))
+        reserve(fds, lengths, threads)
     except BaseException:
         close_fds(fds)
         for path in paths[:len(fds)]:
             unlink_quiet(path)
         raise
     return fds
+
+
+def reserve(fds: Sequence[int], lengths: Sequence[int], threads: int) -> None:
+    """Allocate every file's pages up front (``posix_fallocate``), so running out of memory is
+    a clear error now, not a SIGBUS at first touch.  Files are reserved in parallel: the call
+    releases the GIL and each shmem file allocates its pages independently."""
+    def one(fd: int, length: int) -> None:
+        try:
+            os.posix_fallocate(fd, 0, length)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+                raise
+            raise OffloadError(
+                f"reserving {length} B ({format_size(length)}) of shared memory failed: "
+                f"{os.strerror(exc.errno)}; lower --cpu-bytes, free memory or enlarge the mount"
+            ) from None
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(fds)))) as pool:
+        list(pool.map(one, fds, lengths))
 
 
 def _create_one(path: str) -> int:
@@ -112,16 +119,6 @@ def _create_one(path: str) -> int:
         ) from None
     os.fchmod(fd, FILE_MODE)  # the umask may have cleared bits; we want exactly 0600
     return fd
-
-
-def _reserve(directory: str, fd: int, length: int) -> None:
-    try:
-        os.posix_fallocate(fd, 0, length)
-    except OSError as exc:
-        if exc.errno != errno.ENOSPC:
-            raise
-        st = os.statvfs(directory)
-        raise _no_space(directory, length, st.f_bavail * st.f_frsize) from None
 
 
 def open_segment(path: str, length: int) -> int:
@@ -230,10 +227,6 @@ class Mapping:
             self.close()
             raise
         self.tensor = tensor_at(base, size)
-
-    @property
-    def mapped(self) -> bool:
-        return self.size > 0
 
     def close(self) -> None:
         """Unmap the whole range; idempotent and reentrant (the size is cleared first, so a

@@ -37,7 +37,10 @@ class NodeSync:
         self.topology = topology
 
     def step(self, what: str, action: Callable[[], T] | None = None) -> T | None:
-        """Run ``action`` (None: nothing to do on this rank), then agree on the outcome."""
+        """Run ``action`` (None: nothing to do on this rank), then agree on the outcome.  A
+        rank alone on its node has no one to agree with: it just runs the action."""
+        if self.topology.local_world_size == 1:
+            return action() if action is not None else None
         error: Exception | None = None
         result = None
         try:

@@ -73,19 +73,22 @@ def test_replicated_pipeline_stages_load_their_own_stage_bytes_on_cuda(
 
 def test_failed_registration_rolls_back_and_leaves_no_sticky_error() -> None:
     from offload.geometry import ByteRange
-    from offload.region.pin import CudaRegistrar, pin_ranges
-    from offload.region.shm import Mapping, close_fds, create_segments
+    from offload.region.nameless import create_memfds
+    from offload.region.pin import CudaRegistrar, Pinner
+    from offload.region.shm import Mapping, close_fds
 
-    path = f"/dev/shm/offload-gputest-{torch.cuda.current_device()}-rollback"
-    fds = create_segments("/dev/shm", [path], [8 * MiB], unlink=True)
+    fds = create_memfds(f"gputest-{torch.cuda.current_device()}-rollback", [8 * MiB], 1)
     mapping = Mapping(fds, [8 * MiB])
     close_fds(fds)
     registrar = CudaRegistrar(torch.device("cuda"))
     try:
         good = ByteRange(0, 4 * MiB)
         overlapping = ByteRange(2 * MiB, 4 * MiB)  # overlaps the first: the driver refuses
+        pinner = Pinner(registrar, mapping.address)
+        pinner.pin(good)
         with pytest.raises(RuntimeError, match="cuMemHostRegister"):
-            pin_ranges(registrar, mapping.address, [good, overlapping])
+            pinner.pin(overlapping)
+        pinner.unpin_all()
         # rolled back: the first range registers again, and CUDA still works normally
         registrar.register(mapping.address, 4 * MiB)
         registrar.unregister(mapping.address)
