@@ -141,3 +141,11 @@ def store_drop_load(tier: Any, kv: Sequence[Any], blocks: tuple[int, ...],
         t.zero_()
     tier.submit(CopyJob(2, "load", blocks, chunks, positions))
     tier.wait([2])
+
+
+def has_our_traceback(text: str) -> bool:
+    """Whether a traceback in ``text`` shows a frame of our code (offload/ or launch/): torchrun
+    prints its own when a worker exits non-zero, and a virtual environment inside the checkout
+    must not count as ours."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return any(f'File "{os.path.join(root, part)}/' in text for part in ("offload", "launch"))

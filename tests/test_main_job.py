@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import free_port
+from tests.harness import free_port, has_our_traceback
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +36,7 @@ def our_errors(proc: subprocess.CompletedProcess[str]) -> list[str]:
 def our_tracebacks(proc: subprocess.CompletedProcess[str]) -> bool:
     """Whether any traceback shows a frame of our code (torchrun prints its own when a worker
     exits non-zero)."""
-    return f'File "{ROOT}/' in proc.stderr
+    return has_our_traceback(proc.stderr)
 
 
 def test_tp2_pp2_report_matches_the_plan_formula(tmp_path: Path, shm_dir: str) -> None:
