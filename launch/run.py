@@ -27,7 +27,7 @@ import torch.distributed as dist
 from launch import rounds, synthetic
 from offload import cleanup
 from offload.actor import RankActor
-from offload.config import LAYOUTS, TierConfig
+from offload.config import FS_BYTES_FACTOR, LAYOUTS, TierConfig
 from offload.errors import OffloadError
 from offload.log import setup_logging
 from offload.quorum import default_store
@@ -69,7 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the KV cache lives (auto: cuda when available)")
     p.add_argument("--rounds", type=int, default=2, help="verified store/load rounds")
     p.add_argument("--fs-tier", default=None, metavar="DIR",
-                   help="enable the file tier under DIR (not available yet: refused)")
+                   help="enable the file tier under DIR (an existing, writable directory on a "
+                        "local disk): chunks evicted from host memory are spilled there and "
+                        "read back on a disk hit; each rank keeps its files in "
+                        "DIR/fp-<geometry fingerprint>/, so a restart with the same geometry "
+                        "finds them")
+    p.add_argument("--fs-bytes", default=None, metavar="SIZE",
+                   help="file tier budget per node (needs --fs-tier; default: "
+                        f"{FS_BYTES_FACTOR} x --cpu-bytes)")
     p.add_argument("--report-json", default=None, metavar="PATH",
                    help="rank 0 writes the JSON report there")
     p.add_argument("--timeline", default=None, metavar="PATH",
@@ -92,9 +99,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace, world: int) -> TierConfig:
-    if args.fs_tier is not None:
-        raise OffloadError(f"--fs-tier {args.fs_tier!r}: the file tier is not built yet; "
-                           "drop the flag")
     for name in ("blocks_per_chunk", "num_gpu_blocks", "rounds", "pp", "prefault_threads"):
         if getattr(args, name) < 1:
             raise OffloadError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at "
@@ -109,7 +113,8 @@ def config_from_args(args: argparse.Namespace, world: int) -> TierConfig:
         cpu_bytes_per_node=parse_size(args.cpu_bytes, "--cpu-bytes"), layout=args.layout,
         blocks_per_chunk=args.blocks_per_chunk, tp=tp, pp=args.pp, shm_dir=args.shm_dir,
         segment_threshold=2 * segment, min_segment_bytes=segment,
-        prefault_threads=args.prefault_threads, timeout_s=args.timeout)
+        prefault_threads=args.prefault_threads, timeout_s=args.timeout, fs_dir=args.fs_tier,
+        fs_bytes=None if args.fs_bytes is None else parse_size(args.fs_bytes, "--fs-bytes"))
 
 
 def payload_for(args: argparse.Namespace, pp_rank: int, pp: int) -> int:

@@ -14,6 +14,7 @@ from offload.errors import OffloadError
 LAYOUTS = ("private", "shared", "replicated")
 GiB = 1 << 30
 MiB = 1 << 20
+FS_BYTES_FACTOR = 4  # default file tier budget: this many times the host budget
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,11 @@ class TierConfig:
     exist, be writable and be memory-backed: checked here, before anything is created).
     ``max_registration_bytes`` caps one CUDA host registration (a single call of
     512 GiB fails on current drivers; 64 GiB is safe).
+
+    ``fs_dir`` enables the file tier behind host memory (DESIGN.md section 6): chunks evicted
+    from host memory are spilled to files under it and read back on a lookup that hits on disk.
+    It must exist and be writable (checked here).  ``fs_bytes`` is the file tier's budget per
+    node; None means `FS_BYTES_FACTOR` x ``cpu_bytes_per_node`` (`fs_bytes_per_node`).
     """
 
     cpu_bytes_per_node: int
@@ -43,6 +49,8 @@ class TierConfig:
     max_slot_rows: int = 65536
     prefault_threads: int = 8
     timeout_s: float = 300.0
+    fs_dir: str | None = None
+    fs_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -70,6 +78,25 @@ class TierConfig:
             from offload.region.space import check_shm_dir
 
             check_shm_dir(self.shm_dir)
+        if self.fs_bytes is not None:
+            if self.fs_dir is None:
+                raise OffloadError(f"{_describe('fs_bytes')} = {self.fs_bytes} is given without "
+                                   f"{_describe('fs_dir')}; add --fs-tier DIR or drop it")
+            if self.fs_bytes < 1:
+                raise OffloadError(f"{_describe('fs_bytes')} = {self.fs_bytes} is below its "
+                                   "minimum 1; give a size such as 1GiB")
+        if self.fs_dir is not None:
+            from offload.tiers.tier_dir import check_fs_dir
+
+            check_fs_dir(self.fs_dir, _describe("fs_dir"))
+
+    @property
+    def fs_bytes_per_node(self) -> int:
+        """The file tier's budget per node (0 without a file tier)."""
+        if self.fs_dir is None:
+            return 0
+        return self.fs_bytes if self.fs_bytes is not None else FS_BYTES_FACTOR * \
+            self.cpu_bytes_per_node
 
     def as_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -78,7 +105,7 @@ class TierConfig:
 _FLAGS = {"cpu_bytes_per_node": "--cpu-bytes", "blocks_per_chunk": "--blocks-per-chunk",
           "tp": "--tp", "pp": "--pp", "prefault_threads": "--prefault-threads",
           "min_segment_bytes": "--segment-bytes", "segment_threshold": "--segment-bytes",
-          "timeout_s": "--timeout"}
+          "timeout_s": "--timeout", "fs_dir": "--fs-tier", "fs_bytes": "--fs-bytes"}
 
 
 def _describe(name: str) -> str:

@@ -138,9 +138,10 @@ class FileTierStats:
 class _Entry:
     """One key in the index: its write order and the state of its file."""
 
-    __slots__ = ("seq", "state", "stored")
+    __slots__ = ("key", "seq", "state", "stored")
 
-    def __init__(self, seq: int, state: str, stored: Future[bool]) -> None:
+    def __init__(self, key: bytes, seq: int, state: str, stored: Future[bool]) -> None:
+        self.key = key
         self.seq = seq
         self.state = state
         self.stored = stored
@@ -237,7 +238,7 @@ class FileTier:
                 return Spill(done, entry.stored)
             if entry is None:
                 self._make_room()
-            entry = _Entry(next(self._seq), _WRITING, Future())
+            entry = _Entry(key_b, next(self._seq), _WRITING, Future())
             self._index[name] = entry
             self._index.move_to_end(name)
             entry.stored = self._pool.submit(
@@ -281,6 +282,12 @@ class FileTier:
         the keys every rank has (then `keep_only` their intersection)."""
         with self._lock:
             return frozenset(n for n, e in self._index.items() if e.state != _DEAD)
+
+    def stored_keys(self) -> list[bytes]:
+        """The stored form (`key_bytes`) of the readable keys, least recently used first: what
+        a chunk manager mirroring this tier's LRU is seeded with after a restart."""
+        with self._lock:
+            return [e.key for e in self._index.values() if e.state != _DEAD]
 
     def keep_only(self, names: Collection[str]) -> Future[None]:
         """Discard every key whose file name is not in ``names``; done when the files are gone."""
@@ -487,7 +494,7 @@ class FileTier:
     def _rebuild(self) -> int:
         """Index the files of a previous run from their headers (LRU = write order), remove
         leftovers of interrupted writes, and return the next sequence number."""
-        found: list[tuple[int, str]] = []
+        found: list[tuple[int, str, bytes]] = []
         names = os.listdir(self._dir_fd)
         for name in names:
             if name.endswith(_TMP_SUFFIX) or name.startswith(PROBE_PREFIX):
@@ -499,13 +506,13 @@ class FileTier:
                 self._corrupt(name, problem)
             else:
                 assert header is not None
-                found.append((header.seq, name))
+                found.append((header.seq, name, header.key))
         found.sort()
-        for _, name in found[:max(0, len(found) - self.capacity)]:
+        for _, name, _ in found[:max(0, len(found) - self.capacity)]:
             self._counts["evicted"] += 1
             self._unlink(name)
-        for seq, name in found[-self.capacity:]:
-            self._index[name] = _Entry(seq, _STORED, done(True))
+        for seq, name, key_b in found[-self.capacity:]:
+            self._index[name] = _Entry(key_b, seq, _STORED, done(True))
         return found[-1][0] + 1 if found else 0
 
     def _header_of(self, name: str) -> tuple[Header | None, str]:

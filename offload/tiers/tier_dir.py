@@ -33,6 +33,21 @@ def check_directory(directory: str) -> str:
     return root
 
 
+def check_fs_dir(directory: str, name: str) -> None:
+    """The configuration's check of ``--fs-tier``, run on every rank before anything exists:
+    ``directory`` must be an existing directory this user may create files in.  ``name`` is
+    how the user knows the setting (e.g. ``fs_dir (--fs-tier)``)."""
+    root = os.path.abspath(directory)
+    fix = "pass an existing, writable directory on a local disk"
+    if not os.path.lexists(root):
+        raise OffloadError(f"{name} {root} does not exist; create it or {fix}")
+    if not os.path.isdir(root):
+        raise OffloadError(f"{name} {root} is not a directory; {fix}")
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise OffloadError(f"{name} {root} is not writable by uid {os.geteuid()} (read-only "
+                           f"mount or permissions); {fix}")
+
+
 def open_locked_subdir(root: str, path: str) -> int:
     """Create (0700) and open the fingerprint subdirectory without following a planted
     symlink, and lock it so a second process with the same geometry cannot share it."""

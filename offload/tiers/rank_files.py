@@ -1,0 +1,147 @@
+"""One rank's side of the file tier: its `FileTier` over its own slot of every host row.
+
+The chunk manager (rank 0, pure bookkeeping) decides *what* moves between host memory and disk
+and hands back work items; every rank executes the same items in the same order here, so the
+ranks' `FileTier` LRUs take the same decisions (DESIGN.md section 6, "File tier"):
+
+* **spill** ``(key, chunk)``: write the rank's slot of host row ``chunk`` to the file of
+  ``key``.  The write reads the row asynchronously; `wait_rows` blocks until every spill of the
+  named chunks has released its row, and the caller calls it before anything is copied into
+  those chunks (a store, or a promotion's read), so a row is never overwritten while it is
+  being written out;
+* **promote** ``(key, chunk)``: read ``key``'s file into the rank's slot of row ``chunk``;
+  True when the bytes are verified.  The key is readable in host memory only when every rank
+  says True (the caller's decision), otherwise every rank `discard`s it;
+* **discard** ``key``: forget it and remove its file.
+
+Who writes: in the private and shared layouts every rank owns its slot and keeps its own files;
+in the replicated layout a pipeline stage's ranks share one slot of the node's rows and only
+the stage writer (`Topology.is_stage_writer`) keeps files — the other ranks hold no tier and
+answer every item as done.  Every writer gets the same file capacity (`file_capacity`), so
+their LRUs stay in step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Hashable, Iterable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from offload.plan import Plan
+from offload.tiers.file_tier import FileTier, host_view
+from offload.tiers.plan_files import file_capacity, rank_budget, rank_geometry
+from offload.topology import Topology
+
+WorkItem = tuple[Hashable, int]  # (chunk key, chunk id)
+
+
+def file_writers(plan: Plan, topology: Topology) -> tuple[int, ...]:
+    """The ranks that keep files: every rank, or the stage writers in the replicated layout
+    (a stage's ranks share one slot, so one copy per node and stage is written)."""
+    if plan.layout == "replicated":
+        return topology.stage_writers
+    return tuple(range(topology.world_size))
+
+
+def disk_capacity(plan: Plan, topology: Topology, fs_bytes_per_node: int) -> int:
+    """Files per writing rank: the chunk manager's disk capacity (pure; a one-line
+    OffloadError when a node's budget holds no chunk)."""
+    return file_capacity(plan, fs_bytes_per_node, file_writers(plan, topology))
+
+
+class RankFiles:
+    """This rank's file tier, addressed by chunk id: the slot of chunk ``c`` lies at
+    ``base + c * row_stride + slot_offset`` and spans ``slot_bytes``."""
+
+    def __init__(self, tier: FileTier | None, base: int, row_stride: int, slot_offset: int,
+                 slot_bytes: int) -> None:
+        self.tier = tier
+        self._base, self._stride = base, row_stride
+        self._offset, self._bytes = slot_offset, slot_bytes
+        self._releasing: dict[int, list[Future[None]]] = {}  # chunk -> spills reading it
+
+    @classmethod
+    def open(cls, plan: Plan, topology: Topology, directory: str, fs_bytes_per_node: int,
+             region_address: int, extra: dict[str, object], io_threads: int = 8) -> RankFiles:
+        """Open this rank's tier under ``directory`` (none for a replicated non-writer).
+        ``extra`` joins the geometry fingerprint (e.g. the KV dtypes, tp and pp)."""
+        rank = topology.rank
+        slot = plan.slots[rank]
+        tier = None
+        if rank in file_writers(plan, topology):
+            capacity = disk_capacity(plan, topology, fs_bytes_per_node)
+            tier = FileTier(directory, rank_budget(plan, rank, capacity),
+                            rank_geometry(plan, rank, extra), slot.slot_bytes,
+                            io_threads=io_threads, page_size=plan.page_size)
+        return cls(tier, region_address, plan.row_stride(rank), slot.slot_offset,
+                   slot.slot_bytes)
+
+    def row(self, chunk: int) -> memoryview:
+        """This rank's slot of host row ``chunk`` (page-aligned: rows and slots are page
+        multiples of a page-aligned mapping)."""
+        return host_view(self._base + chunk * self._stride + self._offset, self._bytes)
+
+    # ------------------------------------------------------------------ work items
+    def spill(self, items: Sequence[WorkItem]) -> None:
+        """Start writing each chunk's slot to its key's file; returns at once.  The rows stay
+        busy until `wait_rows` says they were released."""
+        if self.tier is None:
+            return
+        for key, chunk in items:
+            spill = self.tier.put(key, self.row(chunk))
+            self._releasing.setdefault(chunk, []).append(spill.released)
+
+    def wait_rows(self, chunks: Iterable[int]) -> None:
+        """Block until no spill reads any of ``chunks`` any more (call before writing them)."""
+        for chunk in set(chunks):
+            for released in self._releasing.pop(chunk, ()):
+                released.result()
+
+    def promote(self, items: Sequence[WorkItem]) -> list[bool]:
+        """Read each key's file into its chunk's slot (after spills of those rows released
+        them); per item, True when this rank's bytes are verified (always True without a
+        tier: the stage writer reads the shared slot)."""
+        if self.tier is None:
+            return [True] * len(items)
+        self.wait_rows(chunk for _, chunk in items)
+        reads = [self.tier.get(key, self.row(chunk)) for key, chunk in items]
+        return [read.result() for read in reads]
+
+    def discard(self, keys: Sequence[Hashable]) -> None:
+        """Forget ``keys`` (a promotion failed on some rank) and remove their files."""
+        if self.tier is not None:
+            for key in keys:
+                self.tier.discard(key)
+
+    # ------------------------------------------------------------------ restart agreement
+    def stored_names(self) -> frozenset[str] | None:
+        """File names of readable keys; None for a rank without files (no vote)."""
+        return None if self.tier is None else self.tier.stored_names()
+
+    def keep_only(self, names: Collection[str]) -> None:
+        if self.tier is not None:
+            self.tier.keep_only(names).result()
+
+    def stored_keys(self) -> list[bytes]:
+        """Stored key bytes, least recently used first (what the chunk manager is seeded with
+        after a restart, once `keep_only` made every writer's set equal)."""
+        return [] if self.tier is None else self.tier.stored_keys()
+
+    # ------------------------------------------------------------------ report and close
+    def to_json(self) -> dict[str, Any] | None:
+        if self.tier is None:
+            return None
+        self.tier.flush()  # written_bytes and write_GBps include spills still in flight
+        return self.tier.to_json()
+
+    def close(self) -> None:
+        """Finish every write and read (before the region is unmapped).  Idempotent."""
+        self._releasing.clear()
+        if self.tier is not None:
+            self.tier.close()
+
+
+def agree_on_files(names: Sequence[frozenset[str] | None]) -> frozenset[str]:
+    """The names every writer holds (each rank's `stored_names`; None = no files to vote)."""
+    votes = [n for n in names if n is not None]
+    return frozenset.intersection(*votes) if votes else frozenset()

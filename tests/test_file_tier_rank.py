@@ -1,0 +1,148 @@
+"""One rank's file tier over real host rows (an anonymous mapping standing for the region):
+spills from the row itself, promotions into another row, who keeps files, restart agreement."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+
+from offload.config import TierConfig
+from offload.errors import OffloadError
+from offload.plan import Plan, RankDescriptor, compute_plan
+from offload.tiers.rank_files import RankFiles, agree_on_files, disk_capacity, file_writers
+from offload.topology import NodeInfo, Topology
+
+KiB = 1 << 10
+PAGE = 16 * KiB  # bytes of one block: slot = 16 blocks = 256 KiB
+
+
+@pytest.fixture(params=["/tmp", "/dev/shm"])
+def fs_dir(request: pytest.FixtureRequest) -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="pytest-rankfiles-", dir=request.param)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _grid(layout: str, tp: int = 2, pp: int = 1) -> tuple[Plan, list[Topology]]:
+    """One node of tp x pp ranks, 8 chunks."""
+    world = tp * pp
+    config = TierConfig(cpu_bytes_per_node=8 * world * 16 * PAGE, layout=layout, tp=tp, pp=pp)
+    plan = compute_plan([RankDescriptor(r, "n0", r, world, r % tp, r // tp, (PAGE,), config)
+                         for r in range(world)])
+    nodes = (NodeInfo("n0", tuple(range(world))),)
+    return plan, [Topology(r, world, tp, pp, nodes) for r in range(world)]
+
+
+class _Region:
+    """Page-aligned host memory laid out like ``rank``'s region."""
+
+    def __init__(self, plan: Plan, rank: int) -> None:
+        self.map = mmap.mmap(-1, plan.region_bytes(rank))
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+
+
+def _open(plan: Plan, topo: Topology, region: _Region, fs_dir: str, fs_bytes: int = 64 << 20
+          ) -> RankFiles:
+    return RankFiles.open(plan, topo, fs_dir, fs_bytes, region.address, {"dtype": "uint8"})
+
+
+def test_a_spilled_row_is_promoted_into_another_row_byte_exact(fs_dir: str) -> None:
+    plan, topos = _grid("private")
+    region = _Region(plan, 0)
+    files = _open(plan, topos[0], region, fs_dir)
+    try:
+        payload = os.urandom(plan.slots[0].slot_bytes)
+        files.row(2)[:] = payload
+        files.spill([(("k", 2), 2)])
+        files.wait_rows([2])
+        files.row(2)[:] = bytes(len(payload))  # the row is reused
+        assert files.promote([(("k", 2), 5), (("never", 1), 6)]) == [True, False]
+        assert bytes(files.row(5)) == payload
+        files.discard([("k", 2)])
+        assert files.promote([(("k", 2), 5)]) == [False]
+        report = files.to_json()
+        assert report is not None and report["hits"] == 1 and report["misses"] == 2
+    finally:
+        files.close()
+        region.map.close()
+
+
+def test_shared_slots_spill_their_own_bytes_only(fs_dir: str) -> None:
+    """In a node row of two slots, each rank writes and reads back only its own slot."""
+    plan, topos = _grid("shared")
+    region = _Region(plan, 0)  # one node region, both ranks map it
+    ranks = [_open(plan, t, region, fs_dir) for t in topos]
+    try:
+        slot = plan.slots[0].slot_bytes
+        row = memoryview(region.map)[: 2 * slot]
+        row[:] = os.urandom(2 * slot)
+        before = bytes(row)
+        for files in ranks:
+            files.spill([("k", 0)])
+        for files in ranks:
+            files.wait_rows([0])
+        assert [f.promote([("k", 3)]) for f in ranks] == [[True], [True]]
+        third = memoryview(region.map)[3 * 2 * slot: 4 * 2 * slot]
+        assert bytes(third) == before
+        row.release()
+        third.release()
+    finally:
+        for files in ranks:
+            files.close()
+        region.map.close()
+
+
+def test_replicated_stage_writers_keep_files_and_the_others_none(fs_dir: str) -> None:
+    plan, topos = _grid("replicated", tp=2, pp=2)
+    assert file_writers(plan, topos[0]) == (0, 2)
+    assert file_writers(_grid("private")[0], _grid("private")[1][0]) == (0, 1)
+    region = _Region(plan, 1)
+    files = _open(plan, topos[1], region, fs_dir)  # rank 1: stage 0, not its writer
+    try:
+        assert files.tier is None and files.stored_names() is None
+        files.spill([("k", 0)])
+        assert files.promote([("k", 1)]) == [True] and files.to_json() is None
+        assert os.listdir(fs_dir) == []
+    finally:
+        files.close()
+        region.map.close()
+
+
+def test_capacity_is_one_for_all_writers_and_a_small_budget_is_one_line() -> None:
+    plan, topos = _grid("private")
+    file_bytes = plan.slots[0].slot_bytes + 4096
+    assert disk_capacity(plan, topos[0], 10 * 2 * file_bytes) == 10
+    with pytest.raises(OffloadError, match="holds no chunk"):
+        disk_capacity(plan, topos[0], 2 * file_bytes - 1)
+
+
+def test_a_restart_agrees_on_the_files_every_writer_has(fs_dir: str) -> None:
+    plan, topos = _grid("private")
+    regions = [_Region(plan, r) for r in range(2)]
+    ranks = [_open(plan, t, g, fs_dir) for t, g in zip(topos, regions, strict=True)]
+    for files in ranks:
+        files.spill([(("a",), 0), (("b",), 1), (("c",), 2)])
+    ranks[1].discard([("b",)])  # as if rank 1 had lost b's file
+    for files in ranks:
+        files.close()
+    ranks = [_open(plan, t, g, fs_dir) for t, g in zip(topos, regions, strict=True)]
+    try:
+        names = agree_on_files([f.stored_names() for f in ranks] + [None])
+        assert len(names) == 2
+        for files in ranks:
+            files.keep_only(names)
+        assert [f.stored_keys() for f in ranks] == [[b"('a',)", b"('c',)"]] * 2
+        assert agree_on_files([None]) == frozenset()
+    finally:
+        for files in ranks:
+            files.close()
+        for region in regions:
+            region.map.close()
