@@ -8,7 +8,7 @@ taken when a call is made, never when its I/O ends):
 
 * ``put`` of a key already present only makes it most recently used (no write); a new key first
   evicts least recently used keys until one more fits;
-* ``get`` (a promotion) makes a present key most recently used;
+* ``touch`` and ``get`` (a promotion) make a present key most recently used;
 * ``discard`` forgets a key.
 
 A write that failed, or a file found damaged, is still "present" here as it is in the
@@ -55,8 +55,9 @@ class DiskIndex:
         self._keys[k] = None
         return True
 
-    def get(self, key: Hashable) -> bool:
-        """Mirror `FileTier.get`: a present key becomes most recently used."""
+    def touch(self, key: Hashable) -> bool:
+        """Mirror `FileTier.touch` and the decision of `FileTier.get`: a present key becomes
+        most recently used; False when it is absent."""
         k = key_bytes(key)
         if k not in self._keys:
             return False

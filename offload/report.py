@@ -50,6 +50,15 @@ def render_table(report: dict[str, Any]) -> str:
             f"at {transfer['load_GBps']} GB/s, evictions {transfer['evictions']}, "
             f"verified={transfer['verified']} ({transfer['mismatched_blocks']} bad of "
             f"{transfer['checked_blocks']} blocks)")
+    fs = report.get("fs_tier")
+    if fs:
+        mode = "O_DIRECT" if fs["o_direct"] else "buffered"
+        lines.append(
+            f"fs tier: {fs['dir']} ({mode}, {fs['aggregate']}): wrote "
+            f"{format_size(fs['written_bytes'])} at {fs['write_GBps']} GB/s, read "
+            f"{format_size(fs['read_bytes'])} at {fs['read_GBps']} GB/s, hits {fs['hits']}, "
+            f"misses {fs['misses']}, corrupt {fs['corrupt']}, evicted {fs['evicted']}"
+            + (f", write errors {fs['write_errors']}" if fs["write_errors"] else ""))
     audit = report.get("audit")
     if audit:
         lines.append(f"audit: {audit['checked_blocks']} blocks hashed on load, "

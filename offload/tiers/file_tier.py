@@ -264,6 +264,19 @@ class FileTier:
             self._index.move_to_end(name)
             return self._pool.submit(name, lambda: self._read(name, entry, key_b, view))
 
+    def touch(self, key: Hashable) -> bool:
+        """Make a stored ``key`` most recently used, as `get` does when it is called, without
+        reading it; False when it is not stored.  A promotion touches the keys it is about to
+        read before it spills the rows it needs, so the spills' evictions never pick them."""
+        with self._lock:
+            self._check_open()
+            name = file_name(self._key(key))
+            entry = self._index.get(name)
+            if entry is None or entry.state == _DEAD:
+                return False
+            self._index.move_to_end(name)
+            return True
+
     def contains(self, key: Hashable) -> bool:
         """True when ``key`` is stored or being stored (a `get` would wait for it); a pure
         query for the longest-prefix lookup: it does not change the LRU order."""

@@ -97,12 +97,20 @@ class RankFiles:
             for released in self._releasing.pop(chunk, ()):
                 released.result()
 
-    def promote(self, items: Sequence[WorkItem]) -> list[bool]:
-        """Read each key's file into its chunk's slot (after spills of those rows released
-        them); per item, True when this rank's bytes are verified (always True without a
-        tier: the stage writer reads the shared slot)."""
+    def promote(self, items: Sequence[WorkItem], spills: Sequence[WorkItem] = ()
+                ) -> list[bool]:
+        """Read each key's file into its chunk's slot; per item, True when this rank's bytes
+        are verified (always True without a tier: the stage writer reads the shared slot).
+
+        ``spills`` are the rows the promotion evicted from host memory: the keys to read are
+        made most recently used first (so the spills' disk evictions never pick them), then
+        the spills start, then each read waits until its row is released.  The chunk manager
+        replays the same order (`DiskIndex`)."""
         if self.tier is None:
             return [True] * len(items)
+        for key, _ in items:
+            self.tier.touch(key)
+        self.spill(spills)
         self.wait_rows(chunk for _, chunk in items)
         reads = [self.tier.get(key, self.row(chunk)) for key, chunk in items]
         return [read.result() for read in reads]
@@ -145,3 +153,28 @@ def agree_on_files(names: Sequence[frozenset[str] | None]) -> frozenset[str]:
     """The names every writer holds (each rank's `stored_names`; None = no files to vote)."""
     votes = [n for n in names if n is not None]
     return frozenset.intersection(*votes) if votes else frozenset()
+
+
+_SUMMED = ("files", "written_bytes", "read_bytes", "hits", "misses", "corrupt", "evicted",
+           "write_errors")
+
+
+def combine_reports(directory: str, per_rank: Sequence[dict[str, Any] | None]
+                    ) -> dict[str, Any]:
+    """The report's ``fs_tier``: counters summed over the writing ranks (a chunk promoted on
+    two writers counts two hits), ``o_direct`` only when every writer uses it, GB/s = summed
+    bytes over the longest writer's busy time (the writers run side by side, so this is the
+    node's aggregate rate); each writer's own figures under ``per_rank``."""
+    writers = [(rank, r) for rank, r in enumerate(per_rank) if r is not None]
+    total = {key: sum(r[key] for _, r in writers) for key in _SUMMED}
+    write_s = max((r["write_s"] for _, r in writers), default=0.0)
+    read_s = max((r["read_s"] for _, r in writers), default=0.0)
+
+    def gbps(nbytes: int, seconds: float) -> float:
+        return round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0
+
+    return {"dir": directory, "o_direct": all(r["o_direct"] for _, r in writers),
+            "aggregate": f"sum over {len(writers)} writer ranks", "writers": len(writers),
+            **total, "write_GBps": gbps(total["written_bytes"], write_s),
+            "read_GBps": gbps(total["read_bytes"], read_s),
+            "per_rank": [{"rank": rank, **r} for rank, r in writers]}

@@ -1,0 +1,75 @@
+"""The file tier's steps as every rank runs them, and rank 0's side of setting it up.
+
+Rank 0's chunk manager decides what moves between host memory and disk (pure bookkeeping);
+these functions are what every rank executes, in the same order on every rank, through the
+collective RPC (``HostTier.call(fn, ...)`` runs ``fn(actor, ...)`` everywhere and gathers the
+results).  Spills of a store travel inside its `CopyJob` instead (the actor writes them out
+before the store reuses their rows), so SPMD callers get them too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Hashable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from offload.tiers.rank_files import RankFiles, WorkItem, agree_on_files
+
+if TYPE_CHECKING:
+    from offload.actor import RankActor
+    from offload.rpc import CollectiveRPC
+
+
+def open_files(actor: RankActor) -> None:
+    """Open this rank's file tier over its region (after the region exists)."""
+    config, plan = actor.config, actor._installed()
+    assert config.fs_dir is not None
+    extra = {"tp": actor.topology.tp, "pp": actor.topology.pp,
+             "dtypes": [str(t.dtype) for t in actor.kv_tensors]}
+    actor.files = RankFiles.open(plan, actor.topology, config.fs_dir, config.fs_bytes_per_node,
+                                 actor._region().address, extra)
+
+
+def stored_names(actor: RankActor) -> frozenset[str] | None:
+    return _files(actor).stored_names()
+
+
+def keep_only(actor: RankActor, names: Collection[str]) -> list[bytes]:
+    """Keep the agreed files; return what is left, least recently used first."""
+    files = _files(actor)
+    files.keep_only(names)
+    return files.stored_keys()
+
+
+def promote(actor: RankActor, spills: Sequence[WorkItem], reads: Sequence[WorkItem]
+            ) -> list[bool]:
+    """A promotion (`RankFiles.promote`): per read, True when this rank's bytes are
+    verified."""
+    return _files(actor).promote(reads, spills)
+
+
+def discard(actor: RankActor, keys: Sequence[Hashable]) -> None:
+    _files(actor).discard(keys)
+
+
+def report(actor: RankActor) -> dict[str, Any] | None:
+    return _files(actor).to_json()
+
+
+def _files(actor: RankActor) -> RankFiles:
+    if actor.files is None:
+        raise RuntimeError("this rank has no file tier (TierConfig.fs_dir is unset)")
+    return actor.files
+
+
+# ---------------------------------------------------------------------- rank 0
+
+
+def setup(actor: RankActor, rpc: CollectiveRPC) -> list[bytes]:
+    """Rank 0, during set-up: every rank opens its tier; the writers agree on the files all of
+    them hold after a restart (a file one rank lost or found damaged is dropped everywhere);
+    return the agreed keys in LRU order, for the chunk manager's picture of the disk."""
+    rpc.call(open_files, actor=actor)
+    agreed = agree_on_files(rpc.call(stored_names, actor=actor))
+    left = rpc.call(keep_only, agreed, actor=actor)
+    return next((keys for keys in left if keys), [])
+
