@@ -23,7 +23,7 @@ def test_put_get_discard_in_lru_order() -> None:
     index = DiskIndex(2)
     assert index.put("a") and index.put("b") and not index.put("a")  # a is now MRU
     assert index.put("c") and index.lru() == [b"'a'", b"'c'"] and index.evicted == 1
-    assert index.get("a") and not index.get("b") and index.lru() == [b"'c'", b"'a'"]
+    assert index.touch("a") and not index.touch("b") and index.lru() == [b"'c'", b"'a'"]
     index.discard("a")
     assert "a" not in index and "c" in index and len(index) == 1
     index.seed([b"'x'", b"'y'", b"'z'"])
@@ -49,7 +49,11 @@ class MirrorMatchesFileTier(RuleBasedStateMachine):
 
     @rule(key=KEYS)
     def get(self, key: tuple[str, int]) -> None:
-        assert self.tier.get(key, self.row).result() == self.index.get(key)
+        assert self.tier.get(key, self.row).result() == self.index.touch(key)
+
+    @rule(key=KEYS)
+    def touch(self, key: tuple[str, int]) -> None:
+        assert self.tier.touch(key) == self.index.touch(key)
 
     @rule(key=KEYS)
     def discard(self, key: tuple[str, int]) -> None:

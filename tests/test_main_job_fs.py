@@ -1,0 +1,126 @@
+"""The main job with the file tier (issue 11's "Show" list) under real torchrun: rounds larger
+than host memory spill and verify, a restart with the same directory and geometry finds its
+files, a flipped byte is detected and skipped, another geometry reads nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.test_main_job import our_errors, our_tracebacks, torchrun
+
+# 2 ranks x 256 KiB slots: a 512 KiB row, 8 chunks of host memory; 16 chunks per round
+GEOMETRY = ("--cpu-bytes", "4MiB", "--num-gpu-blocks", "256", "--blocks-per-chunk", "16",
+            "--kv-bytes-per-block", "16KiB")
+
+
+@pytest.fixture
+def fs_dir() -> Iterator[Path]:
+    path = tempfile.mkdtemp(prefix="pytest-fsjob-", dir="/tmp")  # ext4 here: O_DIRECT
+    try:
+        yield Path(path)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _run(fs_dir: Path, tmp_path: Path, *args: str, name: str = "r.json"
+         ) -> tuple[dict[str, object], str]:
+    report_path = tmp_path / name
+    proc = torchrun(2, *GEOMETRY, "--fs-tier", str(fs_dir), "--report-json", str(report_path),
+                    *args, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(report_path.read_text()), proc.stdout
+
+
+def _chunk_files(fs_dir: Path) -> list[Path]:
+    return sorted(p for p in fs_dir.glob("fp-*/*") if not p.name.startswith("."))
+
+
+def test_spill_restart_corruption_and_geometry_isolation(fs_dir: Path, tmp_path: Path
+                                                         ) -> None:
+    first, out = _run(fs_dir, tmp_path, name="1.json")
+    transfer, fs = first["transfer"], first["fs_tier"]
+    assert transfer["verified"] and transfer["mismatched_blocks"] == 0
+    for r in transfer["per_round"]:  # every round spills, and every chunk of it is loaded
+        assert r["spilled_chunks"] > 0 and r["loaded_chunks"] == 16
+        assert r["promoted_chunks"] > 0 and r["missed_chunks"] == 0
+    assert transfer["checked_blocks"] == 2 * 2 * 256
+    assert fs["o_direct"] is True and fs["dir"] == str(fs_dir) and fs["writers"] == 2
+    assert fs["written_bytes"] > 0 and fs["hits"] > 0 and fs["corrupt"] == 0
+    assert fs["read_bytes"] == fs["hits"] * (256 * 1024 + 4096)
+    assert "fs tier: " + str(fs_dir) in out and "O_DIRECT" in out
+    files = _chunk_files(fs_dir)
+    assert len({p.parent for p in files}) == 2  # one fingerprint directory per rank
+
+    second, _ = _run(fs_dir, tmp_path, name="2.json")
+    assert second["transfer"]["verified"] and second["fs_tier"]["hits"] > 0
+    # round 0's keys were found on disk at start: stored from the GPU only where missing
+    assert second["transfer"]["per_round"][0]["stored_chunks"] < 16
+
+    _flip_a_byte_of_the_newest_round0_file(fs_dir)
+    third, _ = _run(fs_dir, tmp_path, name="3.json")
+    assert third["fs_tier"]["corrupt"] >= 1
+    assert third["transfer"]["verified"] and third["transfer"]["mismatched_blocks"] == 0
+    assert sum(r["missed_chunks"] for r in third["transfer"]["per_round"]) >= 1
+
+    before = {p.name for p in _chunk_files(fs_dir)}
+    other, _ = _run(fs_dir, tmp_path, "--kv-bytes-per-block", "8KiB", name="4.json")
+    fs = other["fs_tier"]
+    assert other["transfer"]["verified"]
+    assert (fs["hits"], fs["read_bytes"], fs["corrupt"]) == (0, 0, 0)
+    assert before <= {p.name for p in _chunk_files(fs_dir)}  # the other geometry's files stay
+
+
+def _flip_a_byte_of_the_newest_round0_file(fs_dir: Path) -> None:
+    """Damage one payload byte of the most recently written file of a round-0 key (the one
+    the next run's disk LRU keeps longest)."""
+    round0 = [p for p in _chunk_files(fs_dir) if b"(0, " in p.read_bytes()[:4096]]
+    assert round0
+    victim = max(round0, key=lambda p: p.stat().st_mtime_ns)
+    with open(victim, "r+b") as f:
+        f.seek(4096 + 1000)
+        byte = f.read(1)
+        f.seek(4096 + 1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_buffered_fallback_on_tmpfs_spills_and_verifies(tmp_path: Path) -> None:
+    fs_dir = Path(tempfile.mkdtemp(prefix="pytest-fsjob-", dir="/dev/shm"))
+    try:
+        report, out = _run(fs_dir, tmp_path, "--rounds", "1", "--layout", "shared")
+        fs = report["fs_tier"]
+        assert report["transfer"]["verified"] and fs["o_direct"] is False
+        assert fs["written_bytes"] > 0 and fs["hits"] > 0 and "buffered" in out
+    finally:
+        shutil.rmtree(fs_dir, ignore_errors=True)
+
+
+def test_replicated_writes_one_copy_per_stage(fs_dir: Path, tmp_path: Path) -> None:
+    report, _ = _run(fs_dir, tmp_path, "--rounds", "1", "--layout", "replicated")
+    assert report["transfer"]["verified"] and report["fs_tier"]["writers"] == 1
+    assert len({p.parent for p in _chunk_files(fs_dir)}) == 1
+
+
+@pytest.mark.parametrize("problem", ["missing", "file", "small"])
+def test_an_unusable_fs_tier_is_one_line(problem: str, fs_dir: Path, tmp_path: Path) -> None:
+    path = {"missing": fs_dir / "nope", "file": fs_dir / "f", "small": fs_dir}[problem]
+    if problem == "file":
+        path.write_text("")
+    extra = ("--fs-bytes", "300KiB") if problem == "small" else ()
+    proc = torchrun(2, *GEOMETRY, "--fs-tier", str(path), *extra)
+    assert proc.returncode == 1
+    errors = our_errors(proc)
+    assert len(errors) == 1, proc.stderr[-3000:]
+    needle = {"missing": f"fs_dir (--fs-tier) {path} does not exist",
+              "file": f"fs_dir (--fs-tier) {path} is not a directory",
+              "small": "file tier budget fs_bytes = 307200 B (300.00 KiB) per node holds no "
+                       "chunk: one chunk needs 532480 B"}[problem]
+    assert needle in errors[0], errors[0]
+    assert not our_tracebacks(proc), proc.stderr[-3000:]
+    assert [p for p in os.listdir(fs_dir) if p != "f"] == []
