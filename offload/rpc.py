@@ -62,13 +62,12 @@ class CollectiveRPC:
     """One control channel.  Create it on every rank with the same store and world."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float,
-                 poll_s: float = 0.002, idle_limit_s: float = 24 * 3600.0):
+                 poll_s: float = 0.002):
         self.store = store
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.poll_s = poll_s
-        self.idle_limit_s = idle_limit_s
         self._backoff = 0.0
         self._seq = 0
 
@@ -92,7 +91,7 @@ class CollectiveRPC:
             for r in sorted(pending):
                 key = f"res/{seq}/{r}"
                 if self.store.check([key]):
-                    value = cloudpickle.loads(self.store.get(key))
+                    value = _unpickle_reply(self.store.get(key), r)
                     self.store.delete_key(key)
                     pending.discard(r)
                     if isinstance(value, RemoteFailure):
@@ -135,11 +134,15 @@ class CollectiveRPC:
                 self.store.delete_key(key)
 
     # ------------------------------------------------------------------ workers
-    def serve(self, actor: Any, idle: Callable[[], float] | None = None) -> None:
+    def serve(self, actor: Any, idle: Callable[[], float] | None = None,
+              idle_limit_s: float | None = None) -> None:
         """Execute the driver's calls until it releases (return) or aborts (raise).
 
         ``idle()`` runs between polls (the actor reports finished copies there) and returns how
-        long to wait before the next poll.
+        long to wait before the next poll.  A worker waits for the next command as long as the
+        driver lives (a lost store raises `PeerError`); ``idle_limit_s`` bounds that wait too.
+        A request that cannot be unpickled here, or a reply that cannot be pickled, goes back
+        as this rank's failure of the call instead of ending the worker.
         """
         if self.rank == 0:
             raise RuntimeError("rank 0 drives; it does not serve")
@@ -151,15 +154,20 @@ class CollectiveRPC:
             try:
                 while not self.store.check([key]):
                     self._await(key, idle() if idle is not None else 0.05)
-                    if time.monotonic() - idle_since > self.idle_limit_s:
+                    if (idle_limit_s is not None
+                            and time.monotonic() - idle_since > idle_limit_s):
                         raise PeerError(
                             f"rank {self.rank} heard nothing from rank 0 for "
-                            f"{self.idle_limit_s:.0f} s; the driver is gone (raise "
-                            "idle_limit_s for a longer-idle server)")
+                            f"{idle_limit_s:g} s (idle_limit_s); the driver is gone or "
+                            "idle longer than allowed: raise idle_limit_s or leave it unset")
             except dist.DistError as exc:
                 raise PeerError(f"rank {self.rank} lost the store rank 0 serves: "
                                 f"{str(exc).splitlines()[0]}; rank 0 is gone") from None
-            kind, body = cloudpickle.loads(self.store.get(key))
+            try:
+                kind, body = cloudpickle.loads(self.store.get(key))
+            except Exception as exc:  # e.g. a callable from a module this rank cannot import
+                self._reply(_failure(self.rank, exc, "the request could not be unpickled"))
+                continue
             if kind == _RELEASE:
                 return
             if kind == _ABORT:
@@ -170,7 +178,15 @@ class CollectiveRPC:
                 reply: Any = fn(actor, *args)
             except Exception as exc:
                 reply = _failure(self.rank, exc)
-            self.store.set(f"res/{self._seq}/{self.rank}", cloudpickle.dumps(reply))
+            self._reply(reply)
+
+    def _reply(self, reply: Any) -> None:
+        try:
+            payload = cloudpickle.dumps(reply)
+        except Exception as exc:
+            payload = cloudpickle.dumps(_failure(self.rank, exc,
+                                                 "the reply could not be pickled"))
+        self.store.set(f"res/{self._seq}/{self.rank}", payload)
 
     # ------------------------------------------------------------------ internals
     def _await(self, key: str, pause: float) -> None:
@@ -191,9 +207,18 @@ class CollectiveRPC:
             raise RuntimeError(f"only rank 0 drives the collective RPC (this is rank {self.rank})")
 
 
-def _failure(rank: int, exc: BaseException) -> RemoteFailure:
-    return RemoteFailure(rank, type(exc).__name__, str(exc), traceback.format_exc(),
-                         isinstance(exc, OffloadError))
+def _failure(rank: int, exc: BaseException, context: str = "") -> RemoteFailure:
+    message = f"{context}: {type(exc).__name__}: {exc}" if context else str(exc)
+    return RemoteFailure(rank, type(exc).__name__, message, traceback.format_exc(),
+                         isinstance(exc, OffloadError) or bool(context))
+
+
+def _unpickle_reply(payload: bytes, rank: int) -> Any:
+    """A worker's reply, or that rank's failure when the driver cannot unpickle it."""
+    try:
+        return cloudpickle.loads(payload)
+    except Exception as exc:
+        return _failure(rank, exc, "its reply could not be unpickled on rank 0")
 
 
 def _call_error(name: str, failures: list[RemoteFailure], silent: list[int],
