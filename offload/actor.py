@@ -239,8 +239,11 @@ class RankActor:
             self.quorum.share()
 
     def _finish(self, seq: int) -> None:
-        """The engine finished ``seq`` on this rank: audit a load."""
-        copy = self._pending[seq]
+        """The engine finished ``seq`` on this rank: audit a load.  (A job already completed as
+        failed, after the engine raised, is not reported twice.)"""
+        copy = self._pending.get(seq)
+        if copy is None or copy.done:
+            return
         copy.done = True
         copy.seconds = time.perf_counter() - copy.started
         if self.auditor is not None and copy.job.direction == "load" and copy.error is None:
