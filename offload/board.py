@@ -110,7 +110,7 @@ class Board:
 
     def words(self) -> list[int]:
         """Every rank's word of this node, in local-rank order (one aligned load each)."""
-        return self._words[::_WORDS_PER_LINE].tolist()  # type: ignore[no-any-return]
+        return self._words[::_WORDS_PER_LINE].tolist()
 
     def close(self) -> None:
         """Unmap (idempotent).  The numpy view must go first: it holds a buffer export."""

@@ -8,6 +8,9 @@ before each job (outside the timed span) keeps the ranks in step.  The timed spa
 `submit`, which on CPU tensors includes the copy itself).  CUDA KV tensors where a GPU exists
 (``--device cuda``, rank ``r`` on GPU ``r % count``), else CPU tensors.
 
+``--driven`` times rank 0's `run(job)` instead: the command broadcast through the store, every
+rank's copy, and the same watermark completion.
+
 On a tier without `finished()` (the store-counter quorum before the board) every rank spins on
 `done(job_id)` instead, so the same script measures the old path.
 
@@ -34,7 +37,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_main(rank: int, world: int, port: int, jobs: int, device: str, out: Any) -> None:
+def _rank_main(rank: int, world: int, port: int, jobs: int, device: str, driven: bool,
+               out: Any) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "RANK": str(rank), "WORLD_SIZE": str(world),
                        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
@@ -53,6 +57,17 @@ def _rank_main(rank: int, world: int, port: int, jobs: int, device: str, out: An
     engine_loop = hasattr(tier, "finished")
     samples, submits = [], []
     mark = None
+    if driven:  # rank 0 drives every job through the RPC; the others serve
+        if rank == 0:
+            for i in range(jobs):
+                began = time.perf_counter()
+                tier.run(CopyJob(i, "store", (i % 2,), (0,), (i % 2,)))
+                samples.append(time.perf_counter() - began)
+            tier.release()
+            submits = samples
+        else:
+            tier.serve()
+        jobs = 0
     for i in range(jobs):
         box = [mark]
         dist.broadcast_object_list(box, src=0)  # the engine's step broadcast, untimed
@@ -73,7 +88,9 @@ def _rank_main(rank: int, world: int, port: int, jobs: int, device: str, out: An
         else:
             tier.poll()
         samples.append(time.perf_counter() - began)
-    if engine_loop and rank != 0:
+    if driven:
+        pass
+    elif engine_loop and rank != 0:
         box = [None]
         dist.broadcast_object_list(box, src=0)
         tier.finished(box[0])
@@ -81,21 +98,22 @@ def _rank_main(rank: int, world: int, port: int, jobs: int, device: str, out: An
         dist.broadcast_object_list([mark], src=0)
     tier.close()
     if rank == 0:
-        skip = min(50, jobs // 10)
+        skip = min(50, len(samples) // 10)
         warm = sorted(samples[skip:])
         out.put({"ranks": world, "jobs": len(warm),
                  "median_us": round(statistics.median(warm) * 1e6, 1),
                  "p99_us": round(warm[int(0.99 * (len(warm) - 1))] * 1e6, 1),
                  "submit_median_us": round(statistics.median(submits[skip:]) * 1e6, 1),
-                 "path": "finished" if engine_loop else "done", "device": device})
+                 "path": "run" if driven else "finished" if engine_loop else "done",
+                 "device": device})
     dist.destroy_process_group()
 
 
-def measure(world: int, jobs: int, device: str) -> dict[str, Any]:
+def measure(world: int, jobs: int, device: str, driven: bool = False) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, jobs, device, out))
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, jobs, device, driven, out))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -112,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", default="2,4,8", help="comma-separated rank counts")
     parser.add_argument("--jobs", type=int, default=2000)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--driven", action="store_true",
+                        help="time rank 0's run(job) (RPC broadcast + quorum) instead")
     parser.add_argument("--json", help="write the rows here too")
     args = parser.parse_args(argv)
     import torch
@@ -121,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
     for world in (int(w) for w in args.ranks.split(",")):
-        row = measure(world, args.jobs, device)
+        row = measure(world, args.jobs, device, args.driven)
         print(json.dumps(row), flush=True)
         rows.append(row)
     if args.json:

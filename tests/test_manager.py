@@ -235,7 +235,7 @@ class ManagerModel(RuleBasedStateMachine):
     @rule(through=st.integers(0, 5))
     def drained(self, through: int) -> None:
         self.m.drained(through)
-        for fence, _, holds in [q for q in self.quarantine if q[0] <= through]:
+        for _, _, holds in [q for q in self.quarantine if q[0] <= through]:
             self._release(holds)
         self.quarantine = [q for q in self.quarantine if q[0] > through]
 
