@@ -9,6 +9,10 @@ The word packs two counters a rank only ever increases::
 
     word = completed << 20 | (failures mod 2**20)
 
+(Word 1 of rank 0's line is the RPC doorbell: the number of the latest request rank 0 posted to
+the store, which workers on its node watch instead of polling the store; same single-writer,
+single aligned store argument, the store's acknowledged ``set`` preceding the ring.)
+
 ``completed``: this rank's jobs are complete through sequence ``completed - 1`` (jobs complete in
 submission order on every rank, so one number says it all); ``failures``: how many of them
 failed on this rank (each failure's record is in the store under ``fail/<rank>/<i>`` *before* the
@@ -111,6 +115,15 @@ class Board:
     def words(self) -> list[int]:
         """Every rank's word of this node, in local-rank order (one aligned load each)."""
         return self._words[::_WORDS_PER_LINE].tolist()
+
+    def ring(self, seq: int) -> None:
+        """Rank 0 (slot 0 of its node, being its lowest rank): announce RPC request ``seq`` in
+        word 1 of its line (`offload.rpc.Doorbell`)."""
+        self._words[self.slot * _WORDS_PER_LINE + 1] = seq
+
+    def rung(self) -> int:
+        """The latest request number rank 0 announced on this node."""
+        return int(self._words[1])
 
     def close(self) -> None:
         """Unmap (idempotent).  The numpy view must go first: it holds a buffer export."""

@@ -21,6 +21,7 @@ Both paths complete jobs through the same watermarks (`offload.quorum`, `offload
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import itertools
@@ -113,9 +114,10 @@ class HostTier:
                                f"{topology.world_size - 1}")
         config = dataclasses.replace(config, tp=topology.tp)  # None meant world // pp
         job_id, store = _job_store(topology, config)
-        rpc = CollectiveRPC(dist.PrefixStore("rpc", store), topology.rank,
-                            topology.world_size, config.timeout_s)
         board = Board.open(topology, job_id, config.timeout_s)
+        rpc = CollectiveRPC(dist.PrefixStore("rpc", store), topology.rank,
+                            topology.world_size, config.timeout_s,
+                            doorbell=board if 0 in topology.node.ranks else None)
         quorum = Quorum(dist.PrefixStore("quorum", store), topology, board)
         progress = (progress_logger(log, f"pre-fault ({config.layout})")
                     if topology.rank == 0 else None)
@@ -308,15 +310,18 @@ class HostTier:
 
     # ------------------------------------------------------------------ driven data path
     def run(self, job: CopyJob) -> None:
-        """Rank 0: every rank's actor copies ``job``; return once every rank completed it
-        (the same watermarks as SPMD).  Raises `OffloadError` naming the rank whose copy
-        failed, `PeerError` naming silent or late ranks; after either, pass `submitted` as the
-        fence to the chunk manager's ``complete_*``."""
-        seqs = self.rpc.call(RankActor.submit, job, actor=self.actor)
-        if len(set(seqs)) != 1:
-            raise RuntimeError(f"ranks gave job {job.job_id} different sequence numbers {seqs}")
-        seq = seqs[0]
+        """Rank 0: every rank's actor copies ``job``; return once every rank completed it.
+
+        The command goes out as a posted RPC request (one store write; workers on rank 0's
+        node see it on the board's doorbell) and completes through the same watermarks as
+        SPMD jobs: a worker whose `submit` refused the job reports it failed there, so nothing
+        needs to come back.  Raises `OffloadError` naming the rank whose copy failed,
+        `PeerError` naming the ranks that did not complete it within the timeout; after either,
+        pass `submitted` as the fence to the chunk manager's ``complete_*``."""
+        seq = self.actor.submitted
+        request, _ = self.rpc.post(_submit_quietly, job, actor=self.actor)
         words = self._await(seq, time.monotonic() + self.actor.config.timeout_s)
+        self.rpc.forget(request)  # every rank executed it: its watermark passed the job
         failed = self.actor.quorum.failures(words, seq, seq + 1)
         if failed:
             rank, message = failed[seq]
@@ -358,6 +363,13 @@ class HostTier:
             self.actor.close()
             self.actor.quorum.board.close()
             cleanup.unregister(self.actor.close)
+
+
+def _submit_quietly(actor: RankActor, job: CopyJob) -> None:
+    """A driven job on one rank: a refusal is recorded as the job's failure by `submit` and
+    reaches rank 0 through the quorum, so it is not raised here."""
+    with contextlib.suppress(OffloadError):
+        actor.submit(job)
 
 
 _SPIN_POLLS = 64

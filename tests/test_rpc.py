@@ -187,3 +187,34 @@ def test_serve_waits_without_limit_unless_given_one() -> None:
     out = run_group(body, 2)
     assert out[1].ok, out[1].error
     assert 0.5 <= out[1].value < 1.5
+
+
+def test_workers_on_rank_zeros_node_take_commands_from_the_doorbell() -> None:
+    """With a doorbell (the board word) the workers read no request before it rings: a request
+    set in the store without a ring is not picked up; the ring is."""
+
+    def body(rank: int, tier_id: str) -> object:
+        from offload.board import Board
+        from offload.topology import discover
+
+        board = Board.open(discover(None, 1, 20), tier_id, 20)
+        rpc = CollectiveRPC(default_store("rpc-bell"), rank, 3, 10.0, doorbell=board)
+        actor = {"rank": rank}
+        if rank == 0:
+            first = rpc.call(_square_rank, 1, actor=actor)
+            rpc.store.set("req/2", b"not a request")  # no ring: nobody may read it yet
+            time.sleep(0.5)
+            rpc._seq = 1
+            second = rpc.call(_square_rank, 2, actor=actor)  # overwrites req/2 and rings
+            rpc.release()
+            board.close()
+            return first, second
+        rpc.serve(actor)
+        rung = board.rung()
+        board.close()
+        return rung
+
+    out = run_group(body, 3, args=(f"t{time.monotonic_ns()}",))
+    assert all(o.ok for o in out), [o.error for o in out]
+    assert out[0].value == ([1, 2, 5], [2, 3, 6])
+    assert out[1].value == out[2].value == 3  # two calls and the release rang
