@@ -80,10 +80,10 @@ def _rank_main(rank: int, world: int, port: int, jobs: int, device: str, driven:
         submits.append(time.perf_counter() - began)
         if not engine_loop:
             while not tier.done(i):
-                pass
+                os.sched_yield()  # ranks may outnumber cores: let the others copy
         elif rank == 0:
             while not any(r.job_id == i for r in tier.finished()):
-                pass
+                os.sched_yield()
             mark = tier.mark
         else:
             tier.poll()
