@@ -46,24 +46,6 @@ class CopyJob:
     writer_only: bool = False
 
 
-@dataclass
-class _Copy:
-    """One submitted job on this rank until its watermark passes it."""
-
-    job: CopyJob
-    started: float
-    keep: bool
-    done: bool = False
-    bytes: int = 0
-    seconds: float = 0.0
-    error: str | None = None
-
-
-def _one_line(exc: BaseException) -> str:
-    first = str(exc).splitlines()[0] if str(exc) else ""
-    return first if isinstance(exc, OffloadError) else f"{type(exc).__name__}: {first}"
-
-
 def kv_page_bytes(kv_tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
     """Bytes of one block in each KV tensor (dimension 0 indexes blocks)."""
     if not kv_tensors:
@@ -323,3 +305,21 @@ class RankActor:
         if self.engine is None:
             raise RuntimeError("this rank has no transfer engine yet")
         return self.engine
+
+
+@dataclass
+class _Copy:
+    """One submitted job on this rank until its watermark passes it."""
+
+    job: CopyJob
+    started: float
+    keep: bool
+    done: bool = False
+    bytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+
+def _one_line(exc: BaseException) -> str:
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return first if isinstance(exc, OffloadError) else f"{type(exc).__name__}: {first}"
