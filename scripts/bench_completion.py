@@ -38,7 +38,7 @@ def _free_port() -> int:
 
 
 def _rank_main(rank: int, world: int, port: int, jobs: int, device: str, driven: bool,
-               out: Any) -> None:
+               blocks: int, out: Any) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "RANK": str(rank), "WORLD_SIZE": str(world),
                        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
@@ -55,13 +55,17 @@ def _rank_main(rank: int, world: int, port: int, jobs: int, device: str, driven:
     tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=16 << 20, blocks_per_chunk=4,
                                           tp=world, timeout_s=60))
     engine_loop = hasattr(tier, "finished")
+
+    def job(i: int) -> CopyJob:  # 1 block: i % 2 -> chunk 0 position i % 2; 0: no copy at all
+        return CopyJob(i, "store", (i % 2,) * blocks, (0,) * blocks, (i % 2,) * blocks)
+
     samples, submits = [], []
     mark = None
     if driven:  # rank 0 drives every job through the RPC; the others serve
         if rank == 0:
             for i in range(jobs):
                 began = time.perf_counter()
-                tier.run(CopyJob(i, "store", (i % 2,), (0,), (i % 2,)))
+                tier.run(job(i))
                 samples.append(time.perf_counter() - began)
             tier.release()
             submits = samples
@@ -76,7 +80,7 @@ def _rank_main(rank: int, world: int, port: int, jobs: int, device: str, driven:
             tier.finished(mark)
         dist.barrier()
         began = time.perf_counter()
-        tier.submit(CopyJob(i, "store", (i % 2,), (0,), (i % 2,)))
+        tier.submit(job(i))
         submits.append(time.perf_counter() - began)
         if not engine_loop:
             while not tier.done(i):
@@ -105,15 +109,18 @@ def _rank_main(rank: int, world: int, port: int, jobs: int, device: str, driven:
                  "p99_us": round(warm[int(0.99 * (len(warm) - 1))] * 1e6, 1),
                  "submit_median_us": round(statistics.median(submits[skip:]) * 1e6, 1),
                  "path": "run" if driven else "finished" if engine_loop else "done",
+                 "blocks": blocks,
                  "device": device})
     dist.destroy_process_group()
 
 
-def measure(world: int, jobs: int, device: str, driven: bool = False) -> dict[str, Any]:
+def measure(world: int, jobs: int, device: str, driven: bool = False, blocks: int = 1
+            ) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, jobs, device, driven, out))
+    procs = [ctx.Process(target=_rank_main,
+                         args=(r, world, port, jobs, device, driven, blocks, out))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -132,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--driven", action="store_true",
                         help="time rank 0's run(job) (RPC broadcast + quorum) instead")
+    parser.add_argument("--blocks", type=int, choices=(0, 1), default=1,
+                        help="blocks per job; 0 times the completion path alone (no copy)")
     parser.add_argument("--json", help="write the rows here too")
     args = parser.parse_args(argv)
     import torch
@@ -141,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
     for world in (int(w) for w in args.ranks.split(",")):
-        row = measure(world, args.jobs, device, args.driven)
+        row = measure(world, args.jobs, device, args.driven, args.blocks)
         print(json.dumps(row), flush=True)
         rows.append(row)
     if args.json:
