@@ -100,7 +100,8 @@ def _watermarks(rank: int, tier_id: str) -> dict[str, object]:
     dist.barrier()  # every leader has set its node key
     seen: dict[str, object] = {"through_before": q.through(q.words())}
     q.advance(10 + rank, [(3, f"rank {rank} failed")] if rank == 1 else [])
-    q.share()
+    dist.barrier()  # every board word is written
+    q.share()  # leaders of a multi-node tier copy their node's words to the store
     dist.barrier()
     words = q.words()
     seen["completed"] = [unpack(words[r])[0] for r in sorted(words)]
