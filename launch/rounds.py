@@ -109,8 +109,8 @@ def run_rounds(tier: HostTier, rounds: int, num_blocks: int) -> RoundStats:
             began = time.perf_counter()
             try:
                 tier.run(copy)
-            except BaseException:
-                manager.complete_store(job.job_id, ok=False)
+            except BaseException:  # a late rank may still write them: quarantined
+                manager.complete_store(job.job_id, ok=False, fence=tier.submitted)
                 raise
             stats.store_s += time.perf_counter() - began
             manager.complete_store(job.job_id, ok=True)
@@ -123,8 +123,10 @@ def run_rounds(tier: HostTier, rounds: int, num_blocks: int) -> RoundStats:
         began = time.perf_counter()
         try:
             tier.run(copy)
-        finally:
-            manager.complete_load(load.job_id)
+        except BaseException:  # a late rank may still read them: holds kept
+            manager.complete_load(load.job_id, fence=tier.submitted)
+            raise
+        manager.complete_load(load.job_id)
         stats.load_s += time.perf_counter() - began
         stats.loaded_bytes += len(copy.blocks) * load_bytes
         stats.loaded_chunks += len(load.chunks)

@@ -9,11 +9,10 @@ finished copy to the quorum.  Rank 0 drives actors through the collective RPC
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,8 +41,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class CopyJob:
     """One store or load on one rank: ``blocks[i]`` ↔ position ``positions[i]`` of chunk
-    ``chunks[i]``.  ``writer_only`` (replicated stores) makes ranks other than the node's
-    writer report the job done without copying: the node holds one copy."""
+    ``chunks[i]``.  ``writer_only`` (replicated stores) makes ranks other than their (node, stage)'s
+    writer report the job done without copying: the node holds one copy per stage."""
 
     job_id: int
     direction: Direction
@@ -76,8 +75,11 @@ class RankActor:
     engine: TransferEngine | None = None
     timings_s: dict[str, float] = field(default_factory=dict)
     created_at: float = field(default_factory=time.perf_counter)
-    _pending: dict[int, tuple[CopyJob, Quorum, int]] = field(default_factory=dict)
-    _local_ids: Iterator[int] = field(default_factory=itertools.count)
+    # serving: jobs in submission order until retired; outcomes of kept jobs until taken
+    _pending: dict[int, _Copy] = field(default_factory=dict)
+    outcomes: dict[int, tuple[bool, int, float]] = field(default_factory=dict)
+    _next_seq: int = 0
+    _completed: int = 0
 
     # ------------------------------------------------------------------ set-up
     def describe(self) -> RankDescriptor:
@@ -148,52 +150,114 @@ class RankActor:
         return self.engine.name
 
     # ------------------------------------------------------------------ serving
-    def submit(self, job: CopyJob, quorum: Quorum | None = None, key: int | None = None
-               ) -> None:
-        """Queue a copy on this rank (non-blocking where the backend allows); when it is done,
-        report ``key`` (default: the job id) to ``quorum`` (default: the driven-mode one)."""
-        engine = self._engine()
-        quorum = quorum or self.quorum
-        key = job.job_id if key is None else key
-        if job.writer_only and not (job.direction == "store" and self.config.layout ==
-                                    "replicated"):
-            raise OffloadError(f"job {job.job_id}: writer_only applies to stores in the "
-                               f"replicated layout, not a {job.direction} in "
-                               f"{self.config.layout!r}; drop writer_only")
-        blocks, chunks, positions = job.blocks, job.chunks, job.positions
-        local = next(self._local_ids)
-        if job.writer_only and not self.topology.is_stage_writer:
-            engine.check(blocks, chunks, positions)  # the node's writer copies; we only check
-        else:
-            engine.submit(local, job.direction, blocks, chunks, positions)
-            self._pending[local] = (job, quorum, key)
-        if self.auditor is not None and job.direction == "store":
-            # after the job was checked; hashes read the blocks in compute-stream order
-            self.auditor.record(self.kv_tensors, job.blocks, job.chunks, job.positions)
-        if local not in self._pending:
-            quorum.report(key)
+    @property
+    def submitted(self) -> int:
+        """Jobs this rank has submitted: the next job's sequence number."""
+        return self._next_seq
+
+    def submit(self, job: CopyJob, keep: bool = False) -> int:
+        """Queue a copy on this rank (non-blocking where the backend allows) and return its
+        sequence number: its place in the submission order, the same on every rank.
+
+        A job that fails here still takes its place and is reported failed, so every rank's
+        sequence stays aligned; the error is raised after.  ``keep`` keeps the job's outcome
+        in `outcomes` for the tier's results (SPMD); driven jobs need only the quorum."""
+        seq = self._next_seq
+        self._next_seq += 1
+        copy = _Copy(job, time.perf_counter(), keep)
+        self._pending[seq] = copy
+        taken = False  # whether the engine holds the job (it then reports it in poll)
+        try:
+            engine = self._engine()
+            blocks, chunks, positions = job.blocks, job.chunks, job.positions
+            if job.writer_only and not (job.direction == "store" and self.config.layout ==
+                                        "replicated"):
+                raise OffloadError(f"job {job.job_id}: writer_only applies to stores in the "
+                                   f"replicated layout, not a {job.direction} in "
+                                   f"{self.config.layout!r}; drop writer_only")
+            if job.writer_only and not self.topology.is_stage_writer:
+                engine.check(blocks, chunks, positions)  # the stage's writer copies; we check
+                copy.done = True
+            else:
+                engine.submit(seq, job.direction, blocks, chunks, positions)
+                taken = True
+                copy.bytes = len(blocks) * sum(self._installed().slots[self.topology.rank]
+                                               .page_bytes)
+            if self.auditor is not None and job.direction == "store":
+                # after the job was checked; hashes read the blocks in compute-stream order
+                self.auditor.record(self.kv_tensors, job.blocks, job.chunks, job.positions)
+        except BaseException as exc:
+            copy.error = _one_line(exc)
+            copy.done = copy.done or not taken  # not the engine's: it completes (failed) now
+            self._advance()
+            raise
         self.progress_copies()
+        return seq
 
     def progress_copies(self) -> float:
-        """Report copies that finished since the last call; return a suggested poll pause."""
-        if self.engine is None or not self._pending:
-            return 0.02
-        for job_id in self.engine.poll():
-            self._finish(job_id)
+        """Collect copies that finished since the last call and raise this rank's watermark;
+        return a suggested pause before the next call."""
+        if self.engine is not None and self._pending:
+            try:
+                finished = self.engine.poll()
+            except Exception as exc:
+                finished = self._engine_failed(exc)
+            for seq in finished:
+                self._finish(seq)
+            self._advance()
+        self.quorum.share()
         return 0.0005 if self._pending else 0.02
 
     def drain(self) -> None:
         """Wait for every copy this rank has in flight (the compute fence before close)."""
         if self.engine is not None and self._pending:
-            for job_id in self.engine.wait_all():
-                self._finish(job_id)
+            try:
+                finished = self.engine.wait_all()
+            except Exception as exc:
+                finished = self._engine_failed(exc)
+            for seq in finished:
+                self._finish(seq)
+            self._advance()
+            self.quorum.share()
 
-    def _finish(self, local: int) -> None:
-        """A copy finished on this rank: audit a load, then tell the job's quorum."""
-        job, quorum, key = self._pending.pop(local)
-        if self.auditor is not None and job.direction == "load":
-            self.auditor.check(self.kv_tensors, job.blocks, job.chunks, job.positions)
-        quorum.report(key)
+    def _finish(self, seq: int) -> None:
+        """The engine finished ``seq`` on this rank: audit a load.  (A job already completed as
+        failed, after the engine raised, is not reported twice.)"""
+        copy = self._pending.get(seq)
+        if copy is None or copy.done:
+            return
+        copy.done = True
+        copy.seconds = time.perf_counter() - copy.started
+        if self.auditor is not None and copy.job.direction == "load" and copy.error is None:
+            self.auditor.check(self.kv_tensors, copy.job.blocks, copy.job.chunks,
+                               copy.job.positions)
+
+    def _engine_failed(self, exc: Exception) -> list[int]:
+        """The engine raised while reporting: which of its jobs finished is unknown, so every
+        job it holds completes as failed on this rank (the quorum learns it; nobody hangs)."""
+        log.error("rank %d: the %s engine failed: %s", self.topology.rank,
+                  getattr(self.engine, "name", "?"), exc)
+        held = [seq for seq, copy in self._pending.items() if not copy.done]
+        for seq in held:
+            self._pending[seq].error = f"the transfer engine failed: {_one_line(exc)}"
+        return held
+
+    def _advance(self) -> None:
+        """Retire the done jobs at the head of the order and publish the new watermark."""
+        failures = []
+        start = self._completed
+        while self._pending:
+            seq, copy = next(iter(self._pending.items()))
+            if not copy.done:
+                break
+            del self._pending[seq]
+            self._completed = seq + 1
+            if copy.error is not None:
+                failures.append((seq, copy.error))
+            if copy.keep:
+                self.outcomes[seq] = (copy.error is None, copy.bytes, copy.seconds)
+        if self._completed != start:
+            self.quorum.advance(self._completed, failures)
 
     # ------------------------------------------------------------------ reporting and close
     def report(self) -> dict[str, Any]:
@@ -241,3 +305,21 @@ class RankActor:
         if self.engine is None:
             raise RuntimeError("this rank has no transfer engine yet")
         return self.engine
+
+
+@dataclass
+class _Copy:
+    """One submitted job on this rank until its watermark passes it."""
+
+    job: CopyJob
+    started: float
+    keep: bool
+    done: bool = False
+    bytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+
+def _one_line(exc: BaseException) -> str:
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return first if isinstance(exc, OffloadError) else f"{type(exc).__name__}: {first}"

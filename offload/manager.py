@@ -9,7 +9,14 @@ themselves run on every rank and are counted done by the quorum (`offload.quorum
 * a readable chunk may carry *holds*, one per pending load that reads it; a held chunk is never
   evicted nor reused, so a load never reads bytes a later store overwrote;
 * stores take free chunks first, then evict the least recently used readable chunk without
-  holds; a failed store frees its chunks, so a half-written chunk is never readable.
+  holds; a failed store's chunks are never readable (their bytes may be half written);
+* a failed job's chunks are *quarantined* when the caller gives a ``fence``: a rank that missed
+  the deadline may still be copying them, and an engine may run a later job's copies before a
+  late earlier one lands (several streams), so reusing them early lets the late copy corrupt
+  the next owner's bytes.  A failed store's chunks stay out of use, a failed load keeps its
+  holds, until `drained` reports every rank completed the jobs below the fence (the tier's
+  watermarks tell; `HostTier.submitted` after the failure is the fence).  Without a fence
+  (the job never reached any rank) they are released at once.
 
 Every ``prepare_*`` returns a job that must be finished by exactly one ``complete_*`` call, even
 when the job has no chunks, so the caller's bookkeeping needs no special case.
@@ -66,8 +73,9 @@ class LoadJob:
 
 @dataclass(frozen=True)
 class ManagerStats:
-    """Chunk counts: ``free + storing + readable == chunk_count``; ``held`` counts readable
-    chunks with at least one hold; ``evictions`` counts readable chunks reused by stores."""
+    """Chunk counts: ``free + storing + readable + quarantined == chunk_count``; ``held``
+    counts readable chunks with at least one hold (a failed load's quarantined holds
+    included); ``evictions`` counts readable chunks reused by stores."""
 
     chunk_count: int
     free: int
@@ -75,6 +83,7 @@ class ManagerStats:
     readable: int
     held: int
     evictions: int
+    quarantined: int = 0
 
 
 JobT = TypeVar("JobT", StoreJob, LoadJob)
@@ -101,6 +110,8 @@ class ChunkManager:
         self._load_jobs: dict[int, LoadJob] = {}
         self._job_ids = itertools.count()
         self._evictions = 0
+        # failed jobs' chunks (stores) and holds (loads) by fence, until `drained` passes it
+        self._quarantine: list[tuple[int, list[int], list[ChunkKey]]] = []
 
     @property
     def chunk_count(self) -> int:
@@ -137,17 +148,24 @@ class ChunkManager:
         self._store_jobs[job.job_id] = job
         return job
 
-    def complete_store(self, job_id: int, ok: bool) -> None:
+    def complete_store(self, job_id: int, ok: bool, fence: int | None = None) -> None:
         """Finish a store: on success its chunks become readable (most recently used); on
-        failure they are freed, because their bytes may be partly written on some ranks."""
+        failure they are never readable (their bytes may be partly written on some ranks) and
+        are quarantined until `drained` passes ``fence``, or freed at once without one."""
         job = self._pop_job(self._store_jobs, job_id, "store")
+        failed = []
         for key, chunk in job.chunks:
             self._storing.discard(key)
             if ok:
                 self._evictable[key] = None
             else:
                 del self._chunk_of[key]
+                failed.append(chunk)
+        if fence is None:
+            for chunk in failed:
                 heapq.heappush(self._free, chunk)
+        elif failed:
+            self._quarantine.append((fence, failed, []))
 
     def prepare_load(self, keys: Sequence[ChunkKey]) -> LoadJob:
         """Hold the chunks of ``keys`` (one hold per occurrence) until `complete_load`.
@@ -166,10 +184,33 @@ class ChunkManager:
         self._load_jobs[job.job_id] = job
         return job
 
-    def complete_load(self, job_id: int) -> None:
-        """Release a load's holds; a chunk without holds becomes the most recently used."""
+    def complete_load(self, job_id: int, fence: int | None = None) -> None:
+        """Release a load's holds; a chunk without holds becomes the most recently used.  With
+        a ``fence`` (the load failed) the holds stay until `drained` passes it."""
         job = self._pop_job(self._load_jobs, job_id, "load")
-        for key, _ in job.chunks:
+        if fence is not None:
+            self._quarantine.append((fence, [], [key for key, _ in job.chunks]))
+            return
+        self._release_holds([key for key, _ in job.chunks])
+
+    def drained(self, through: int) -> int:
+        """Every rank has completed every job below ``through``: end the quarantines whose
+        fence that reaches.  Returns how many chunks and holds were released."""
+        released = 0
+        keep = []
+        for fence, chunks, holds in self._quarantine:
+            if fence > through:
+                keep.append((fence, chunks, holds))
+                continue
+            for chunk in chunks:
+                heapq.heappush(self._free, chunk)
+            self._release_holds(holds)
+            released += len(chunks) + len(holds)
+        self._quarantine = keep
+        return released
+
+    def _release_holds(self, keys: Sequence[ChunkKey]) -> None:
+        for key in keys:
             remaining = self._holds[key] - 1
             if remaining:
                 self._holds[key] = remaining
@@ -187,8 +228,9 @@ class ChunkManager:
     def stats(self) -> ManagerStats:
         storing = len(self._storing)
         readable = len(self._chunk_of) - storing
+        quarantined = sum(len(chunks) for _, chunks, _ in self._quarantine)
         return ManagerStats(self._chunk_count, len(self._free), storing, readable,
-                            len(self._holds), self._evictions)
+                            len(self._holds), self._evictions, quarantined)
 
     def _readable(self, key: ChunkKey) -> bool:
         return key in self._chunk_of and key not in self._storing

@@ -1,21 +1,37 @@
-"""The copy-completion quorum: a job is done only when every rank of the quorum has copied.
+"""The completion quorum: every rank's watermark, read without asking anyone.
 
-Each rank adds one to a per-job counter in torch.distributed's key-value store (the c10d `Store`
-that `init_process_group` already created), and the scheduling rank reads the counter without
-blocking.  A store counter, not a collective, because ranks finish copies at different times
-and the scheduler must poll many jobs without making every rank enter a call together.
+Every rank submits the same jobs in the same order (SPMD, or the driver's broadcast), so a job is
+known by its *sequence number* -- its place in that order -- and, because each rank's engine
+completes jobs in submission order, one number per rank says how far it got: the rank has
+completed every job with a smaller sequence (its *watermark*).  A job is complete on the quorum
+once the minimum watermark over the ranks is past it.  Nothing is written per job.
+
+Where the watermarks live:
+
+* **this node**: the `Board`, a shared page with one word per rank (`offload.board`: layout and
+  the memory-ordering argument).  Reading it is a few loads.
+* **other nodes**: each node's leader copies its node's board words into one store key
+  (``node/<i>``) when they changed, once per poll -- not per job, not per rank; a reader fetches
+  one key per other node.  Single-node tiers never touch the store.
+* **failures**: a rank whose copy failed writes a record ``fail/<rank>/<k>`` (sequence and
+  message) to the store *before* its watermark word counts the failure, so whoever sees the
+  count can fetch the record.  Failures are rare; the success path never reads a record.
+
+Deciding and learning decisions is the tier's business (`offload.tier`); this module only says
+how far every rank got and which jobs failed.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import time
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from offload.errors import OffloadError, PeerError
+from offload.board import Board, new_failures, unpack
+from offload.errors import OffloadError
+from offload.topology import Topology
 
 
 def default_store(prefix: str, timeout_s: float = 300.0) -> dist.Store:
@@ -53,71 +69,86 @@ def _env_tcp_store(timeout_s: float) -> dist.Store:
                          wait_for_workers=False)
 
 
-class Quorum:
-    """Completion counters of jobs on a c10d store, one key per job under ``prefix``.
+Words = dict[int, int]  # global rank -> its packed watermark word
 
-    Every rank constructs one over the same store and prefix and reports its copies.  Either
-    only the scheduling rank reads (`done`, `wait`) and then `forget`s a job, or every rank
-    reads and each `retire`s it once; either way no rank reads a counter after it was deleted.
-    Job ids must be unique for the life of a prefix (the scheduler's, or a sequence every rank
-    counts alike).
+
+class Quorum:
+    """This rank's side of the quorum: publish its own watermark, read everyone's.
+
+    Construct it on every rank, collectively in effect: a node leader of a multi-node tier sets
+    its node's key here, before any reader can ask for it (the tier's next collective orders
+    that).
     """
 
-    def __init__(self, store: dist.Store, members: int, prefix: str = "quorum") -> None:
-        if members < 1:
-            raise OffloadError(f"a quorum needs at least 1 member, got {members}")
+    def __init__(self, store: dist.Store, topology: Topology, board: Board) -> None:
         self.store = store
-        self.members = members
-        self.prefix = prefix
+        self.topology = topology
+        self.board = board
+        self._node = topology.nodes.index(topology.node)
+        self._remote = [(i, n.ranks) for i, n in enumerate(topology.nodes) if i != self._node]
+        self._failures = 0  # this rank's failure records so far
+        self._records: dict[int, list[tuple[int, str]]] = {}  # rank -> failure records read
+        self._shared: list[int] | None = None
+        if self._remote and topology.is_leader:
+            self.share()
 
-    def _key(self, job_id: int) -> str:
-        return f"{self.prefix}/{job_id}"
+    # ------------------------------------------------------------------ this rank
+    def advance(self, completed: int, failures: Sequence[tuple[int, str]] = ()) -> None:
+        """This rank has completed every job below ``completed``; ``failures`` lists the
+        (sequence, message) of the newly completed ones that failed.  Records first, word
+        last: a reader that sees the count finds the records."""
+        rank = self.topology.rank
+        for seq, message in failures:
+            self.store.set(f"fail/{rank}/{self._failures}", f"{seq} {message}")
+            self._failures += 1
+        self.board.publish(completed, self._failures)
 
-    def report(self, job_id: int) -> None:
-        """This rank's copies of ``job_id`` are complete."""
-        self.store.add(self._key(job_id), 1)
+    def share(self) -> None:
+        """Node leader of a multi-node tier: publish the node's words if they changed (once per
+        poll; a single-node tier returns at once)."""
+        if not self._remote or not self.topology.is_leader:
+            return
+        words = self.board.words()
+        if words != self._shared:
+            self.store.set(f"node/{self._node}", ",".join(map(str, words)))
+            self._shared = words
 
-    def count(self, job_id: int) -> int:
-        """How many ranks have reported ``job_id`` (adding 0 reads without blocking, where
-        ``get`` would wait for a key nobody has created yet)."""
-        return int(self.store.add(self._key(job_id), 0))
+    # ------------------------------------------------------------------ every rank
+    def words(self) -> Words:
+        """Every rank's latest word: this node's from the board, each other node's from its
+        one store key."""
+        words = dict(zip(self.topology.node.ranks, self.board.words(), strict=True))
+        if self._remote:
+            values = self.store.multi_get([f"node/{i}" for i, _ in self._remote])
+            for (_, ranks), value in zip(self._remote, values, strict=True):
+                words.update(zip(ranks, map(int, value.decode().split(",")), strict=True))
+        return words
 
-    def done(self, job_id: int) -> bool:
-        """Non-blocking: has every member reported ``job_id``?"""
-        return self.count(job_id) >= self.members
+    @staticmethod
+    def through(words: Words) -> int:
+        """Jobs with a sequence below this are complete on every rank."""
+        return min(unpack(w)[0] for w in words.values())
 
-    def wait(self, job_ids: Iterable[int], timeout_s: float, poll_s: float = 0.002) -> None:
-        """Block until every job is done, or raise `PeerError` once ``timeout_s`` has passed,
-        naming the first unfinished job and how many ranks reported it (a rank that died or
-        hangs stops reporting; the survivors must fail instead of waiting forever)."""
-        pending = list(dict.fromkeys(job_ids))
-        deadline = time.monotonic() + timeout_s
-        delay = poll_s
-        while True:
-            pending = [job for job in pending if not self.done(job)]
-            if not pending:
-                return
-            if time.monotonic() >= deadline:
-                job = pending[0]
-                raise PeerError(
-                    f"job {job}: {self.count(job)} of {self.members} ranks reported its copies "
-                    f"within {timeout_s:g} s ({len(pending)} job(s) unfinished); a rank died or "
-                    "stopped answering"
-                )
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, 0.05)
+    @staticmethod
+    def laggards(words: Words, seq: int) -> list[int]:
+        """Ranks that have not completed job ``seq``."""
+        return sorted(r for r, w in words.items() if unpack(w)[0] <= seq)
 
-    def retire(self, job_id: int) -> None:
-        """Every-rank variant of `forget`, for jobs that all ranks read (the SPMD API): each
-        rank calls it once after it saw the job done; the last of the members deletes the
-        counters, so no rank ever reads a deleted counter."""
-        seen = f"{self._key(job_id)}/seen"
-        if int(self.store.add(seen, 1)) >= self.members:
-            self.store.delete_key(self._key(job_id))
-            self.store.delete_key(seen)
-
-    def forget(self, job_id: int) -> None:
-        """Delete the counter once the scheduler has consumed a done job, so the store does
-        not grow with every job.  Call it only after `done` is true: a later `report` or
-        `count` would create the key again."""
-        self.store.delete_key(self._key(job_id))
+    def failures(self, words: Words, first: int, end: int) -> dict[int, tuple[int, str]]:
+        """Failed jobs with ``first <= sequence < end``: sequence -> (lowest failing rank,
+        message).  Exact for every sequence below `through(words)`: their records were
+        written before the words were.  Fetches only records not read before."""
+        for rank, word in words.items():
+            known = self._records.setdefault(rank, [])
+            fresh = new_failures(len(known), unpack(word)[1])
+            if fresh:
+                keys = [f"fail/{rank}/{k}" for k in range(len(known), len(known) + fresh)]
+                for value in self.store.multi_get(keys):
+                    number, _, message = value.decode().partition(" ")
+                    known.append((int(number), message))
+        found: dict[int, tuple[int, str]] = {}
+        for rank in sorted(self._records):
+            for seq, message in self._records[rank]:
+                if first <= seq < end:
+                    found.setdefault(seq, (rank, message))
+        return found

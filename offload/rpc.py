@@ -17,11 +17,12 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import os
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import cloudpickle
 import torch.distributed as dist
@@ -33,6 +34,16 @@ log = logging.getLogger(__name__)
 _RELEASE = "release"
 _ABORT = "abort"
 _CALL = "call"
+_POST = "post"
+_SPINS = 200  # looks at a doorbell before backing off (each a load, a yield between)
+
+
+class Doorbell(Protocol):
+    """Rank 0's request counter where its node's workers can read it without the store."""
+
+    def ring(self, seq: int) -> None: ...
+
+    def rung(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -59,17 +70,22 @@ class Aborted(PeerError):
 
 
 class CollectiveRPC:
-    """One control channel.  Create it on every rank with the same store and world."""
+    """One control channel.  Create it on every rank with the same store and world.
+
+    ``doorbell`` (rank 0 and the workers on rank 0's node): rank 0 rings it after posting each
+    request, and those workers watch it instead of polling the store, so they can spin on it
+    briefly (a load, no round trip) and pick a command up within microseconds."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float,
-                 poll_s: float = 0.002, idle_limit_s: float = 24 * 3600.0):
+                 poll_s: float = 0.002, doorbell: Doorbell | None = None):
         self.store = store
+        self.doorbell = doorbell
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.poll_s = poll_s
-        self.idle_limit_s = idle_limit_s
         self._backoff = 0.0
+        self._spins = 0
         self._seq = 0
 
     # ------------------------------------------------------------------ driver (rank 0)
@@ -92,7 +108,7 @@ class CollectiveRPC:
             for r in sorted(pending):
                 key = f"res/{seq}/{r}"
                 if self.store.check([key]):
-                    value = cloudpickle.loads(self.store.get(key))
+                    value = _unpickle_reply(self.store.get(key), r)
                     self.store.delete_key(key)
                     pending.discard(r)
                     if isinstance(value, RemoteFailure):
@@ -110,6 +126,19 @@ class CollectiveRPC:
             raise _call_error(getattr(fn, "__name__", repr(fn)), failures, sorted(pending),
                               time.monotonic() - started)
         return results
+
+    def post(self, fn: Callable[..., Any], *args: Any, actor: Any = None) -> tuple[int, Any]:
+        """Run ``fn(actor, *args)`` on every rank without gathering anything: return this
+        request's number and rank 0's own result.  A worker's failure is only logged there:
+        ``fn`` must report its outcome another way (the actor's `submit` does, through the
+        quorum).  `forget` the request once every worker has surely read it."""
+        self._require_driver()
+        seq = self._post(_POST, (fn, args))
+        return seq, fn(actor, *args)
+
+    def forget(self, seq: int) -> None:
+        """Delete posted request ``seq`` (every worker has executed it)."""
+        self.store.delete_key(f"req/{seq}")
 
     def release(self) -> None:
         """Let the workers' `serve` return normally."""
@@ -135,11 +164,15 @@ class CollectiveRPC:
                 self.store.delete_key(key)
 
     # ------------------------------------------------------------------ workers
-    def serve(self, actor: Any, idle: Callable[[], float] | None = None) -> None:
+    def serve(self, actor: Any, idle: Callable[[], float] | None = None,
+              idle_limit_s: float | None = None) -> None:
         """Execute the driver's calls until it releases (return) or aborts (raise).
 
         ``idle()`` runs between polls (the actor reports finished copies there) and returns how
-        long to wait before the next poll.
+        long to wait before the next poll.  A worker waits for the next command as long as the
+        driver lives (a lost store raises `PeerError`); ``idle_limit_s`` bounds that wait too.
+        A request that cannot be unpickled here, or a reply that cannot be pickled, goes back
+        as this rank's failure of the call instead of ending the worker.
         """
         if self.rank == 0:
             raise RuntimeError("rank 0 drives; it does not serve")
@@ -148,18 +181,24 @@ class CollectiveRPC:
             key = f"req/{self._seq}"
             idle_since = time.monotonic()
             self._backoff = 0.0
+            self._spins = 0
             try:
-                while not self.store.check([key]):
-                    self._await(key, idle() if idle is not None else 0.05)
-                    if time.monotonic() - idle_since > self.idle_limit_s:
+                while not self._posted(key):
+                    self._await(idle() if idle is not None else 0.05)
+                    if (idle_limit_s is not None
+                            and time.monotonic() - idle_since > idle_limit_s):
                         raise PeerError(
                             f"rank {self.rank} heard nothing from rank 0 for "
-                            f"{self.idle_limit_s:.0f} s; the driver is gone (raise "
-                            "idle_limit_s for a longer-idle server)")
+                            f"{idle_limit_s:g} s (idle_limit_s); the driver is gone or "
+                            "idle longer than allowed: raise idle_limit_s or leave it unset")
             except dist.DistError as exc:
                 raise PeerError(f"rank {self.rank} lost the store rank 0 serves: "
                                 f"{str(exc).splitlines()[0]}; rank 0 is gone") from None
-            kind, body = cloudpickle.loads(self.store.get(key))
+            try:
+                kind, body = cloudpickle.loads(self.store.get(key))
+            except Exception as exc:  # e.g. a callable from a module this rank cannot import
+                self._reply(_failure(self.rank, exc, "the request could not be unpickled"))
+                continue
             if kind == _RELEASE:
                 return
             if kind == _ABORT:
@@ -169,21 +208,50 @@ class CollectiveRPC:
             try:
                 reply: Any = fn(actor, *args)
             except Exception as exc:
+                if kind == _POST:
+                    log.debug("rank %d: posted %s failed: %s", self.rank,
+                              getattr(fn, "__name__", fn), exc)
+                    continue
                 reply = _failure(self.rank, exc)
-            self.store.set(f"res/{self._seq}/{self.rank}", cloudpickle.dumps(reply))
+            if kind == _CALL:
+                self._reply(reply)
+
+    def _reply(self, reply: Any) -> None:
+        try:
+            payload = cloudpickle.dumps(reply)
+        except Exception as exc:
+            payload = cloudpickle.dumps(_failure(self.rank, exc,
+                                                 "the reply could not be pickled"))
+        self.store.set(f"res/{self._seq}/{self.rank}", payload)
 
     # ------------------------------------------------------------------ internals
-    def _await(self, key: str, pause: float) -> None:
-        """Sleep until the next look at ``key``: at most ``pause`` (the caller's copies may need
-        reporting) and, while idle, backing off from 0.2 ms to 50 ms so a command that follows
-        another is picked up at once and an idle worker costs almost nothing.  (The store's
-        own timed ``wait`` would block better, but every timeout logs two C++ warnings.)"""
-        self._backoff = min(self._backoff * 2, 0.05) if self._backoff else 0.0002
+    def _posted(self, key: str) -> bool:
+        """Has rank 0 posted the next request?  (A doorbell is read before the store: a
+        ring always follows the completed ``set``.)"""
+        if self.doorbell is not None:
+            return self.doorbell.rung() >= self._seq
+        return bool(self.store.check([key]))
+
+    def _await(self, pause: float) -> None:
+        """Pause before the next look: with a doorbell first a few hundred looks with only a
+        yield between, then (or without one) sleeps of at most ``pause`` (the caller's copies
+        may need reporting), backing off from 20 µs (0.2 ms on the store) to 50 ms, so a
+        command that follows another is picked up at once and an idle worker costs almost
+        nothing.  (The store's own timed ``wait`` would block better, but every timeout logs
+        two C++ warnings.)"""
+        if self.doorbell is not None and self._spins < _SPINS:
+            self._spins += 1
+            os.sched_yield()
+            return
+        first = 0.00002 if self.doorbell is not None else 0.0002
+        self._backoff = min(self._backoff * 2, 0.05) if self._backoff else first
         time.sleep(min(pause, self._backoff))
 
     def _post(self, kind: str, body: Any) -> int:
         self._seq += 1
         self.store.set(f"req/{self._seq}", cloudpickle.dumps((kind, body)))
+        if self.doorbell is not None:
+            self.doorbell.ring(self._seq)
         return self._seq
 
     def _require_driver(self) -> None:
@@ -191,9 +259,18 @@ class CollectiveRPC:
             raise RuntimeError(f"only rank 0 drives the collective RPC (this is rank {self.rank})")
 
 
-def _failure(rank: int, exc: BaseException) -> RemoteFailure:
-    return RemoteFailure(rank, type(exc).__name__, str(exc), traceback.format_exc(),
-                         isinstance(exc, OffloadError))
+def _failure(rank: int, exc: BaseException, context: str = "") -> RemoteFailure:
+    message = f"{context}: {type(exc).__name__}: {exc}" if context else str(exc)
+    return RemoteFailure(rank, type(exc).__name__, message, traceback.format_exc(),
+                         isinstance(exc, OffloadError) or bool(context))
+
+
+def _unpickle_reply(payload: bytes, rank: int) -> Any:
+    """A worker's reply, or that rank's failure when the driver cannot unpickle it."""
+    try:
+        return cloudpickle.loads(payload)
+    except Exception as exc:
+        return _failure(rank, exc, "its reply could not be unpickled on rank 0")
 
 
 def _call_error(name: str, failures: list[RemoteFailure], silent: list[int],

@@ -8,9 +8,15 @@ then every rank gets its `HostTier` back.
 Two ways to move blocks afterwards:
 
 * **SPMD** (an engine whose scheduler already sends each step's decisions to every worker): every
-  rank calls `submit` with the same `CopyJob`, `poll`s, and asks `done(job_id)` for the quorum.
+  rank calls `submit` with the same `CopyJob` and `poll`s; the *decider* (the scheduling rank)
+  calls `finished()` and sends the resulting `mark` with its step broadcast, and every other
+  rank calls `finished(mark)` and gets the very same results -- decisions are made once and
+  learned at the same point of every rank's step sequence, never by racing reads.  Simple
+  programs call `wait(job_ids)` on every rank instead.
 * **driven** (the main job): rank 0 owns the `ChunkManager` and calls `run` (every rank's actor
   copies, rank 0 waits for the quorum) while the other ranks sit in `serve`.
+
+Both paths complete jobs through the same watermarks (`offload.quorum`, `offload.board`).
 """
 
 from __future__ import annotations
@@ -20,9 +26,11 @@ import dataclasses
 import datetime
 import itertools
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,11 +39,12 @@ import torch.distributed as dist
 from offload import cleanup
 from offload.actor import CopyJob, RankActor
 from offload.audit import Auditor
+from offload.board import Board
 from offload.config import TierConfig
 from offload.errors import OffloadError, PeerError
 from offload.manager import ChunkManager
 from offload.plan import Plan, RankDescriptor, compute_plan
-from offload.quorum import Quorum, default_store
+from offload.quorum import Quorum, Words, default_store
 from offload.region.pin import Registrar, choose_registrar
 from offload.region.prefault import progress_logger
 from offload.rpc import CollectiveRPC
@@ -45,17 +54,41 @@ log = logging.getLogger(__name__)
 _tier_seq = itertools.count()
 
 
+@dataclass(frozen=True)
+class TransferResult:
+    """One decided job, as `HostTier.finished` returns it (the shape of vLLM's offloading
+    worker's ``get_finished``).  ``success`` is the same on every rank: False when any rank's
+    copy failed.  ``transfer_size`` (bytes) and ``transfer_time`` (seconds from `submit` to
+    the copy found complete) are this rank's own."""
+
+    job_id: int
+    success: bool
+    transfer_size: int
+    transfer_time: float
+
+
+@dataclass(frozen=True)
+class DecisionMark:
+    """Where the decider's decisions stand: every job with a sequence number below
+    ``through`` is decided, and ``failed`` of the results `finished` returned so far were
+    failures.  Small and picklable: the scheduler sends it with its step broadcast."""
+
+    through: int = 0
+    failed: int = 0
+
+
 class HostTier:
     """One rank's handle on the host tier."""
 
-    def __init__(self, actor: RankActor, rpc: CollectiveRPC, plan: Plan):
+    def __init__(self, actor: RankActor, rpc: CollectiveRPC, plan: Plan, decider: int = 0):
         self.actor = actor
         self.rpc = rpc
         self.plan = plan
+        self.decider = decider
         self.manager = ChunkManager(plan.chunk_count) if actor.topology.rank == 0 else None
-        self._spmd = Quorum(actor.quorum.store, actor.quorum.members, prefix="spmd")
-        self._spmd_seq = itertools.count()
-        self._spmd_live: dict[int, int] = {}
+        self.mark = DecisionMark()
+        self._live: dict[int, tuple[int, float]] = {}  # seq -> (job id, submitted at), in order
+        self._seq_of: dict[int, int] = {}  # job id -> seq of the live jobs
         self._closed = False
         cleanup.register(self.actor.close)
 
@@ -63,21 +96,29 @@ class HostTier:
     @classmethod
     def create(cls, kv_tensors: Sequence[torch.Tensor], config: TierConfig, *,
                backend: str = "auto", audit: bool = False,
-               registrar_factory: Callable[[torch.device], Registrar] = choose_registrar
-               ) -> HostTier:
+               registrar_factory: Callable[[torch.device], Registrar] = choose_registrar,
+               decider: int = 0) -> HostTier:
         """Collective: every rank calls it with its own KV tensors and the same config.
 
         ``backend`` picks the transfer backend (``auto``: by device and pinning); ``audit``
         hashes every block before store and after load and counts mismatches
         (`offload.audit`).  ``registrar_factory`` makes the object that pins host memory for
-        the KV device (default: CUDA's driver API for CUDA tensors, a recording no-op else)."""
+        the KV device (default: CUDA's driver API for CUDA tensors, a recording no-op else).
+        ``decider`` is the rank whose `finished` decides (the engine's scheduling rank; the
+        same on every rank)."""
         started = time.perf_counter()
         topology = discover(config.tp, config.pp, config.timeout_s)
+        if not 0 <= decider < topology.world_size:
+            raise OffloadError(f"decider = {decider} is not a rank of this {topology.world_size}"
+                               f"-rank job; give the scheduling rank, 0 to "
+                               f"{topology.world_size - 1}")
         config = dataclasses.replace(config, tp=topology.tp)  # None meant world // pp
         tier_id, store = _tier_store(topology, config)
+        board = Board.open(topology, tier_id, config.timeout_s)
         rpc = CollectiveRPC(dist.PrefixStore("rpc", store), topology.rank,
-                            topology.world_size, config.timeout_s)
-        quorum = Quorum(store, topology.world_size)
+                            topology.world_size, config.timeout_s,
+                            doorbell=board if 0 in topology.node.ranks else None)
+        quorum = Quorum(dist.PrefixStore("quorum", store), topology, board)
         progress = (progress_logger(log, f"pre-fault ({config.layout})")
                     if topology.rank == 0 else None)
         actor = RankActor(topology, config, list(kv_tensors), tier_id, quorum, progress, backend,
@@ -92,90 +133,211 @@ class HostTier:
         else:
             _serve_setup(actor, rpc)
             plan = actor._installed()
-        return cls(actor, rpc, plan)
+        return cls(actor, rpc, plan, decider)
 
     @property
     def topology(self) -> Topology:
         return self.actor.topology
 
+    @property
+    def submitted(self) -> int:
+        """Jobs this rank has submitted (SPMD and driven).  A failed job's chunks are safe to
+        reuse once every rank has completed this many: the fence for
+        `ChunkManager.complete_store` / `complete_load` after a failure."""
+        return self.actor.submitted
+
     # ------------------------------------------------------------------ SPMD data path
     def submit(self, job: CopyJob) -> None:
         """Queue this rank's share of ``job``; every rank submits the same jobs in the same
-        order.  The quorum counts jobs by their place in that order, so a job id may be reused
-        once its previous job was seen done."""
-        if job.job_id in self._spmd_live:
+        order (a job's sequence number is its place in that order).  A job id may be reused
+        once `finished` or `wait` has returned the job.  A job that raises here on some rank
+        is still in the sequence and comes back failed from `finished` on every rank."""
+        if job.job_id in self._seq_of:
             raise OffloadError(f"job id {job.job_id} is still in flight; wait for it before "
                                "reusing the id")
-        seq = next(self._spmd_seq)
-        self.actor.submit(job, self._spmd, seq)
-        self._spmd_live[job.job_id] = seq
+        seq = self.actor.submitted
+        self._live[seq] = (job.job_id, time.monotonic())
+        self._seq_of[job.job_id] = seq
+        self.actor.submit(job, keep=True)
 
     def poll(self) -> None:
-        """Report this rank's finished copies to the quorum (non-blocking)."""
+        """Collect this rank's finished copies and publish its watermark (non-blocking)."""
         self.actor.progress_copies()
 
-    def done(self, job_id: int) -> bool:
-        """True once every rank has finished its copy of ``job_id`` (non-blocking).  The first
-        True retires the job on this rank; asking again about it is an error."""
-        seq = self._live_seq(job_id)
+    def finished(self, mark: DecisionMark | None = None) -> list[TransferResult]:
+        """The jobs decided since the last call, in submission order (non-blocking).
+
+        On the decider call it without ``mark``: it reads every rank's watermark, decides
+        every job all ranks have completed, returns them and moves `mark`.  It raises
+        `PeerError` naming the ranks that hold back a job older than the tier's timeout.
+
+        On every other rank pass the decider's `mark` as it stood at this point of the step
+        sequence (the engine sends it with its step broadcast): the call returns exactly the
+        results the decider's calls up to that mark returned -- same jobs, same order, same
+        success flags -- whatever this rank's timing.  Jobs already returned by `wait` are
+        left out on every rank alike."""
         self.actor.progress_copies()
-        if not self._spmd.done(seq):
-            return False
-        self._retire(job_id, seq)
-        return True
+        quorum = self.actor.quorum
+        if self.topology.rank == self.decider:
+            if mark is not None:
+                raise OffloadError(f"rank {self.decider} is the decider: call finished() "
+                                   "without a mark")
+            words = quorum.words()
+            through = quorum.through(words)
+            self._drained(through)
+            if through == self._learned:
+                self._check_overdue(words)
+                return []
+            results = self._learn(through, quorum.failures(words, self._learned, through))
+            self.mark = DecisionMark(through, self._failed)
+            return results
+        if mark is None:
+            raise OffloadError(f"rank {self.topology.rank} is not the decider (rank "
+                               f"{self.decider}); pass the decider's tier.mark from your step "
+                               "broadcast")
+        if mark.through < self._learned or mark.through > self.actor.submitted:
+            raise OffloadError(f"decision mark {mark} does not follow this rank's "
+                               f"(through {self._learned} of {self.actor.submitted} submitted "
+                               "jobs); pass the decider's latest mark of this tier")
+        self._drained(mark.through)
+        failed: dict[int, tuple[int, str]] = {}
+        if mark.failed != self._failed:
+            failed = quorum.failures(quorum.words(), self._learned, mark.through)
+        results = self._learn(mark.through, failed)
+        if self._failed != mark.failed:
+            raise RuntimeError(f"rank {self.topology.rank} counted {self._failed} failed jobs "
+                               f"where the decider counted {mark.failed}")
+        self.mark = mark
+        return results
 
     def wait(self, job_ids: Sequence[int], timeout_s: float | None = None) -> None:
-        """Block until the quorum has reported every job (bounded by the tier's timeout)."""
-        deadline = time.monotonic() + (timeout_s or self.actor.config.timeout_s)
-        for job_id in job_ids:
-            seq = self._live_seq(job_id)
-            self._await_quorum(self._spmd, seq, deadline)
-            self._retire(job_id, seq)
+        """Block until every rank has completed the jobs (for simple programs; engines use
+        `finished`).  Every rank calls it at the same point; it returns the jobs' ids for
+        reuse.  Raises `OffloadError` naming a failed job and its rank, or `PeerError` naming
+        the ranks still behind after ``timeout_s`` (default: the tier's; 0 checks once)."""
+        jobs = {self._live_seq(job_id): job_id for job_id in dict.fromkeys(job_ids)}
+        if not jobs:
+            return
+        timeout = self.actor.config.timeout_s if timeout_s is None else timeout_s
+        words = self._await(max(jobs), time.monotonic() + timeout)
+        failed = self.actor.quorum.failures(words, min(jobs), max(jobs) + 1)
+        for seq, job_id in jobs.items():
+            del self._live[seq], self._seq_of[job_id]
+            self.actor.outcomes.pop(seq, None)
+        bad = sorted(seq for seq in jobs if seq in failed)
+        if bad:
+            rank, message = failed[bad[0]]
+            raise OffloadError(f"job {jobs[bad[0]]} failed on rank {rank}: {message}")
+
+    @property
+    def _learned(self) -> int:
+        return self.mark.through
+
+    @property
+    def _failed(self) -> int:
+        return self.mark.failed
+
+    def _learn(self, through: int, failed: dict[int, tuple[int, str]]
+               ) -> list[TransferResult]:
+        """Results of the live jobs below ``through`` (the decided ones), in order."""
+        results = []
+        failures = self.mark.failed
+        for seq in [s for s in self._live if s < through]:
+            job_id, _ = self._live.pop(seq)
+            del self._seq_of[job_id]
+            ok, size, seconds = self.actor.outcomes.pop(seq)
+            success = seq not in failed
+            if not ok and success:
+                raise RuntimeError(f"job {job_id} failed on rank {self.topology.rank} but the "
+                                   "quorum has no record of it")
+            failures += not success
+            results.append(TransferResult(job_id, success, size, seconds))
+        self.mark = DecisionMark(through, failures)
+        return results
 
     def _live_seq(self, job_id: int) -> int:
-        seq = self._spmd_live.get(job_id)
+        seq = self._seq_of.get(job_id)
         if seq is None:
             raise OffloadError(f"job id {job_id} is not in flight on rank "
-                               f"{self.topology.rank}; submit it first (a job reads done once)")
+                               f"{self.topology.rank}; submit it first (a job is returned "
+                               "once)")
         return seq
 
-    def _retire(self, job_id: int, seq: int) -> None:
-        del self._spmd_live[job_id]
-        self._spmd.retire(seq)
+    def _check_overdue(self, words: Words) -> None:
+        """Decider: a job waiting longer than the timeout names the ranks holding it back."""
+        if not self._live:
+            return
+        seq, (job_id, submitted_at) = next(iter(self._live.items()))
+        waited = time.monotonic() - submitted_at
+        if waited > self.actor.config.timeout_s:
+            raise self._overdue(job_id, seq, words, waited)
 
-    def _await_quorum(self, quorum: Quorum, key: int, deadline: float) -> None:
-        """Report this rank's finished copies until every rank has reported ``key``; past
-        ``deadline`` raise `PeerError` naming how many did."""
-        while not quorum.done(key):
+    def _overdue(self, job_id: int, seq: int, words: Words, waited: float) -> PeerError:
+        late = self.actor.quorum.laggards(words, seq)
+        return PeerError(f"job {job_id}: ranks {late} have not completed it within "
+                         f"{waited:.3g} s (timeout {self.actor.config.timeout_s:g} s); a rank "
+                         "died or stopped polling")
+
+    def _await(self, seq: int, deadline: float) -> Words:
+        """Poll until every rank has completed job ``seq``; past ``deadline`` raise
+        `PeerError` naming the ranks behind.  Spins (yielding the CPU) for the first
+        ~50 µs-scale polls, then backs off to at most 1 ms: no fixed sleep on the hot path."""
+        quorum = self.actor.quorum
+        began = time.monotonic()
+        polls = 0
+        while True:
             self.actor.progress_copies()
-            if time.monotonic() > deadline:
-                quorum.wait([key], 0.0)
-            time.sleep(0.0005)
+            words = quorum.words()
+            if self._drained(quorum.through(words)) > seq:
+                return words
+            now = time.monotonic()
+            if now >= deadline:
+                raise PeerError(f"sequence {seq}: ranks {quorum.laggards(words, seq)} have "
+                                f"not completed it within {now - began:.3g} s; a rank died "
+                                "or stopped answering")
+            polls += 1
+            if polls < _SPIN_POLLS:
+                os.sched_yield()
+            else:
+                time.sleep(min(_MAX_PAUSE_S, 1e-5 * 2 ** min(polls - _SPIN_POLLS, 7),
+                               max(0.0, deadline - now)))
+
+    def _drained(self, through: int) -> int:
+        """Every rank completed the jobs below ``through``: release quarantined chunks."""
+        if self.manager is not None:
+            self.manager.drained(through)
+        return through
 
     # ------------------------------------------------------------------ driven data path
     def run(self, job: CopyJob) -> None:
-        """Rank 0: every rank's actor copies ``job``; return once the quorum reported.  The
-        job id must be unique for the tier (the chunk manager's ids are)."""
-        quorum = self.actor.quorum
-        try:
-            self.rpc.call(RankActor.submit, job, actor=self.actor)
-            self._await_quorum(quorum, job.job_id,
-                               time.monotonic() + self.actor.config.timeout_s)
-        except BaseException:
-            # a slow rank may still report and recreate the key: one stray key per failed job
-            with contextlib.suppress(dist.DistError):
-                quorum.forget(job.job_id)
-            raise
-        quorum.forget(job.job_id)
+        """Rank 0: every rank's actor copies ``job``; return once every rank completed it.
+
+        The command goes out as a posted RPC request (one store write; workers on rank 0's
+        node see it on the board's doorbell) and completes through the same watermarks as
+        SPMD jobs: a worker whose `submit` refused the job reports it failed there, so nothing
+        needs to come back.  Raises `OffloadError` naming the rank whose copy failed,
+        `PeerError` naming the ranks that did not complete it within the timeout; after either,
+        pass `submitted` as the fence to the chunk manager's ``complete_*``."""
+        seq = self.actor.submitted
+        request, _ = self.rpc.post(_submit_quietly, job, actor=self.actor)
+        words = self._await(seq, time.monotonic() + self.actor.config.timeout_s)
+        self.rpc.forget(request)  # every rank executed it: its watermark passed the job
+        failed = self.actor.quorum.failures(words, seq, seq + 1)
+        if failed:
+            rank, message = failed[seq]
+            raise OffloadError(f"job {job.job_id} failed on rank {rank}: {message}")
 
     def call(self, fn: Any, *args: Any) -> list[Any]:
         """Rank 0: run ``fn(actor, *args)`` on every rank and gather the results."""
         return self.rpc.call(fn, *args, actor=self.actor)
 
-    def serve(self) -> None:
-        """Ranks other than 0: execute rank 0's commands until it releases them."""
+    def serve(self, idle_limit_s: float | None = None) -> None:
+        """Ranks other than 0: execute rank 0's commands until it releases them.  With
+        ``idle_limit_s``, raise `PeerError` after that long without a command (default: wait
+        as long as rank 0 lives)."""
         try:
-            self.rpc.serve(self.actor, idle=self.actor.progress_copies)
+            self.rpc.serve(self.actor, idle=self.actor.progress_copies,
+                           idle_limit_s=idle_limit_s)
         except BaseException:
             self.actor.close()
             raise
@@ -199,7 +361,19 @@ class HostTier:
             dist.barrier()
         finally:
             self.actor.close()
+            self.actor.quorum.board.close()
             cleanup.unregister(self.actor.close)
+
+
+def _submit_quietly(actor: RankActor, job: CopyJob) -> None:
+    """A driven job on one rank: a refusal is recorded as the job's failure by `submit` and
+    reaches rank 0 through the quorum, so it is not raised here."""
+    with contextlib.suppress(OffloadError):
+        actor.submit(job)
+
+
+_SPIN_POLLS = 64
+_MAX_PAUSE_S = 0.001
 
 
 def _tier_store(topology: Topology, config: TierConfig) -> tuple[str, dist.Store]:

@@ -120,6 +120,39 @@ def test_keys_may_be_any_hashable() -> None:
     assert m.lookup_prefix(keys) == 2
 
 
+def test_a_failed_store_with_a_fence_keeps_its_chunks_out_of_use_until_drained() -> None:
+    m = ChunkManager(2)
+    job = m.prepare_store(["a"])
+    m.complete_store(job.job_id, ok=False, fence=5)  # some rank may still write chunk 0
+    assert m.lookup_prefix(["a"]) == 0
+    assert m.stats().quarantined == 1 and m.stats().free == 1
+    assert stored(m, ["b"]) == {"b": 1}
+    m.prepare_load(["b"])  # b held: nothing is evictable
+    assert m.prepare_store(["c"]).dropped == ("c",)  # chunk 0 is not reused
+    assert m.drained(4) == 0 and m.stats().quarantined == 1  # one job still behind the fence
+    assert m.drained(5) == 1
+    assert m.stats().quarantined == 0 and m.stats().free == 1
+    assert stored(m, ["d"]) == {"d": 0}
+
+
+def test_a_failed_load_with_a_fence_keeps_its_holds_until_drained() -> None:
+    m = ChunkManager(1)
+    stored(m, ["a"])
+    load = m.prepare_load(["a"])
+    m.complete_load(load.job_id, fence=3)  # a late rank may still read chunk 0
+    assert m.lookup_prefix(["a"]) == 1 and m.stats().held == 1
+    assert m.prepare_store(["b"]).dropped == ("b",)  # held: not evicted
+    m.drained(3)
+    assert m.stats().held == 0
+    assert stored(m, ["c"]) == {"c": 0}
+
+
+def test_without_a_fence_a_failed_job_releases_at_once() -> None:
+    m = ChunkManager(1)
+    m.complete_store(m.prepare_store(["a"]).job_id, ok=False)
+    assert m.stats().free == 1 and m.stats().quarantined == 0
+
+
 def test_chunk_count_must_be_positive() -> None:
     with pytest.raises(OffloadError, match="chunk_count = 0"):
         ChunkManager(0)
@@ -144,10 +177,14 @@ class ManagerModel(RuleBasedStateMachine):
         self.loads: dict[int, list[tuple[Hashable, int]]] = {}
         self.evictions = 0
         self.last_job = -1
+        self.quarantine: list[tuple[int, list[int], list[Hashable]]] = []
 
     def _tick(self, key: Hashable) -> None:
         self.clock += 1
         self.used[key] = self.clock
+
+    def _quarantined(self) -> int:
+        return sum(len(chunks) for _, chunks, _ in self.quarantine)
 
     def _new_job(self, job_id: int) -> None:
         assert job_id > self.last_job
@@ -155,7 +192,7 @@ class ManagerModel(RuleBasedStateMachine):
 
     @rule(keys=st.lists(KEYS, max_size=6))
     def store(self, keys: list[int]) -> None:
-        free_before = self.n - len(self.readable) - len(self.storing)
+        free_before = self.n - len(self.readable) - len(self.storing) - self._quarantined()
         job = self.m.prepare_store(keys)
         self._new_job(job.job_id)
         new = list(dict.fromkeys(k for k in keys
@@ -169,7 +206,8 @@ class ManagerModel(RuleBasedStateMachine):
         victims = eligible[:evicted_count]
         if job.dropped:  # truncated only when nothing more could be evicted
             assert len(eligible) == evicted_count
-        free = sorted(set(range(self.n)) - {*self.readable.values(), *self.storing.values()})
+        free = sorted(set(range(self.n)) - {*self.readable.values(), *self.storing.values()}
+                      - {c for _, chunks, _ in self.quarantine for c in chunks})
         assert [c for _, c in job.chunks] == (free[:len(taken) - evicted_count]
                                                + [self.readable[v] for v in victims])
         for v in victims:
@@ -179,14 +217,32 @@ class ManagerModel(RuleBasedStateMachine):
         self.stores[job.job_id] = list(job.chunks)
 
     @precondition(lambda self: self.stores)
-    @rule(data=st.data(), ok=st.booleans())
-    def finish_store(self, data: st.DataObject, ok: bool) -> None:
+    @rule(data=st.data(), ok=st.booleans(), fence=st.none() | st.integers(0, 5))
+    def finish_store(self, data: st.DataObject, ok: bool, fence: int | None) -> None:
         job_id = data.draw(st.sampled_from(sorted(self.stores)))
-        self.m.complete_store(job_id, ok)
+        self.m.complete_store(job_id, ok, fence)
+        failed = []
         for key, chunk in self.stores.pop(job_id):
             del self.storing[key]
             if ok:
                 self.readable[key] = chunk
+                self._tick(key)
+            else:
+                failed.append(chunk)
+        if failed and fence is not None:
+            self.quarantine.append((fence, failed, []))
+
+    @rule(through=st.integers(0, 5))
+    def drained(self, through: int) -> None:
+        self.m.drained(through)
+        for _, _, holds in [q for q in self.quarantine if q[0] <= through]:
+            self._release(holds)
+        self.quarantine = [q for q in self.quarantine if q[0] > through]
+
+    def _release(self, keys: list[Hashable]) -> None:
+        for key in keys:
+            self.holds[key] -= 1
+            if not self.holds[key]:
                 self._tick(key)
 
     @precondition(lambda self: self.readable)
@@ -209,14 +265,15 @@ class ManagerModel(RuleBasedStateMachine):
         assert self.m.stats() == before
 
     @precondition(lambda self: self.loads)
-    @rule(data=st.data())
-    def finish_load(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), fence=st.none() | st.integers(0, 5))
+    def finish_load(self, data: st.DataObject, fence: int | None) -> None:
         job_id = data.draw(st.sampled_from(sorted(self.loads)))
-        self.m.complete_load(job_id)
-        for key, _ in self.loads.pop(job_id):
-            self.holds[key] -= 1
-            if not self.holds[key]:
-                self._tick(key)
+        self.m.complete_load(job_id, fence)
+        keys = [key for key, _ in self.loads.pop(job_id)]
+        if fence is None:
+            self._release(keys)
+        else:
+            self.quarantine.append((fence, [], keys))
 
     @rule(job_id=st.integers(-2, 200))
     def finish_unknown(self, job_id: int) -> None:
@@ -237,13 +294,15 @@ class ManagerModel(RuleBasedStateMachine):
         s = self.m.stats()
         assert (s.chunk_count, s.storing, s.readable) == (
             self.n, len(self.storing), len(self.readable))
-        assert s.free + s.storing + s.readable == self.n
+        assert s.quarantined == self._quarantined()
+        assert s.free + s.storing + s.readable + s.quarantined == self.n
         assert s.held == sum(1 for k in self.readable if self.holds[k])
         assert s.evictions == self.evictions
 
     @invariant()
     def one_key_per_chunk(self) -> None:
-        chunks = [*self.readable.values(), *self.storing.values()]
+        chunks = [*self.readable.values(), *self.storing.values(),
+                  *(c for _, q, _ in self.quarantine for c in q)]
         assert len(chunks) == len(set(chunks)) and all(0 <= c < self.n for c in chunks)
         assert not set(self.readable) & set(self.storing)
         assert all(k in self.readable for k, held in self.holds.items() if held)

@@ -115,43 +115,282 @@ def test_replicated_pipeline_stages_load_their_own_stage_bytes(
     per_node = len(out) if nodes is None else 2  # the slot: the stage's index on its node
     assert [o.value[3] for o in out] == [(r % per_node) // tp for r in range(len(out))]
 
+def test_a_job_is_decided_only_when_the_last_rank_completed_it() -> None:
     def body(rank: int) -> object:
         import torch.distributed as dist
 
         from offload import CopyJob, HostTier
 
-        kv = _hybrid_kv(rank, 8)
-        tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=4 * MiB, blocks_per_chunk=4,
-                                              tp=3, timeout_s=20))
+        tier = HostTier.create(_hybrid_kv(rank, 8), TierConfig(
+            cpu_bytes_per_node=4 * MiB, blocks_per_chunk=4, tp=3, timeout_s=20))
         job = CopyJob(7, "store", (0, 1), (0, 0), (0, 1))
         seen = []
         if rank != 2:
             tier.submit(job)
         dist.barrier()  # ranks 0 and 1 have copied; rank 2 has not
-        if rank != 2:
-            seen.append(tier.done(7))
-        dist.barrier()
-        if rank == 2:
-            time.sleep(0.2)
-            tier.submit(job)
-        tier.wait([7])
-        # the id may be reused once seen done; the new job is not done before it is copied
-        dist.barrier()
-        if rank != 2:
-            tier.submit(job)
-        dist.barrier()
-        if rank != 2:
-            seen.append(tier.done(7))
+        if rank == 0:
+            seen.append(tier.finished())
         dist.barrier()
         if rank == 2:
             tier.submit(job)
-        tier.wait([7])
+        dist.barrier()
+        if rank == 0:
+            seen.append([(r.job_id, r.success, r.transfer_size) for r in tier.finished()])
+            seen.append(tier.mark)
         tier.close()
         return seen
 
     out = run_group(body, 3)
     assert all(o.ok for o in out), [o.error for o in out]
-    assert [o.value for o in out] == [[False, False], [False, False], []]
+    from offload.tier import DecisionMark
+    assert out[0].value == [[], [(7, True, 2 * (8000 + 4096))], DecisionMark(1, 0)]
+
+
+def _race(rank: int, decider: int, steps: int, seed: int) -> object:
+    """An engine loop with random pauses between submit, poll and finished on every rank: the
+    decider decides, the others learn its mark from the step broadcast.  Rank 1 has fewer
+    blocks, so every job naming block 7 fails there (and only there)."""
+    import random
+
+    import torch
+    import torch.distributed as dist
+
+    from offload import CopyJob, HostTier, OffloadError
+
+    rng = random.Random(seed * 10 + rank)
+    kv = [torch.zeros((6 if rank == 1 else 8, 1024), dtype=torch.uint8)]
+    tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=4 * MiB, blocks_per_chunk=4,
+                                          tp=3, timeout_s=30), decider=decider)
+    batches: list[list[tuple[int, bool]]] = []
+    submitted, step, finished = 0, 0, False
+    while not finished:
+        box = [(tier.mark, step >= steps and not tier._live) if rank == decider else None]
+        dist.broadcast_object_list(box, src=decider)  # the engine's own step broadcast
+        mark, finished = box[0]
+        if rank != decider:
+            batches.append([(r.job_id, r.success) for r in tier.finished(mark)])
+        for j in range(step % 3 if step < steps else 0):
+            block = 7 if submitted % 5 == 3 else submitted % 6
+            try:
+                tier.submit(CopyJob(submitted, "store", (block,), (j,), (0,)))
+            except OffloadError:
+                assert rank == 1 and block == 7
+            submitted += 1
+            time.sleep(rng.random() * 0.004)
+            tier.poll()
+        time.sleep(rng.random() * 0.004)
+        if rank == decider:
+            batches.append([(r.job_id, r.success) for r in tier.finished()])
+        step += 1
+    tier.close()
+    return batches[:-1] if rank == decider else batches[1:], submitted
+
+
+@pytest.mark.parametrize("nodes,decider", [(None, 0), (["a", "a", "b"], 2)],
+                         ids=["one-node", "two-nodes-decider-2"])
+def test_racing_ranks_learn_the_same_decisions_in_the_same_steps(
+        nodes: list[str] | None, decider: int) -> None:
+    out = run_group(_race, 3, args=(decider, 30, 1), nodes=nodes, timeout=180)
+    assert all(o.ok for o in out), [o.error for o in out]
+    batches, submitted = out[0].value
+    assert [o.value for o in out] == [out[0].value] * 3  # same batches at the same steps
+    decided = [job for batch in batches for job in batch]
+    assert [job_id for job_id, _ in decided] == list(range(submitted))
+    assert all(ok == (job_id % 5 != 3) for job_id, ok in decided)
+    assert sum(1 for batch in batches if len(batch) > 1) > 0  # batches really vary
+
+
+def test_a_killed_rank_is_named_by_the_decider_within_the_timeout() -> None:
+    def body(rank: int) -> object:
+        import os
+
+        import torch.distributed as dist
+
+        from offload import CopyJob, HostTier, PeerError
+
+        tier = HostTier.create(_hybrid_kv(rank, 8), TierConfig(
+            cpu_bytes_per_node=4 * MiB, blocks_per_chunk=4, tp=3, timeout_s=2))
+        tier.submit(CopyJob(0, "store", (0,), (0,), (0,)))
+        tier.wait([0])
+        dist.barrier()
+        if rank == 2:
+            os._exit(0)  # dies before job 1
+        tier.submit(CopyJob(1, "store", (1,), (0,), (1,)))
+        if rank == 1:
+            return None
+        began = time.monotonic()
+        try:
+            while time.monotonic() - began < 20:
+                assert tier.finished() == []
+                time.sleep(0.001)
+        except PeerError as exc:
+            return time.monotonic() - began, str(exc)
+        return None
+
+    out = run_group(body, 3, pg_timeout=10)
+    waited, message = out[0].value
+    assert 1.5 < waited < 4.0, message
+    assert message.startswith("job 1: ranks [2] have not completed it")
+
+
+def test_a_rank_whose_engine_raised_reports_the_job_failed_on_every_rank() -> None:
+    def body(rank: int) -> object:
+        from offload import CopyJob, HostTier, OffloadError
+
+        tier = HostTier.create(_hybrid_kv(rank, 8), TierConfig(
+            cpu_bytes_per_node=4 * MiB, blocks_per_chunk=4, tp=2, timeout_s=20))
+        if rank == 1:
+            tier.actor.engine = _RaisesOnce(tier.actor.engine)
+        tier.submit(CopyJob(1, "store", (0,), (0,), (0,)))
+        began = time.monotonic()
+        try:
+            tier.wait([1])
+        except OffloadError as exc:
+            failed = (str(exc), time.monotonic() - began)
+        tier.submit(CopyJob(2, "store", (1,), (0,), (1,)))
+        tier.wait([2])  # the next job is fine again
+        tier.close()
+        return failed
+
+    out = run_group(body, 2)
+    assert all(o.ok for o in out), [o.error for o in out]
+    for o in out:
+        message, waited = o.value
+        assert message == ("job 1 failed on rank 1: the transfer engine failed: RuntimeError: "
+                           "device lost (test)")
+        assert waited < 5
+
+
+class _RaisesOnce:
+    """A test engine whose first poll raises, as a CUDA error at event query would."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.raised = False
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def poll(self) -> list[int]:
+        if not self.raised:
+            self.raised = True
+            raise RuntimeError("device lost (test)")
+        return self.inner.poll()  # type: ignore[attr-defined, no-any-return]
+
+
+def test_wait_with_timeout_zero_checks_once() -> None:
+    def body(rank: int) -> object:
+        import torch.distributed as dist
+
+        from offload import CopyJob, HostTier, PeerError
+
+        tier = HostTier.create(_hybrid_kv(rank, 8), TierConfig(
+            cpu_bytes_per_node=4 * MiB, blocks_per_chunk=4, tp=2, timeout_s=20))
+        job = CopyJob(1, "store", (0,), (0,), (0,))
+        waited = None
+        if rank == 0:
+            tier.submit(job)
+            began = time.monotonic()
+            with pytest.raises(PeerError, match=r"ranks \[1\] have not completed it"):
+                tier.wait([1], timeout_s=0)
+            waited = time.monotonic() - began
+        dist.barrier()
+        if rank == 1:
+            tier.submit(job)
+        dist.barrier()
+        tier.wait([1], timeout_s=0)  # done on every rank: one look suffices
+        tier.close()
+        return waited
+
+    out = run_group(body, 2)
+    assert all(o.ok for o in out), [o.error for o in out]
+    assert out[0].value < 1.0
+
+
+class _LateFirstCopy:
+    """A test engine that lands its first job's copy ``delay_s`` late while later jobs copy at
+    once -- as an engine with several streams may -- still reporting in submission order."""
+
+    def __init__(self, inner: object, delay_s: float) -> None:
+        self.inner = inner
+        self.late: tuple[float, tuple] | None = None
+        self.delay_s = delay_s
+        self.order: list[int] = []
+        self.copied: set[int] = set()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def submit(self, local_id: int, *args: object) -> None:
+        self.order.append(local_id)
+        if local_id == 0:
+            self.late = (time.monotonic() + self.delay_s, (local_id, *args))
+        else:
+            self.inner.submit(local_id, *args)  # type: ignore[attr-defined]
+
+    def poll(self) -> list[int]:
+        if self.late is not None and time.monotonic() >= self.late[0]:
+            self.inner.submit(*self.late[1])  # type: ignore[attr-defined]
+            self.late = None
+        self.copied.update(self.inner.poll())  # type: ignore[attr-defined]
+        done = []
+        while self.order and self.order[0] in self.copied:
+            done.append(self.order.pop(0))
+        return done
+
+    def wait_all(self) -> list[int]:
+        if self.late is not None:
+            time.sleep(max(0.0, self.late[0] - time.monotonic()))
+        return self.poll()
+
+
+def test_a_failed_store_quarantines_its_chunk_while_a_late_rank_still_writes_it() -> None:
+    """Rank 1 writes job A's chunk after the timeout failed A; a store reusing the chunk at
+    once would be overwritten by that late copy (the load of B would return A's bytes)."""
+
+    def body(rank: int) -> object:
+        import torch
+
+        from offload import CopyJob, HostTier, PeerError
+
+        kv = [torch.zeros((8, 4096), dtype=torch.uint8)]
+        tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=4 * MiB, blocks_per_chunk=4,
+                                              tp=2, timeout_s=3))
+        if rank == 1:
+            tier.actor.engine = _LateFirstCopy(tier.actor.engine, 4.5)
+            tier.serve()
+            tier.close()
+            return None
+        manager = tier.manager
+
+        def fill(actor: object) -> None:  # block 0 holds A's bytes (1s), block 1 B's (2s)
+            actor.kv_tensors[0][0].fill_(1)  # type: ignore[attr-defined]
+            actor.kv_tensors[0][1].fill_(2)  # type: ignore[attr-defined]
+
+        tier.call(fill)
+        a = manager.prepare_store(["a"])
+        with pytest.raises(PeerError, match=r"ranks \[1\] have not completed it"):
+            tier.run(CopyJob(a.job_id, "store", (0,), (a.chunks[0][1],), (0,)))
+        manager.complete_store(a.job_id, ok=False, fence=tier.submitted)
+        quarantined = manager.stats().quarantined
+        b = manager.prepare_store(["b"])
+        tier.run(CopyJob(b.job_id, "store", (1,), (b.chunks[0][1],), (0,)))
+        manager.complete_store(b.job_id, ok=True)
+        load = manager.prepare_load(["b"])
+        tier.run(CopyJob(load.job_id, "load", (2,), (load.chunks[0][1],), (0,)))
+        manager.complete_load(load.job_id)
+        loaded = tier.call(lambda actor: sorted(set(actor.kv_tensors[0][2].tolist())))
+        result = (a.chunks[0][1], b.chunks[0][1], quarantined, manager.stats().quarantined,
+                  loaded)
+        tier.release()
+        tier.close()
+        return result
+
+    out = run_group(body, 2, timeout=120)
+    assert all(o.ok for o in out), [o.error for o in out]
+    chunk_a, chunk_b, quarantined, after, loaded = out[0].value
+    assert loaded == [[2], [2]]  # the old release-at-once returned [1] from rank 1
+    assert chunk_b != chunk_a and quarantined == 1 and after == 0
 
 
 def test_bad_jobs_are_clear_errors_before_anything_moves() -> None:
@@ -170,13 +409,19 @@ def test_bad_jobs_are_clear_errors_before_anything_moves() -> None:
                 tier.submit(job)
             messages.append(str(info.value))
         with pytest.raises(OffloadError, match="job id 5 is not in flight"):
-            tier.done(5)
+            tier.wait([5])
+        # a refused job still took its place in the sequence and comes back failed everywhere
+        with pytest.raises(OffloadError) as info:
+            tier.wait([1, 2, 3])
+        messages.append(str(info.value))
         tier.close()
         return messages
 
     out = run_group(body, 2)
     assert all(o.ok for o in out), [o.error for o in out]
-    bad_block, writer_private, writer_load = out[0].value
+    bad_block, writer_private, writer_load, first_failed = out[0].value
+    assert first_failed.startswith("job 1 failed on rank 0: ") and "99" in first_failed
+    assert out[1].value[3].startswith("job 1 failed on rank 0: ")
     assert "99" in bad_block and "\n" not in bad_block
     assert "writer_only applies to stores in the replicated layout" in writer_private
     assert "not a load" in writer_load
@@ -348,6 +593,6 @@ def test_a_killed_rank_fails_the_driver_within_the_timeout_and_leaves_nothing(
     out = run_group(body, 3, timeout=60, pg_timeout=20)
     failed_after, message = out[0].value
     assert failed_after < 1.0 + 4 + 3, message  # kill at ~1 s, then the 4 s RPC timeout
-    assert "ranks [2] did not answer submit" in message
-    assert out[1].value.startswith("aborted: ranks [2] did not answer")
+    assert "ranks [2] have not completed it" in message
+    assert out[1].value.startswith("aborted: sequence ")
     assert out[2].exitcode == -9

@@ -1,0 +1,163 @@
+"""Completion latency: a 1-block SPMD job from `submit` to decided, at several rank counts.
+
+Every rank submits the same 1-block store (jobs alternate between two blocks), then the decider
+(rank 0) spins on `finished()` until the job comes back; the other ranks `poll()` and pass the
+decider's mark to `finished(mark)` the way an engine's step broadcast would.  A gloo barrier
+before each job (outside the timed span) keeps the ranks in step.  The timed span is rank 0's
+`submit` start to the moment it holds the decision (``submit_median_us``: the part spent inside
+`submit`, which on CPU tensors includes the copy itself).  CUDA KV tensors where a GPU exists
+(``--device cuda``, rank ``r`` on GPU ``r % count``), else CPU tensors.
+
+``--driven`` times rank 0's `run(job)` instead: the command broadcast through the store, every
+rank's copy, and the same watermark completion.
+
+On a tier without `finished()` (the store-counter quorum before the board) every rank spins on
+`done(job_id)` instead, so the same script measures the old path.
+
+    python scripts/bench_completion.py --ranks 2,4,8 --jobs 2000 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Any
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(rank: int, world: int, port: int, jobs: int, device: str, driven: bool,
+               blocks: int, out: Any) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "RANK": str(rank), "WORLD_SIZE": str(world),
+                       "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
+    import torch
+    import torch.distributed as dist
+
+    from offload import CopyJob, HostTier, TierConfig
+
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    kv = [torch.randn(4, 2, 2048, device=device).to(torch.bfloat16)]
+    tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=16 << 20, blocks_per_chunk=4,
+                                          tp=world, timeout_s=60))
+    engine_loop = hasattr(tier, "finished")
+
+    def job(i: int) -> CopyJob:  # 1 block: i % 2 -> chunk 0 position i % 2; 0: no copy at all
+        return CopyJob(i, "store", (i % 2,) * blocks, (0,) * blocks, (i % 2,) * blocks)
+
+    samples, submits = [], []
+    mark = None
+    if driven:  # rank 0 drives every job through the RPC; the others serve
+        if rank == 0:
+            for i in range(jobs):
+                began = time.perf_counter()
+                tier.run(job(i))
+                samples.append(time.perf_counter() - began)
+            tier.release()
+            submits = samples
+        else:
+            tier.serve()
+        jobs = 0
+    for i in range(jobs):
+        box = [mark]
+        dist.broadcast_object_list(box, src=0)  # the engine's step broadcast, untimed
+        mark = box[0]
+        if engine_loop and rank != 0 and mark is not None:
+            tier.finished(mark)
+        dist.barrier()
+        began = time.perf_counter()
+        tier.submit(job(i))
+        submits.append(time.perf_counter() - began)
+        if not engine_loop:
+            while not tier.done(i):
+                os.sched_yield()  # ranks may outnumber cores: let the others copy
+        elif rank == 0:
+            while not any(r.job_id == i for r in tier.finished()):
+                os.sched_yield()
+            mark = tier.mark
+        else:
+            tier.poll()
+        samples.append(time.perf_counter() - began)
+    if driven:
+        pass
+    elif engine_loop and rank != 0:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        tier.finished(box[0])
+    elif engine_loop:
+        dist.broadcast_object_list([mark], src=0)
+    tier.close()
+    if rank == 0:
+        skip = min(50, len(samples) // 10)
+        warm = sorted(samples[skip:])
+        out.put({"ranks": world, "jobs": len(warm),
+                 "median_us": round(statistics.median(warm) * 1e6, 1),
+                 "p99_us": round(warm[int(0.99 * (len(warm) - 1))] * 1e6, 1),
+                 "submit_median_us": round(statistics.median(submits[skip:]) * 1e6, 1),
+                 "path": "run" if driven else "finished" if engine_loop else "done",
+                 "blocks": blocks,
+                 "device": device})
+    dist.destroy_process_group()
+
+
+def measure(world: int, jobs: int, device: str, driven: bool = False, blocks: int = 1
+            ) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main,
+                         args=(r, world, port, jobs, device, driven, blocks, out))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    row = out.get(timeout=600)
+    for p in procs:
+        p.join(timeout=60)
+    if any(p.exitcode != 0 for p in procs):
+        raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="2,4,8", help="comma-separated rank counts")
+    parser.add_argument("--jobs", type=int, default=2000)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--driven", action="store_true",
+                        help="time rank 0's run(job) (RPC broadcast + quorum) instead")
+    parser.add_argument("--blocks", type=int, choices=(0, 1), default=1,
+                        help="blocks per job; 0 times the completion path alone (no copy)")
+    parser.add_argument("--json", help="write the rows here too")
+    args = parser.parse_args(argv)
+    import torch
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = []
+    for world in (int(w) for w in args.ranks.split(",")):
+        row = measure(world, args.jobs, device, args.driven, args.blocks)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
