@@ -5,6 +5,12 @@ manager places every chunk of blocks (evicting least-recently-used chunks when t
 larger than the tier); every rank's actor stores its share and the quorum confirms it; the GPU
 copy is poisoned; whatever the tier still holds is loaded back and every rank checks it byte for
 byte against the seeded contents.
+
+With a file tier (``--fs-tier``) a round larger than host memory spills the chunks it evicts,
+and the load phase loads *every* chunk of the round that is cached anywhere: host hits
+directly, disk hits promoted into host memory first (in batches of at most the chunk count).
+A chunk on no tier (the disk's own LRU dropped it, or its file was damaged: a failed
+promotion) is a miss: it is not loaded, so it is not verified, and ``missed_chunks`` counts it.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch
 
 from launch import synthetic
 from offload.actor import CopyJob, RankActor
+from offload.manager import ChunkManager
 from offload.tier import HostTier
 from offload.transfer.base import Direction
 
@@ -34,6 +41,10 @@ class RoundStats:
     stored_chunks: int = 0
     loaded_chunks: int = 0
     evictions: int = 0
+    spilled_chunks: int = 0
+    promoted_chunks: int = 0
+    missed_chunks: int = 0
+    promote_s: float = 0.0
     mismatched_blocks: int = 0
     checked_blocks: int = 0
     per_round: list[dict[str, int]] = field(default_factory=list)
@@ -47,7 +58,9 @@ class RoundStats:
             "store_GBps": gbps(self.stored_bytes, self.store_s),
             "load_GBps": gbps(self.loaded_bytes, self.load_s),
             "stored_chunks": self.stored_chunks, "loaded_chunks": self.loaded_chunks,
-            "evictions": self.evictions, "checked_blocks": self.checked_blocks,
+            "evictions": self.evictions, "spilled_chunks": self.spilled_chunks,
+            "promoted_chunks": self.promoted_chunks, "missed_chunks": self.missed_chunks,
+            "promote_s": round(self.promote_s, 6), "checked_blocks": self.checked_blocks,
             "mismatched_blocks": self.mismatched_blocks,
             "verified": self.mismatched_blocks == 0 and self.checked_blocks > 0,
             "per_round": self.per_round,
@@ -92,20 +105,20 @@ def run_rounds(tier: HostTier, rounds: int, num_blocks: int) -> RoundStats:
     # replicated stores copy once per (node, stage): only the stage writers move bytes
     writers = sum(per_rank[w] for w in tier.topology.stage_writers)
     block_bytes = writers if replicated else sum(per_rank)
-    load_bytes = sum(per_rank)
     n_chunks = -(-num_blocks // bpc)
     stats = RoundStats()
     for r in range(rounds):
         tier.call(_fill, r)
         keys: list[Key] = [(r, c) for c in range(n_chunks)]
-        evicted_before = manager.stats().evictions
+        before = manager.stats()
         stored_before = stats.stored_chunks
         for start in range(0, n_chunks, tier.plan.chunk_count):
             batch = keys[start:start + tier.plan.chunk_count]
             job = manager.prepare_store(batch)
             if not job.chunks:
                 continue
-            copy = _copy_job(job.job_id, "store", job.chunks, bpc, num_blocks, replicated)
+            copy = _copy_job(job.job_id, "store", job.chunks, bpc, num_blocks, replicated,
+                             job.spills)
             began = time.perf_counter()
             try:
                 tier.run(copy)
@@ -117,34 +130,71 @@ def run_rounds(tier: HostTier, rounds: int, num_blocks: int) -> RoundStats:
             stats.stored_bytes += len(copy.blocks) * block_bytes
             stats.stored_chunks += len(job.chunks)
         tier.call(_poison)
-        held = [k for k in keys if manager.lookup_prefix([k]) == 1]
-        load = manager.prepare_load(held)
-        copy = _copy_job(load.job_id, "load", load.chunks, bpc, num_blocks, False)
-        began = time.perf_counter()
-        try:
-            tier.run(copy)
-        except BaseException:  # a late rank may still read them: holds kept
-            manager.complete_load(load.job_id, fence=tier.submitted)
-            raise
-        manager.complete_load(load.job_id)
-        stats.load_s += time.perf_counter() - began
-        stats.loaded_bytes += len(copy.blocks) * load_bytes
-        stats.loaded_chunks += len(load.chunks)
-        bad = sum(tier.call(_verify, r, list(copy.blocks)))
+        loaded = _load_round(tier, manager, keys, stats, num_blocks)
+        bad = sum(tier.call(_verify, r, loaded))
         stats.mismatched_blocks += bad
-        stats.checked_blocks += len(copy.blocks) * tier.topology.world_size
-        evicted = manager.stats().evictions - evicted_before
+        stats.checked_blocks += len(loaded) * tier.topology.world_size
+        after = manager.stats()
+        evicted = after.evictions - before.evictions
         stats.evictions += evicted
+        stats.spilled_chunks += after.spilled - before.spilled
+        loaded_chunks = -(-len(loaded) // bpc) if loaded else 0
+        stats.missed_chunks += n_chunks - loaded_chunks
         stats.per_round.append({"round": r, "stored_chunks": stats.stored_chunks - stored_before,
-                                "loaded_chunks": len(load.chunks), "evicted": evicted,
+                                "loaded_chunks": loaded_chunks, "evicted": evicted,
+                                "spilled_chunks": after.spilled - before.spilled,
+                                "promoted_chunks": after.promoted - before.promoted,
+                                "missed_chunks": n_chunks - loaded_chunks,
                                 "mismatched_blocks": bad})
         stats.rounds += 1
     return stats
 
 
+def _load_round(tier: HostTier, manager: ChunkManager, keys: list[Key], stats: RoundStats,
+                num_blocks: int) -> list[int]:
+    """Load every key of the round that some tier holds; return the blocks loaded.  Host hits
+    go first in one job (their chunks are then free to be evicted by the promotions), then the
+    disk hits, promoted and loaded in batches of at most the chunk count."""
+    loaded = _load(tier, manager, [k for k in keys if manager.residence(k) in ("host", "both")],
+                   stats, num_blocks)
+    on_disk = [k for k in keys if manager.residence(k) == "disk"]
+    for start in range(0, len(on_disk), tier.plan.chunk_count):
+        # a key a previous batch's spills pushed off the disk is a miss now
+        batch = [k for k in on_disk[start:start + tier.plan.chunk_count]
+                 if manager.residence(k) == "disk"]
+        began = time.perf_counter()
+        job, failed = tier.promote(batch)
+        stats.promote_s += time.perf_counter() - began
+        stats.promoted_chunks += len(job.chunks) - len(failed)
+        ready = [cast(Key, k) for k, _ in job.chunks if k not in failed]
+        loaded += _load(tier, manager, ready, stats, num_blocks)
+    return loaded
+
+
+def _load(tier: HostTier, manager: ChunkManager, keys: list[Key], stats: RoundStats,
+          num_blocks: int) -> list[int]:
+    """One load job of readable ``keys``; return its blocks."""
+    load = manager.prepare_load(keys)
+    copy = _copy_job(load.job_id, "load", load.chunks, tier.plan.blocks_per_chunk, num_blocks,
+                     False)
+    began = time.perf_counter()
+    try:
+        tier.run(copy)
+    except BaseException:  # a late rank may still read them: holds kept
+        manager.complete_load(load.job_id, fence=tier.submitted)
+        raise
+    manager.complete_load(load.job_id)
+    stats.load_s += time.perf_counter() - began
+    stats.loaded_bytes += len(copy.blocks) * sum(sum(s.page_bytes) for s in tier.plan.slots)
+    stats.loaded_chunks += len(load.chunks)
+    return list(copy.blocks)
+
+
 def _copy_job(job_id: int, direction: Direction, pairs: Sequence[tuple[Hashable, int]], bpc: int,
-              num_blocks: int, writer_only: bool) -> CopyJob:
-    """Expand (key, chunk id) pairs to the blocks of each key's chunk of the synthetic cache."""
+              num_blocks: int, writer_only: bool,
+              spills: tuple[tuple[Hashable, int], ...] = ()) -> CopyJob:
+    """Expand (key, chunk id) pairs to the blocks of each key's chunk of the synthetic cache;
+    ``spills`` (the store's evicted chunks to write to disk first) travel with the job."""
     blocks, chunks, positions = [], [], []
     for key, chunk in pairs:
         _, index = cast(Key, key)
@@ -153,4 +203,4 @@ def _copy_job(job_id: int, direction: Direction, pairs: Sequence[tuple[Hashable,
             chunks.append(chunk)
             positions.append(pos)
     return CopyJob(job_id, direction, tuple(blocks), tuple(chunks), tuple(positions),
-                   writer_only=writer_only)
+                   writer_only=writer_only, spills=spills)

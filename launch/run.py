@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from launch import rounds, synthetic
-from offload import cleanup
+from offload import cleanup, fs_actions
 from offload.actor import RankActor
 from offload.config import FS_BYTES_FACTOR, LAYOUTS, TierConfig
 from offload.errors import OffloadError
@@ -35,6 +35,7 @@ from offload.report import count_shm_files, render_table, write_json
 from offload.rpc import Aborted
 from offload.sizes import parse_size
 from offload.tier import HostTier
+from offload.tiers.rank_files import combine_reports
 from offload.timeline import draw_timeline
 from offload.topology import check_grid
 from offload.transfer.engine import BACKENDS
@@ -155,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             stats = rounds.run_rounds(tier, args.rounds, args.num_gpu_blocks)
             ranks = tier.call(RankActor.report)
+            files = tier.call(fs_actions.report) if config.fs_dir is not None else None
         except BaseException as exc:
             tier.abort(str(exc) or type(exc).__name__)
             raise
@@ -165,6 +167,9 @@ def run(args: argparse.Namespace) -> int:
             "nodes": tier.topology.to_json(), "plan": tier.plan.to_json(),
             "ranks": ranks, "transfer": stats.to_json(),
         }
+        if files is not None:
+            assert config.fs_dir is not None
+            report["fs_tier"] = combine_reports(os.path.abspath(config.fs_dir), files)
         if args.audit:
             report["audit"] = {key: sum(r["audit"][key] for r in ranks)
                                for key in ("checked_blocks", "mismatched_blocks")}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,7 @@ from offload.plan import Plan, RankDescriptor
 from offload.quorum import Quorum
 from offload.region.host_region import HostRegion
 from offload.region.pin import Registrar, choose_registrar
+from offload.tiers.rank_files import RankFiles
 from offload.topology import Topology
 from offload.transfer import (
     SlotLayout,
@@ -42,7 +43,10 @@ log = logging.getLogger(__name__)
 class CopyJob:
     """One store or load on one rank: ``blocks[i]`` ↔ position ``positions[i]`` of chunk
     ``chunks[i]``.  ``writer_only`` (replicated stores) makes ranks other than their (node, stage)'s
-    writer report the job done without copying: the node holds one copy per stage."""
+    writer report the job done without copying: the node holds one copy per stage.
+    ``spills`` (a store's evicted chunks, from `StoreJob.spills`): (key, chunk) pairs each rank
+    with a file tier writes out before it copies, and no row is overwritten before its spill
+    released it."""
 
     job_id: int
     direction: Direction
@@ -50,6 +54,7 @@ class CopyJob:
     chunks: tuple[int, ...]
     positions: tuple[int, ...]
     writer_only: bool = False
+    spills: tuple[tuple[Hashable, int], ...] = ()
 
 
 def kv_page_bytes(kv_tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
@@ -73,6 +78,7 @@ class RankActor:
     plan: Plan | None = None
     region: HostRegion | None = None
     engine: TransferEngine | None = None
+    files: RankFiles | None = None  # this rank's file tier (TierConfig.fs_dir), if any
     timings_s: dict[str, float] = field(default_factory=dict)
     created_at: float = field(default_factory=time.perf_counter)
     # serving: jobs in submission order until retired; outcomes of kept jobs until taken
@@ -170,6 +176,10 @@ class RankActor:
         try:
             engine = self._engine()
             blocks, chunks, positions = job.blocks, job.chunks, job.positions
+            if self.files is not None:
+                self.files.spill(job.spills)
+                if job.direction == "store":  # no row is overwritten while a spill reads it
+                    self.files.wait_rows(chunks)
             if job.writer_only and not (job.direction == "store" and self.config.layout ==
                                         "replicated"):
                 raise OffloadError(f"job {job.job_id}: writer_only applies to stores in the "
@@ -285,6 +295,9 @@ class RankActor:
             if self.engine is not None:
                 self.engine.close()
                 self.engine = None
+            if self.files is not None:  # its I/O reads and writes the region's rows
+                self.files.close()
+                self.files = None
             if self.region is not None:
                 self.region.close()
 

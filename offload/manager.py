@@ -18,6 +18,22 @@ themselves run on every rank and are counted done by the quorum (`offload.quorum
   watermarks tell; `HostTier.submitted` after the failure is the fence).  Without a fence
   (the job never reached any rank) they are released at once.
 
+With a file tier behind host memory (``disk_capacity`` > 0) a key is in one of three states:
+in host memory, on disk, or both.
+
+* the longest-prefix lookup spans both tiers;
+* a readable host chunk evicted for reuse is *spilled* to disk unless it is there already:
+  the job that takes the chunk lists it in ``spills``, which every rank executes (writing its
+  slot of the row) before anything is copied into the chunk;
+* a key on disk only is *promoted* before it is loaded (`prepare_promote`): it gets a host
+  chunk as a store would, every rank reads its file into its slot of the row, and the key
+  becomes readable in host memory (and stays on disk) when every rank verified its bytes
+  (`complete_promote`); a key whose read failed anywhere is dropped from both tiers;
+* stores skip keys that are on disk (they are cached).
+
+The disk side is a replay (`DiskIndex`) of the calls every writer's `FileTier` receives, in
+the same order, so it needs no I/O and no reply to know what the disk holds.
+
 Every ``prepare_*`` returns a job that must be finished by exactly one ``complete_*`` call, even
 when the job has no chunks, so the caller's bookkeeping needs no special case.
 """
@@ -27,18 +43,22 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from offload.disk_index import DiskIndex
 from offload.errors import OffloadError
 
 ChunkKey = Hashable
+Pairs = tuple[tuple[ChunkKey, int], ...]
 
 
 class NotReadableError(LookupError):
-    """A load named a key that is not readable (never stored, still being stored, or evicted);
-    call `ChunkManager.lookup_prefix` first and load only the keys it reports."""
+    """A load named a key that is not readable in host memory (never stored, still being
+    stored, evicted, or on disk only), or a promotion a key that is on no tier; call
+    `ChunkManager.lookup_prefix` first, promote what `residence` says is on disk only, and load
+    only readable keys."""
 
 
 class UnknownJobError(KeyError):
@@ -50,12 +70,15 @@ class StoreJob:
     """Chunks a store writes.  ``chunks`` pairs each key to store with its chunk id, in request
     order; ``skipped`` keys were already readable or being stored (or repeated in the request);
     ``dropped`` keys found no chunk.  Once one key is dropped every later new key is too, so
-    the stored keys are always the request's new keys up to the first dropped one."""
+    the stored keys are always the request's new keys up to the first dropped one.
+    ``spills`` are evicted readable keys to write to disk first, with the chunk they leave
+    (each rank writes its slot of the row out before the store copies into it)."""
 
     job_id: int
     chunks: tuple[tuple[ChunkKey, int], ...]
     skipped: tuple[ChunkKey, ...]
     dropped: tuple[ChunkKey, ...]
+    spills: tuple[tuple[ChunkKey, int], ...] = ()
 
     @property
     def truncated(self) -> bool:
@@ -72,10 +95,19 @@ class LoadJob:
 
 
 @dataclass(frozen=True)
+class PromoteJob(StoreJob):
+    """Disk hits brought back into host memory: ``chunks`` pairs each key to read with its new
+    chunk; ``skipped`` keys were readable in host memory or on their way there; ``dropped``
+    found no chunk; ``spills`` as for a store.  Every rank runs `RankFiles.promote`."""
+
+
+@dataclass(frozen=True)
 class ManagerStats:
     """Chunk counts: ``free + storing + readable + quarantined == chunk_count``; ``held``
     counts readable chunks with at least one hold (a failed load's quarantined holds
-    included); ``evictions`` counts readable chunks reused by stores."""
+    included); ``evictions`` counts readable chunks reused by stores (and promotions).  With a
+    file tier: ``on_disk`` keys on disk, ``spilled`` chunks written out on eviction,
+    ``promoted`` keys read back into host memory."""
 
     chunk_count: int
     free: int
@@ -84,9 +116,12 @@ class ManagerStats:
     held: int
     evictions: int
     quarantined: int = 0
+    on_disk: int = 0
+    spilled: int = 0
+    promoted: int = 0
 
 
-JobT = TypeVar("JobT", StoreJob, LoadJob)
+JobT = TypeVar("JobT", StoreJob, LoadJob, PromoteJob)
 
 
 class ChunkManager:
@@ -97,9 +132,13 @@ class ChunkManager:
     the last hold is released).  `lookup_prefix` is a pure query and does not touch.
     """
 
-    def __init__(self, chunk_count: int) -> None:
+    def __init__(self, chunk_count: int, disk_capacity: int = 0) -> None:
         if chunk_count < 1:
             raise OffloadError(f"chunk_count = {chunk_count} must be at least 1")
+        # the writers' file tiers, replayed (None: no file tier)
+        self._disk = DiskIndex(disk_capacity) if disk_capacity else None
+        self._promote_jobs: dict[int, PromoteJob] = {}
+        self._spilled = self._promoted = 0
         self._chunk_count = chunk_count
         self._free = list(range(chunk_count))  # a heap: lowest free id first, deterministic
         self._chunk_of: dict[ChunkKey, int] = {}  # storing and readable keys
@@ -118,35 +157,99 @@ class ChunkManager:
         return self._chunk_count
 
     def prepare_store(self, keys: Sequence[ChunkKey]) -> StoreJob:
-        """Allocate chunks for the keys that are neither readable nor being stored.
+        """Allocate chunks for the keys that are neither readable, being stored, nor on disk.
 
-        Free chunks go first (lowest id first), then LRU readable chunks without holds.  Keys
-        named in this request are never evicted for it (a prefix that is already cached must
-        stay cached while its continuation is stored).  When chunks run out, the new keys
-        before the first key without a chunk are stored and every later new key is reported
-        in ``dropped``: a stored sequence never has holes.
+        Free chunks go first (lowest id first), then LRU readable chunks without holds (spilled
+        to disk first where there is a file tier, see ``spills``).  Keys named in this request
+        are never evicted for it (a prefix that is already cached must stay cached while its
+        continuation is stored).  When chunks run out, the new keys before the first key
+        without a chunk are stored and every later new key is reported in ``dropped``: a
+        stored sequence never has holes.
         """
+        chunks, skipped, dropped, spills = self._allocate(
+            keys, lambda key: key in self._chunk_of or self._on_disk(key))
+        job = StoreJob(next(self._job_ids), chunks, skipped, dropped, spills)
+        self._store_jobs[job.job_id] = job
+        return job
+
+    def prepare_promote(self, keys: Sequence[ChunkKey]) -> PromoteJob:
+        """Allocate host chunks for the ``keys`` that are on disk only, as `prepare_store`
+        does (same order, protection, spills and ``dropped`` rule); until `complete_promote`
+        they are not readable.  Keys readable in host memory or on their way there are
+        ``skipped``; a key on no tier raises `NotReadableError` and nothing changes.
+
+        The disk picture replays what every rank then does: make the keys to read most
+        recently used, write out the spills, read the keys."""
+        for key in keys:
+            if key not in self._chunk_of and not self._on_disk(key):
+                raise NotReadableError(f"chunk key {key!r} is not cached; it cannot be "
+                                       "promoted")
+        protected = set(keys)
+        new = [k for k in dict.fromkeys(keys) if k not in self._chunk_of]
+        room = len(self._free) + sum(1 for k in self._evictable if k not in protected)
+        reads = new[:room]  # the keys that will get a chunk
+        for key in reads:  # are touched before the spills are written (in _allocate) ...
+            self._touch(key)
+        chunks, skipped, dropped, spills = self._allocate(
+            keys, lambda key: key in self._chunk_of)
+        assert [key for key, _ in chunks] == reads
+        for key in reads:  # ... and read after them
+            self._touch(key)
+        job = PromoteJob(next(self._job_ids), chunks, skipped, dropped, spills)
+        self._promote_jobs[job.job_id] = job
+        return job
+
+    def complete_promote(self, job_id: int, failed: Collection[ChunkKey]) -> None:
+        """Finish a promotion: its keys become readable in host memory (most recently used)
+        and stay on disk, except the ``failed`` ones (some rank could not read verified bytes):
+        those are freed and forgotten on disk too (the caller discards them on every rank)."""
+        job = self._pop_job(self._promote_jobs, job_id, "promote")
+        for key, chunk in job.chunks:
+            self._storing.discard(key)
+            if key in failed:
+                del self._chunk_of[key]
+                heapq.heappush(self._free, chunk)
+                if self._disk is not None:
+                    self._disk.discard(key)
+            else:
+                self._evictable[key] = None
+                self._promoted += 1
+
+    def residence(self, key: ChunkKey) -> str | None:
+        """Where ``key`` can be read from: ``host``, ``disk``, ``both`` or None (not cached;
+        a key being stored or promoted is not readable in host memory yet)."""
+        host, disk = self._readable(key), self._on_disk(key)
+        return ("both" if disk else "host") if host else ("disk" if disk else None)
+
+    def seed_disk(self, stored: Sequence[bytes]) -> None:
+        """Adopt what the writers' file tiers found at start (`FileTier.stored_keys` after
+        every writer agreed, least recently used first)."""
+        if self._disk is not None:
+            self._disk.seed(stored)
+
+    def _allocate(self, keys: Sequence[ChunkKey], cached: Callable[[ChunkKey], bool]
+                  ) -> tuple[Pairs, tuple[ChunkKey, ...], tuple[ChunkKey, ...], Pairs]:
+        """Take chunks for the keys not ``cached`` (chunks, skipped, dropped, spills)."""
         protected = set(keys)
         chunks: list[tuple[ChunkKey, int]] = []
+        spills: list[tuple[ChunkKey, int]] = []
         skipped: list[ChunkKey] = []
         dropped: list[ChunkKey] = []
         seen: set[ChunkKey] = set()  # new keys of this request handled so far
         for key in keys:
-            if key in self._chunk_of or key in seen:
+            if key in seen or cached(key):
                 skipped.append(key)
                 continue
             seen.add(key)
             # after one key found no chunk, later keys are dropped too: no holes in a sequence
-            chunk = None if dropped else self._take_chunk(protected)
+            chunk = None if dropped else self._take_chunk(protected, spills)
             if chunk is None:
                 dropped.append(key)
                 continue
             self._chunk_of[key] = chunk
             self._storing.add(key)
             chunks.append((key, chunk))
-        job = StoreJob(next(self._job_ids), tuple(chunks), tuple(skipped), tuple(dropped))
-        self._store_jobs[job.job_id] = job
-        return job
+        return tuple(chunks), tuple(skipped), tuple(dropped), tuple(spills)
 
     def complete_store(self, job_id: int, ok: bool, fence: int | None = None) -> None:
         """Finish a store: on success its chunks become readable (most recently used); on
@@ -170,12 +273,14 @@ class ChunkManager:
     def prepare_load(self, keys: Sequence[ChunkKey]) -> LoadJob:
         """Hold the chunks of ``keys`` (one hold per occurrence) until `complete_load`.
 
-        Every key must be readable; otherwise nothing is held and `NotReadableError` names the
-        first key that is not.
+        Every key must be readable in host memory; otherwise nothing is held and
+        `NotReadableError` names the first key that is not.
         """
         for key in keys:
             if not self._readable(key):
-                state = "still being stored" if key in self._storing else "not cached"
+                state = ("still being stored" if key in self._storing else
+                         "on disk only; promote it first" if self._on_disk(key) else
+                         "not cached")
                 raise NotReadableError(f"chunk key {key!r} is {state}; it cannot be loaded")
         for key in keys:
             self._holds[key] = self._holds.get(key, 0) + 1
@@ -219,9 +324,10 @@ class ChunkManager:
                 self._evictable[key] = None
 
     def lookup_prefix(self, keys: Sequence[ChunkKey]) -> int:
-        """How many leading ``keys`` are readable: the longest cached prefix."""
+        """How many leading ``keys`` are readable in host memory or on disk: the longest
+        cached prefix (`residence` says which keys need a promotion before their load)."""
         for count, key in enumerate(keys):
-            if not self._readable(key):
+            if not (self._readable(key) or self._on_disk(key)):
                 return count
         return len(keys)
 
@@ -230,13 +336,24 @@ class ChunkManager:
         readable = len(self._chunk_of) - storing
         quarantined = sum(len(chunks) for _, chunks, _ in self._quarantine)
         return ManagerStats(self._chunk_count, len(self._free), storing, readable,
-                            len(self._holds), self._evictions, quarantined)
+                            len(self._holds), self._evictions, quarantined,
+                            len(self._disk) if self._disk is not None else 0, self._spilled,
+                            self._promoted)
 
     def _readable(self, key: ChunkKey) -> bool:
         return key in self._chunk_of and key not in self._storing
 
-    def _take_chunk(self, protected: set[ChunkKey]) -> int | None:
-        """A free chunk, else the chunk of the LRU unheld readable key not in ``protected``."""
+    def _touch(self, key: ChunkKey) -> None:
+        if self._disk is not None:
+            self._disk.touch(key)
+
+    def _on_disk(self, key: ChunkKey) -> bool:
+        return self._disk is not None and key in self._disk
+
+    def _take_chunk(self, protected: set[ChunkKey], spills: list[tuple[ChunkKey, int]]
+                    ) -> int | None:
+        """A free chunk, else the chunk of the LRU unheld readable key not in ``protected``;
+        an evicted key that is not on disk yet is spilled (appended to ``spills``)."""
         if self._free:
             return heapq.heappop(self._free)
         victim = next((k for k in self._evictable if k not in protected), None)
@@ -244,7 +361,11 @@ class ChunkManager:
             return None
         del self._evictable[victim]
         self._evictions += 1
-        return self._chunk_of.pop(victim)
+        chunk = self._chunk_of.pop(victim)
+        if self._disk is not None and self._disk.put(victim):
+            spills.append((victim, chunk))
+            self._spilled += 1
+        return chunk
 
     @staticmethod
     def _pop_job(jobs: dict[int, JobT], job_id: int, kind: str) -> JobT:

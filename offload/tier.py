@@ -29,25 +29,26 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from offload import cleanup
+from offload import cleanup, fs_actions
 from offload.actor import CopyJob, RankActor
 from offload.audit import Auditor
 from offload.board import Board
 from offload.config import TierConfig
 from offload.errors import OffloadError, PeerError
-from offload.manager import ChunkManager
+from offload.manager import ChunkManager, PromoteJob
 from offload.plan import Plan, RankDescriptor, compute_plan
 from offload.quorum import Quorum, Words, default_store
 from offload.region.pin import Registrar, choose_registrar
 from offload.region.prefault import progress_logger
 from offload.rpc import CollectiveRPC
+from offload.tiers.rank_files import disk_capacity
 from offload.topology import Topology, discover
 
 log = logging.getLogger(__name__)
@@ -80,12 +81,19 @@ class DecisionMark:
 class HostTier:
     """One rank's handle on the host tier."""
 
-    def __init__(self, actor: RankActor, rpc: CollectiveRPC, plan: Plan, decider: int = 0):
+    def __init__(self, actor: RankActor, rpc: CollectiveRPC, plan: Plan, decider: int = 0,
+                 disk_keys: Sequence[bytes] = ()):
         self.actor = actor
         self.rpc = rpc
         self.plan = plan
         self.decider = decider
-        self.manager = ChunkManager(plan.chunk_count) if actor.topology.rank == 0 else None
+        self.manager = None
+        if actor.topology.rank == 0:
+            config = actor.config
+            files = (disk_capacity(plan, actor.topology, config.fs_bytes_per_node)
+                     if config.fs_dir is not None else 0)
+            self.manager = ChunkManager(plan.chunk_count, files)
+            self.manager.seed_disk(disk_keys)  # what a restart found on every writer's disk
         self.mark = DecisionMark()
         self._live: dict[int, tuple[int, float]] = {}  # seq -> (job id, submitted at), in order
         self._seq_of: dict[int, int] = {}  # job id -> seq of the live jobs
@@ -127,13 +135,14 @@ class HostTier:
         descriptor = _describe(actor)
         gathered: list[Any] | None = [None] * topology.world_size if topology.rank == 0 else None
         dist.gather_object(descriptor, gathered, dst=0)
+        disk_keys: list[bytes] = []
         if topology.rank == 0:
             assert gathered is not None
-            plan = _drive_setup(actor, rpc, gathered)
+            plan, disk_keys = _drive_setup(actor, rpc, gathered)
         else:
             _serve_setup(actor, rpc)
             plan = actor._installed()
-        return cls(actor, rpc, plan, decider)
+        return cls(actor, rpc, plan, decider, disk_keys)
 
     @property
     def topology(self) -> Topology:
@@ -327,6 +336,29 @@ class HostTier:
             rank, message = failed[seq]
             raise OffloadError(f"job {job.job_id} failed on rank {rank}: {message}")
 
+    def promote(self, keys: Sequence[Hashable]) -> tuple[PromoteJob, list[Hashable]]:
+        """Rank 0 (driven, with a file tier): bring the disk copies of ``keys`` back into
+        host memory (`ChunkManager.prepare_promote`).  Every rank writes out the rows the
+        promotion evicts, then reads its slot of each key's file into the key's new row; a key
+        is readable once every rank verified its bytes.  Returns the job and the keys whose
+        read failed on some rank (damaged or missing file): those are discarded on every rank
+        and are misses."""
+        manager = self.manager
+        if manager is None:
+            raise OffloadError("promote is driven from rank 0, which owns the chunk manager")
+        job = manager.prepare_promote(keys)
+        try:
+            verified = self.call(fs_actions.promote, job.spills, job.chunks)
+        except BaseException:
+            manager.complete_promote(job.job_id, failed=[k for k, _ in job.chunks])
+            raise
+        failed = [key for i, (key, _) in enumerate(job.chunks)
+                  if not all(rank[i] for rank in verified)]
+        if failed:
+            self.call(fs_actions.discard, failed)
+        manager.complete_promote(job.job_id, failed)
+        return job, failed
+
     def call(self, fn: Any, *args: Any) -> list[Any]:
         """Rank 0: run ``fn(actor, *args)`` on every rank and gather the results."""
         return self.rpc.call(fn, *args, actor=self.actor)
@@ -404,12 +436,17 @@ def _describe(actor: RankActor) -> RankDescriptor | str:
         return f"rank {actor.topology.rank}: {type(exc).__name__}: {first}"
 
 
-def _drive_setup(actor: RankActor, rpc: CollectiveRPC, gathered: list[Any]) -> Plan:
+def _drive_setup(actor: RankActor, rpc: CollectiveRPC, gathered: list[Any]
+                 ) -> tuple[Plan, list[bytes]]:
+    """Rank 0's set-up; returns the plan and, with a file tier, the keys its files hold."""
     try:
         errors = [g for g in gathered if isinstance(g, str)]
         if errors:
             raise OffloadError(errors[0])
         plan = compute_plan(gathered)
+        fs_dir = actor.config.fs_dir
+        if fs_dir is not None:  # a budget below one chunk fails before any region exists
+            disk_capacity(plan, actor.topology, actor.config.fs_bytes_per_node)
         digests = rpc.call(RankActor.install_plan, plan, actor=actor)
         wrong = [r for r, d in enumerate(digests) if d != plan.digest()]
         if wrong:  # the plan travels pickled, so this is a bug, not a user error
@@ -421,8 +458,9 @@ def _drive_setup(actor: RankActor, rpc: CollectiveRPC, gathered: list[Any]) -> P
                         [r for r, p in enumerate(pinned) if not p])
             rpc.call(RankActor.unpin, actor=actor)
         rpc.call(RankActor.start_engine, actor=actor)
+        disk_keys = fs_actions.setup(actor, rpc) if fs_dir is not None else []
         rpc.release()
-        return plan
+        return plan, disk_keys
     except BaseException as exc:
         rpc.abort(str(exc) or type(exc).__name__)
         actor.close()
