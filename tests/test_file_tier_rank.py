@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -146,3 +147,23 @@ def test_a_restart_agrees_on_the_files_every_writer_has(fs_dir: str) -> None:
             files.close()
         for region in regions:
             region.map.close()
+
+
+def test_the_config_checks_the_directory_and_the_budget(tmp_path: Path) -> None:
+    MiB = 1 << 20
+    assert TierConfig(cpu_bytes_per_node=MiB, fs_dir=str(tmp_path)).fs_bytes_per_node == 4 * MiB
+    assert TierConfig(cpu_bytes_per_node=MiB, fs_dir=str(tmp_path),
+                      fs_bytes=3 * MiB).fs_bytes_per_node == 3 * MiB
+    assert TierConfig(cpu_bytes_per_node=MiB).fs_bytes_per_node == 0
+    (tmp_path / "f").write_text("")
+    cases = [({"fs_dir": str(tmp_path / "nope")}, "fs_dir (--fs-tier) .*nope does not exist"),
+             ({"fs_dir": str(tmp_path / "f")}, "fs_dir (--fs-tier) .*/f is not a directory"),
+             ({"fs_bytes": MiB}, r"fs_bytes \(--fs-bytes\) = 1048576 is given without fs_dir"),
+             ({"fs_dir": str(tmp_path), "fs_bytes": 0}, "= 0 is below its minimum 1")]
+    if os.geteuid() != 0:  # root may write into a 0500 directory
+        ro = tmp_path / "ro"
+        ro.mkdir(0o500)
+        cases.append(({"fs_dir": str(ro)}, "is not writable by uid"))
+    for kw, needle in cases:
+        with pytest.raises(OffloadError, match=needle.replace("(--fs-tier)", r"\(--fs-tier\)")):
+            TierConfig(cpu_bytes_per_node=MiB, **kw)  # type: ignore[arg-type]

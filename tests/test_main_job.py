@@ -196,7 +196,8 @@ def test_help_lists_every_flag() -> None:
                          capture_output=True, text=True, check=True).stdout
     for flag in ("--cpu-bytes", "--tp", "--pp", "--layout", "--kv-bytes-per-block",
                  "--stage-kv-bytes", "--blocks-per-chunk", "--num-gpu-blocks", "--device",
-                 "--rounds", "--fs-tier", "--report-json", "OFFLOAD_NODE_ID"):
+                 "--rounds", "--fs-tier", "--fs-bytes", "--report-json",
+                 "OFFLOAD_NODE_ID"):
         assert flag in out
 
 
