@@ -130,7 +130,9 @@ def run_rounds(tier: HostTier, rounds: int, num_blocks: int) -> RoundStats:
             stats.stored_bytes += len(copy.blocks) * block_bytes
             stats.stored_chunks += len(job.chunks)
         tier.call(_poison)
+        chunks_before = stats.loaded_chunks
         loaded = _load_round(tier, manager, keys, stats, num_blocks)
+        loaded_chunks = stats.loaded_chunks - chunks_before
         bad = sum(tier.call(_verify, r, loaded))
         stats.mismatched_blocks += bad
         stats.checked_blocks += len(loaded) * tier.topology.world_size
@@ -138,7 +140,7 @@ def run_rounds(tier: HostTier, rounds: int, num_blocks: int) -> RoundStats:
         evicted = after.evictions - before.evictions
         stats.evictions += evicted
         stats.spilled_chunks += after.spilled - before.spilled
-        loaded_chunks = -(-len(loaded) // bpc) if loaded else 0
+        stats.promoted_chunks += after.promoted - before.promoted
         stats.missed_chunks += n_chunks - loaded_chunks
         stats.per_round.append({"round": r, "stored_chunks": stats.stored_chunks - stored_before,
                                 "loaded_chunks": loaded_chunks, "evicted": evicted,
@@ -162,10 +164,11 @@ def _load_round(tier: HostTier, manager: ChunkManager, keys: list[Key], stats: R
         # a key a previous batch's spills pushed off the disk is a miss now
         batch = [k for k in on_disk[start:start + tier.plan.chunk_count]
                  if manager.residence(k) == "disk"]
+        if not batch:
+            continue
         began = time.perf_counter()
         job, failed = tier.promote(batch)
         stats.promote_s += time.perf_counter() - began
-        stats.promoted_chunks += len(job.chunks) - len(failed)
         ready = [cast(Key, k) for k, _ in job.chunks if k not in failed]
         loaded += _load(tier, manager, ready, stats, num_blocks)
     return loaded
