@@ -218,6 +218,11 @@ class RankActor:
         self.quorum.share()
         return 0.0005 if self._pending else 0.02
 
+    @property
+    def in_flight(self) -> int:
+        """This rank's jobs whose copies are not yet complete (as of the last progress)."""
+        return len(self._pending)
+
     def drain(self) -> None:
         """Wait for every copy this rank has in flight (the compute fence before close)."""
         if self.engine is not None and self._pending:

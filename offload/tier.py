@@ -169,9 +169,13 @@ class HostTier:
         self._seq_of[job.job_id] = seq
         self.actor.submit(job, keep=True)
 
-    def poll(self) -> None:
-        """Collect this rank's finished copies and publish its watermark (non-blocking)."""
+    def poll(self) -> int:
+        """Collect this rank's finished copies and publish its watermark (non-blocking); return
+        how many of this rank's jobs are still copying.  A rank's jobs are decided only after
+        it polled past them, so an engine loop polls every step (or until this reaches 0
+        before it blocks in a collective of its own)."""
         self.actor.progress_copies()
+        return self.actor.in_flight
 
     def finished(self, mark: DecisionMark | None = None) -> list[TransferResult]:
         """The jobs decided since the last call, in submission order (non-blocking).

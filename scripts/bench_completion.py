@@ -90,7 +90,8 @@ def _rank_main(rank: int, world: int, port: int, jobs: int, device: str, driven:
                 os.sched_yield()
             mark = tier.mark
         else:
-            tier.poll()
+            while tier.poll():  # our copy must land before we block in the next broadcast
+                os.sched_yield()
         samples.append(time.perf_counter() - began)
     if driven:
         pass

@@ -344,6 +344,30 @@ class _LateFirstCopy:
         return self.poll()
 
 
+def test_poll_counts_this_ranks_copies_still_in_flight() -> None:
+    def body(rank: int) -> object:
+        import torch
+
+        from offload import CopyJob, HostTier
+
+        kv = [torch.zeros((8, 4096), dtype=torch.uint8)]
+        tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=4 * MiB, blocks_per_chunk=4,
+                                              tp=1, timeout_s=30))
+        tier.actor.engine = _LateFirstCopy(tier.actor.engine, 0.5)
+        tier.submit(CopyJob(0, "store", (0,), (0,), (0,)))
+        tier.submit(CopyJob(1, "store", (1,), (0,), (1,)))  # copies at once, behind job 0
+        early = tier.poll()
+        time.sleep(0.6)
+        later = [tier.poll() for _ in range(2)]  # the first lands job 0, the second sees it
+        tier.wait([0, 1], timeout_s=0)
+        tier.close()
+        return early, later[-1]
+
+    out = run_group(body, 1)
+    assert all(o.ok for o in out), [o.error for o in out]
+    assert out[0].value == (2, 0)
+
+
 def test_a_failed_store_quarantines_its_chunk_while_a_late_rank_still_writes_it() -> None:
     """Rank 1 writes job A's chunk after the timeout failed A; a store reusing the chunk at
     once would be overwritten by that late copy (the load of B would return A's bytes)."""

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from offload.errors import OffloadError
 from offload.transfer import SlotLayout, make_engine
 from offload.transfer.base import TransferEngine
+from offload.transfer.host import SMALL_JOB
 from tests.test_transfer_helpers import (
     HYBRID_PAGES,
     engine_kv_set,
@@ -68,13 +69,21 @@ def test_submit_returns_no_event_and_refuses_a_destination_twice() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(pages=st.lists(st.integers(1, 3000), min_size=1, max_size=3), bpc=st.integers(1, 6),
-       chunk_count=st.integers(1, 4), seed=st.integers(0, 2**32 - 1), data=st.data())
+       chunk_count=st.integers(1, 8), seed=st.integers(0, 2**32 - 1), data=st.data())
 def test_random_round_trips(pages: list[int], bpc: int, chunk_count: int, seed: int,
                             data: st.DataObject) -> None:
-    engine, kv, region, layout = host_engine(pages, bpc, 12, chunk_count)
-    n = data.draw(st.integers(0, min(12, chunk_count * bpc)))
+    """Small jobs (copied page by page) and larger ones (one gather/scatter per tensor)."""
+    engine, kv, region, layout = host_engine(pages, bpc, 40, chunk_count)
+    n = data.draw(st.integers(0, min(40, chunk_count * bpc)))
     round_trip(engine, kv, region, layout,
-               scattered_job(np.random.default_rng(seed), n, 12, chunk_count, bpc))
+               scattered_job(np.random.default_rng(seed), n, 40, chunk_count, bpc))
+
+
+@pytest.mark.parametrize("n", [1, SMALL_JOB, SMALL_JOB + 1, 40])
+def test_both_copy_paths_round_trip(n: int) -> None:
+    engine, kv, region, layout = host_engine([4096, 1000], 8, 64, 8)
+    round_trip(engine, kv, region, layout,
+               scattered_job(np.random.default_rng(n), n, 64, 8, 8))
 
 
 def test_jobs_are_reported_once_in_submission_order() -> None:

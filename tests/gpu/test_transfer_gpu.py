@@ -145,7 +145,9 @@ def test_many_jobs_in_flight_reuse_staging_and_stay_exact() -> None:
                 assert torch.equal(region, expected)
                 for t in kv:
                     t.zero_()
-        assert all(torch.equal(a, b) for a, b in zip(kv, original, strict=True))
+        # bytes, not values: random bits viewed as bf16 / float32 hold NaNs, and NaN != NaN
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                   for a, b in zip(kv, original, strict=True))
         assert engine.kernel._capacity == 1024  # grew twice, to the largest job rounded up
 
 
@@ -170,7 +172,8 @@ def _slow_write(kv: torch.Tensor, block: int, value: int,
 def test_load_does_not_overtake_pending_compute_writes(backend: str) -> None:
     with cuda_engine(backend, kv_set(8, [16 * KiB], "cuda"), 2) as (engine, kv, region):
         engine.submit(0, "store", [5], [1], [2])
-        engine.wait_all()
+        engine.submit(-1, "load", [6], [0], [0])  # compiles the load kernel before the sleep:
+        engine.wait_all()  # a compile inside the timed submit outlasted the sleep on the H200
         stored = kv[0].view(torch.uint8)[5].clone()
         _slow_write(kv[0], 3, 0x11)
         done = engine.submit(1, "load", [3], [1], [2])
