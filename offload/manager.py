@@ -68,7 +68,8 @@ class UnknownJobError(KeyError):
 @dataclass(frozen=True)
 class StoreJob:
     """Chunks a store writes.  ``chunks`` pairs each key to store with its chunk id, in request
-    order; ``skipped`` keys were already readable or being stored (or repeated in the request);
+    order; ``skipped`` keys were already cached (readable in host memory, or on disk) or being
+    stored (or repeated in the request);
     ``dropped`` keys found no chunk.  Once one key is dropped every later new key is too, so
     the stored keys are always the request's new keys up to the first dropped one.
     ``spills`` are evicted readable keys to write to disk first, with the chunk they leave
