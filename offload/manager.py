@@ -363,7 +363,8 @@ class ChunkManager:
         del self._evictable[victim]
         self._evictions += 1
         chunk = self._chunk_of.pop(victim)
-        if self._disk is not None and self._disk.put(victim):
+        if self._disk is not None and victim not in self._disk:  # (a put would touch it)
+            self._disk.put(victim)
             spills.append((victim, chunk))
             self._spilled += 1
         return chunk

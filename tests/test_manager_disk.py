@@ -70,6 +70,20 @@ def test_a_promotions_own_spills_never_evict_the_keys_it_reads() -> None:
     assert [m.residence(k) for k in "abc"] == ["both", None, "disk"]
 
 
+def test_evicting_a_key_already_on_disk_leaves_the_disk_lru_alone() -> None:
+    """No rank writes it again, so the picture must not make it most recently used either
+    (found by the model below: the picture and the disks then disagreed)."""
+    m = ChunkManager(2, disk_capacity=2)
+    stored(m, ["a", "x"])
+    stored(m, ["b"])  # a spilled; disk: a
+    promote = m.prepare_promote(["a"])  # x spilled; disk: x, a
+    m.complete_promote(promote.job_id, failed=())
+    assert stored(m, ["y"]) == (("b", 0),)  # b's file evicts x; disk: a, b
+    # a leaves host memory (on disk: no write, no touch), then y's file evicts the LRU: a
+    assert stored(m, ["x", "z"]) == (("y", 0),)
+    assert [m.residence(k) for k in "abxyz"] == [None, "disk", "host", "disk", "host"]
+
+
 def test_stores_skip_keys_on_disk_and_no_disk_means_no_spills() -> None:
     m = ChunkManager(1, disk_capacity=2)
     stored(m, ["a"])
