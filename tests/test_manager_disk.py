@@ -3,6 +3,9 @@ evicted host chunks, promotions of disk hits, and a stateful model of all of it.
 
 from __future__ import annotations
 
+import mmap
+import shutil
+import tempfile
 from collections.abc import Hashable
 
 import pytest
@@ -11,7 +14,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from offload.manager import ChunkManager, NotReadableError
+from offload.tiers import FileTier
+from offload.tiers.file_format import key_bytes
 
+ROW = 4096
 KEYS = st.integers(0, 9)
 
 
@@ -199,3 +205,57 @@ class DiskModel(RuleBasedStateMachine):
 
 TestDiskModel = DiskModel.TestCase
 TestDiskModel.settings = settings(max_examples=120, stateful_step_count=30, deadline=None)
+
+
+class ManagerDrivesARealFileTier(RuleBasedStateMachine):
+    """The manager's work items executed on a real FileTier (tmpfs) in the documented order:
+    the manager's picture of the disk must stay the tier's own index."""
+
+    @initialize(chunk_count=st.integers(1, 3), disk=st.integers(1, 4))
+    def start(self, chunk_count: int, disk: int) -> None:
+        self.dir = tempfile.mkdtemp(prefix="pytest-mgrfs-", dir="/dev/shm")
+        self.tier = FileTier(self.dir, disk * 2 * ROW, {"t": 2}, ROW, io_threads=2)
+        self.m = ChunkManager(chunk_count, disk_capacity=self.tier.capacity)
+        self.rows = mmap.mmap(-1, chunk_count * ROW)
+
+    def _row(self, chunk: int) -> memoryview:
+        return memoryview(self.rows)[chunk * ROW:(chunk + 1) * ROW]
+
+    def _spill(self, spills: tuple[tuple[Hashable, int], ...]) -> None:
+        for key, chunk in spills:
+            self.tier.put(key, self._row(chunk)).released.result()
+
+    @rule(keys=st.lists(KEYS, max_size=4))
+    def store(self, keys: list[int]) -> None:
+        job = self.m.prepare_store(keys)
+        self._spill(job.spills)
+        self.m.complete_store(job.job_id, ok=True)
+
+    @rule(keys=st.lists(KEYS, max_size=3))
+    def promote(self, keys: list[int]) -> None:
+        wanted = [k for k in keys if self.m.residence(k) is not None]
+        job = self.m.prepare_promote(wanted)
+        for key, _ in job.chunks:
+            self.tier.touch(key)
+        self._spill(job.spills)
+        reads = [(key, self.tier.get(key, self._row(chunk))) for key, chunk in job.chunks]
+        failed = [key for key, read in reads if not read.result()]
+        for key in failed:
+            self.tier.discard(key)
+        self.m.complete_promote(job.job_id, failed)
+
+    @invariant()
+    def the_picture_is_the_tier(self) -> None:
+        on_disk = {key_bytes(k) for k in range(10) if self.m.residence(k) in ("disk", "both")}
+        assert on_disk == set(self.tier.stored_keys())
+        assert self.m.stats().on_disk == len(on_disk)
+
+    def teardown(self) -> None:
+        if hasattr(self, "tier"):
+            self.tier.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+TestManagerDrivesARealFileTier = ManagerDrivesARealFileTier.TestCase
+TestManagerDrivesARealFileTier.settings = settings(max_examples=300, stateful_step_count=30,
+                                                   deadline=None)
