@@ -4,6 +4,7 @@ evicted host chunks, promotions of disk hits, and a stateful model of all of it.
 from __future__ import annotations
 
 import mmap
+import os
 import shutil
 import tempfile
 from collections.abc import Hashable
@@ -15,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from offload.manager import ChunkManager, NotReadableError
 from offload.tiers import FileTier
-from offload.tiers.file_format import key_bytes
+from offload.tiers.file_format import file_name, key_bytes
 
 ROW = 4096
 KEYS = st.integers(0, 9)
@@ -231,13 +232,19 @@ class ManagerDrivesARealFileTier(RuleBasedStateMachine):
         self._spill(job.spills)
         self.m.complete_store(job.job_id, ok=True)
 
-    @rule(keys=st.lists(KEYS, max_size=3))
-    def promote(self, keys: list[int]) -> None:
+    @rule(keys=st.lists(KEYS, max_size=3), lose=st.booleans())
+    def promote(self, keys: list[int], lose: bool) -> None:
+        """``lose``: the first key's file vanishes before it is read (a failed read)."""
         wanted = [k for k in keys if self.m.residence(k) is not None]
         job = self.m.prepare_promote(wanted)
         for key, _ in job.chunks:
             self.tier.touch(key)
         self._spill(job.spills)
+        if lose and job.chunks:
+            self.tier.flush()
+            path = os.path.join(self.tier.directory, file_name(key_bytes(job.chunks[0][0])))
+            if os.path.exists(path):
+                os.unlink(path)
         reads = [(key, self.tier.get(key, self._row(chunk))) for key, chunk in job.chunks]
         failed = [key for key, read in reads if not read.result()]
         for key in failed:
