@@ -206,13 +206,7 @@ class RankActor:
         """Collect copies that finished since the last call and raise this rank's watermark;
         return a suggested pause before the next call."""
         if self.engine is not None and self._pending:
-            try:
-                finished = self.engine.poll()
-            except Exception as exc:
-                finished = self._engine_failed(exc)
-            for seq in finished:
-                self._finish(seq)
-            self._advance()
+            self._collect(self.engine.poll)
         self.quorum.share()
         return 0.0005 if self._pending else 0.02
 
@@ -224,14 +218,19 @@ class RankActor:
     def drain(self) -> None:
         """Wait for every copy this rank has in flight (the compute fence before close)."""
         if self.engine is not None and self._pending:
-            try:
-                finished = self.engine.wait_all()
-            except Exception as exc:
-                finished = self._engine_failed(exc)
-            for seq in finished:
-                self._finish(seq)
-            self._advance()
+            self._collect(self.engine.wait_all)
             self.quorum.share()
+
+    def _collect(self, finished_copies: Callable[[], list[int]]) -> None:
+        """Retire the copies the engine reports finished (all of its jobs, failed, when it
+        raises) and raise the watermark past every completed job at the head."""
+        try:
+            finished = finished_copies()
+        except Exception as exc:
+            finished = self._engine_failed(exc)
+        for seq in finished:
+            self._finish(seq)
+        self._advance()
 
     def _finish(self, seq: int) -> None:
         """The engine finished ``seq`` on this rank: audit a load.  (A job already completed as
