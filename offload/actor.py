@@ -34,7 +34,7 @@ from offload.transfer import (
     make_engine,
     triton_available,
 )
-from offload.transfer.base import Direction
+from offload.transfer.base import After, Direction
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +64,10 @@ def kv_page_bytes(kv_tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
     return kv_geometry(kv_tensors).page_bytes
 
 
-@dataclass
+@dataclass(eq=False, repr=False)  # identity, not field-wise equality over tensors and regions
 class RankActor:
+    """One rank's KV tensors, plan, region and engine (module docstring)."""
+
     topology: Topology
     config: TierConfig
     kv_tensors: list[torch.Tensor]
@@ -86,6 +88,7 @@ class RankActor:
     outcomes: dict[int, tuple[bool, int, float]] = field(default_factory=dict)
     _next_seq: int = 0
     _completed: int = 0
+    last_event: torch.cuda.Event | None = None  # the last submitted copy's completion
 
     # ------------------------------------------------------------------ set-up
     def describe(self) -> RankDescriptor:
@@ -161,13 +164,17 @@ class RankActor:
         """Jobs this rank has submitted: the next job's sequence number."""
         return self._next_seq
 
-    def submit(self, job: CopyJob, keep: bool = False) -> int:
+    def submit(self, job: CopyJob, keep: bool = False, after: After = None) -> int:
         """Queue a copy on this rank (non-blocking where the backend allows) and return its
         sequence number: its place in the submission order, the same on every rank.
 
         A job that fails here still takes its place and is reported failed, so every rank's
         sequence stays aligned; the error is raised after.  ``keep`` keeps the job's outcome
-        in `outcomes` for the tier's results (SPMD); driven jobs need only the quorum."""
+        in `outcomes` for the tier's results (SPMD); driven jobs need only the quorum.
+        ``after`` (a CUDA event or stream; default the current stream) is what the copy waits
+        for; the copy's own completion event is left in `last_event` (None when this rank
+        moves nothing, or on the host backend)."""
+        self.last_event = None
         seq = self._next_seq
         self._next_seq += 1
         copy = _Copy(job, time.perf_counter(), keep)
@@ -189,7 +196,8 @@ class RankActor:
                 engine.check(blocks, chunks, positions)  # the stage's writer copies; we check
                 copy.done = True
             else:
-                engine.submit(seq, job.direction, blocks, chunks, positions)
+                self.last_event = engine.submit(seq, job.direction, blocks, chunks, positions,
+                                                after=after)
                 taken = True
                 copy.bytes = len(blocks) * sum(self._installed().slots[self.topology.rank]
                                                .page_bytes)
@@ -208,13 +216,7 @@ class RankActor:
         """Collect copies that finished since the last call and raise this rank's watermark;
         return a suggested pause before the next call."""
         if self.engine is not None and self._pending:
-            try:
-                finished = self.engine.poll()
-            except Exception as exc:
-                finished = self._engine_failed(exc)
-            for seq in finished:
-                self._finish(seq)
-            self._advance()
+            self._collect(self.engine.poll)
         self.quorum.share()
         return 0.0005 if self._pending else 0.02
 
@@ -226,14 +228,19 @@ class RankActor:
     def drain(self) -> None:
         """Wait for every copy this rank has in flight (the compute fence before close)."""
         if self.engine is not None and self._pending:
-            try:
-                finished = self.engine.wait_all()
-            except Exception as exc:
-                finished = self._engine_failed(exc)
-            for seq in finished:
-                self._finish(seq)
-            self._advance()
+            self._collect(self.engine.wait_all)
             self.quorum.share()
+
+    def _collect(self, finished_copies: Callable[[], list[int]]) -> None:
+        """Retire the copies the engine reports finished (all of its jobs, failed, when it
+        raises) and raise the watermark past every completed job at the head."""
+        try:
+            finished = finished_copies()
+        except Exception as exc:
+            finished = self._engine_failed(exc)
+        for seq in finished:
+            self._finish(seq)
+        self._advance()
 
     def _finish(self, seq: int) -> None:
         """The engine finished ``seq`` on this rank: audit a load.  (A job already completed as

@@ -50,6 +50,7 @@ from offload.region.prefault import progress_logger
 from offload.rpc import CollectiveRPC
 from offload.tiers.rank_files import disk_capacity
 from offload.topology import Topology, discover
+from offload.transfer.base import After
 
 log = logging.getLogger(__name__)
 _tier_seq = itertools.count()
@@ -156,18 +157,24 @@ class HostTier:
         return self.actor.submitted
 
     # ------------------------------------------------------------------ SPMD data path
-    def submit(self, job: CopyJob) -> None:
+    def submit(self, job: CopyJob, after: After = None) -> torch.cuda.Event | None:
         """Queue this rank's share of ``job``; every rank submits the same jobs in the same
         order (a job's sequence number is its place in that order).  A job id may be reused
         once `finished` or `wait` has returned the job.  A job that raises here on some rank
-        is still in the sequence and comes back failed from `finished` on every rank."""
+        is still in the sequence and comes back failed from `finished` on every rank.
+
+        The copy runs after ``after`` (a CUDA event or stream; default: the current stream)
+        and the call returns the copy's completion event, which the compute stream can
+        ``wait_event`` on before reading loaded blocks — no host round trip.  None when this
+        rank moves nothing (a replicated store's non-writer) or its KV lives in host memory."""
         if job.job_id in self._seq_of:
             raise OffloadError(f"job id {job.job_id} is still in flight; wait for it before "
                                "reusing the id")
         seq = self.actor.submitted
         self._live[seq] = (job.job_id, time.monotonic())
         self._seq_of[job.job_id] = seq
-        self.actor.submit(job, keep=True)
+        self.actor.submit(job, keep=True, after=after)
+        return self.actor.last_event
 
     def poll(self) -> int:
         """Collect this rank's finished copies and publish its watermark (non-blocking); return

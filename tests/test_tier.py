@@ -321,12 +321,12 @@ class _LateFirstCopy:
     def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
 
-    def submit(self, local_id: int, *args: object) -> None:
+    def submit(self, local_id: int, *args: object, after: object = None) -> None:
         self.order.append(local_id)
         if local_id == 0:
             self.late = (time.monotonic() + self.delay_s, (local_id, *args))
         else:
-            self.inner.submit(local_id, *args)  # type: ignore[attr-defined]
+            self.inner.submit(local_id, *args, after=after)  # type: ignore[attr-defined]
 
     def poll(self) -> list[int]:
         if self.late is not None and time.monotonic() >= self.late[0]:
@@ -620,3 +620,22 @@ def test_a_killed_rank_fails_the_driver_within_the_timeout_and_leaves_nothing(
     assert "ranks [2] have not completed it" in message
     assert out[1].value.startswith("aborted: sequence ")
     assert out[2].exitcode == -9
+
+
+def test_submit_returns_no_event_for_host_kv_tensors() -> None:
+    def body(rank: int) -> object:
+        import torch
+
+        from offload import CopyJob, HostTier
+
+        kv = [torch.zeros((8, 4096), dtype=torch.uint8)]
+        tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=4 * MiB, blocks_per_chunk=4,
+                                              tp=1, timeout_s=30))
+        event = tier.submit(CopyJob(0, "store", (0,), (0,), (0,)))
+        tier.wait([0])
+        tier.close()
+        return event
+
+    out = run_group(body, 1)
+    assert all(o.ok for o in out), [o.error for o in out]
+    assert out[0].value is None

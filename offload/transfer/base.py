@@ -14,7 +14,7 @@ import torch
 
 from offload.errors import OffloadError
 from offload.transfer.layout import IndexArray, Job, SlotLayout, UniqueDestinations, check_job
-from offload.transfer.tensors import KVGeometry, kv_geometry
+from offload.transfer.tensors import KVGeometry, kv_geometry, page_view, region_pages
 
 # what a job is ordered after: an event, a stream, or None for the device's current stream
 After: TypeAlias = torch.cuda.Event | torch.cuda.Stream | None
@@ -111,6 +111,18 @@ class EngineBase:
     @property
     def layout(self) -> SlotLayout:
         return self._layout
+
+    def _page_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per KV tensor: its ``[blocks, page]`` view (any block stride) and the region's
+        ``[chunks, positions, page]`` view of its pages, for backends that index pages."""
+        g, layout = self._geometry, self._layout
+        return [
+            (page_view(kv, page, stride),
+             region_pages(self._region, offset, page, layout.blocks_per_chunk,
+                          layout.row_stride, self._chunk_count))
+            for kv, page, stride, offset in zip(self._kv, g.page_bytes, g.block_strides,
+                                                layout.host_page_offsets().tolist(), strict=True)
+        ]
 
     def submit(self, job_id: int, direction: Direction, gpu_blocks: object, chunk_ids: object,
                positions: object, after: After = None) -> torch.cuda.Event | None:

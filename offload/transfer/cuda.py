@@ -16,7 +16,6 @@ import torch
 from offload.errors import OffloadError
 from offload.transfer.base import After, Direction, EngineBase
 from offload.transfer.layout import Job, SlotLayout
-from offload.transfer.tensors import page_view, region_pages
 
 # Programs (so SMs) the kernel may occupy, per direction.  Stores are posted writes that, issued
 # from many SMs, back up the memory system and stall concurrent compute.  Measured on an H200
@@ -91,14 +90,7 @@ class PerBlockEngine(StreamEngine):
     def __init__(self, kv_tensors: Sequence[torch.Tensor], region: torch.Tensor,
                  layout: SlotLayout, chunk_count: int, priority: int = 0) -> None:
         super().__init__(kv_tensors, region, layout, chunk_count, priority)
-        g = self._geometry
-        self._pages = [
-            (page_view(kv, page, stride),
-             region_pages(self._region, offset, page, layout.blocks_per_chunk,
-                          layout.row_stride, chunk_count))
-            for kv, page, stride, offset in zip(kv_tensors, g.page_bytes, g.block_strides,
-                                                layout.host_page_offsets().tolist(), strict=True)
-        ]
+        self._pages = self._page_views()
 
     def _launch(self, direction: Direction, job: Job) -> None:
         bpc = self._layout.blocks_per_chunk

@@ -8,7 +8,6 @@ import torch
 
 from offload.transfer.base import After, Direction, EngineBase
 from offload.transfer.layout import Job, SlotLayout
-from offload.transfer.tensors import page_view, region_pages
 
 # Jobs of at most this many entries copy page by page: torch's vectorised index_put into the
 # region's [chunks, positions, page] view wakes its thread pool, which on a busy 2-core host cost
@@ -26,14 +25,7 @@ class HostEngine(EngineBase):
     def __init__(self, kv_tensors: Sequence[torch.Tensor], region: torch.Tensor,
                  layout: SlotLayout, chunk_count: int) -> None:
         super().__init__(kv_tensors, region, layout, chunk_count)
-        g = self._geometry
-        self._pages = [
-            (page_view(kv, page, stride),
-             region_pages(self._region, offset, page, layout.blocks_per_chunk,
-                          layout.row_stride, chunk_count))
-            for kv, page, stride, offset in zip(kv_tensors, g.page_bytes, g.block_strides,
-                                                layout.host_page_offsets().tolist(), strict=True)
-        ]
+        self._pages = self._page_views()
         self._done: list[int] = []
 
     def _issue(self, job_id: int, direction: Direction, job: Job, after: After) -> None:

@@ -96,3 +96,36 @@ def test_failed_registration_rolls_back_and_leaves_no_sticky_error() -> None:
         assert float(x.sum().item()) == 1024.0
     finally:
         mapping.close()
+
+
+def test_submit_returns_the_copy_event_the_compute_stream_waits_on() -> None:
+    """A load's event orders the compute stream after the copy with no host round trip; a
+    store ordered ``after`` a side stream sees that stream's pending write."""
+
+    def body(rank: int) -> object:
+        import torch
+
+        from offload import CopyJob, HostTier
+
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        kv = [torch.zeros((16, 16384), dtype=torch.uint8, device="cuda")]
+        tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=16 * MiB, blocks_per_chunk=4,
+                                              tp=2, timeout_s=60))
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(100_000_000)
+            kv[0][3].fill_(7 + rank)
+        stored = tier.submit(CopyJob(1, "store", (3,), (2,), (1,)), after=side)
+        tier.wait([1])
+        kv[0].zero_()
+        loaded = tier.submit(CopyJob(2, "load", (5,), (2,), (1,)))
+        torch.cuda.current_stream().wait_event(loaded)
+        seen = kv[0][5].clone()  # on the compute stream, after the load's event
+        tier.wait([2])
+        ok = bool((seen == 7 + rank).all())
+        tier.close()
+        return ok, stored is not None and loaded is not None
+
+    out = run_group(body, 2, timeout=120, pg_timeout=60)
+    assert all(o.ok for o in out), [o.error for o in out]
+    assert [o.value for o in out] == [(True, True)] * 2
