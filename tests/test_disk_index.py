@@ -9,7 +9,7 @@ import tempfile
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from offload.disk_index import DiskIndex
 from offload.errors import OffloadError
@@ -35,8 +35,8 @@ def test_put_get_discard_in_lru_order() -> None:
 class MirrorMatchesFileTier(RuleBasedStateMachine):
     """Random put/get/discard on a real FileTier (tmpfs) and on the index, same order."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    @initialize()
+    def start(self) -> None:
         self.dir = tempfile.mkdtemp(prefix="pytest-diskindex-", dir="/dev/shm")
         self.tier = FileTier(self.dir, 3 * (ROW + 4096), {"t": 1}, ROW, io_threads=2)
         self.index = DiskIndex(self.tier.capacity)
@@ -66,8 +66,9 @@ class MirrorMatchesFileTier(RuleBasedStateMachine):
         assert self.tier.stats().evicted == self.index.evicted
 
     def teardown(self) -> None:
-        self.tier.close()  # the row is unmapped by the garbage collector, after the views
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if hasattr(self, "tier"):  # the row is unmapped by the garbage collector, after the views
+            self.tier.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 MirrorMatchesFileTier.TestCase.settings = settings(max_examples=25, stateful_step_count=25,
