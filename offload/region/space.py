@@ -17,6 +17,7 @@ import os
 from collections.abc import Iterator
 
 from offload.errors import OffloadError
+from offload.paths import check_writable_dir
 from offload.sizes import format_size
 
 TMPFS_MAGIC = 0x01021994
@@ -48,13 +49,7 @@ def check_shm_dir(path: str) -> None:
     writable by this user, or not memory-backed."""
     flag = f"shm_dir (--shm-dir) {path}"
     fix = "give a tmpfs directory such as /dev/shm, or leave it unset for nameless regions"
-    if not os.path.lexists(path):
-        raise OffloadError(f"{flag} does not exist; {fix}")
-    if not os.path.isdir(path):
-        raise OffloadError(f"{flag} is not a directory; {fix}")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise OffloadError(f"{flag} is not writable by uid {os.geteuid()} (read-only mount or "
-                           f"permissions); {fix}")
+    check_writable_dir(path, "shm_dir (--shm-dir)", fix)
     magic = filesystem_magic(path)
     if magic not in MEMORY_FILESYSTEMS:
         kind = _KNOWN_FILESYSTEMS.get(magic, f"type {magic:#x}")

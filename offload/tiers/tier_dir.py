@@ -15,6 +15,7 @@ import os
 import stat
 
 from offload.errors import OffloadError
+from offload.paths import check_writable_dir
 
 
 def check_directory(directory: str) -> str:
@@ -37,15 +38,8 @@ def check_fs_dir(directory: str, name: str) -> None:
     """The configuration's check of ``--fs-tier``, run on every rank before anything exists:
     ``directory`` must be an existing directory this user may create files in.  ``name`` is
     how the user knows the setting (e.g. ``fs_dir (--fs-tier)``)."""
-    root = os.path.abspath(directory)
-    fix = "pass an existing, writable directory on a local disk"
-    if not os.path.lexists(root):
-        raise OffloadError(f"{name} {root} does not exist; create it or {fix}")
-    if not os.path.isdir(root):
-        raise OffloadError(f"{name} {root} is not a directory; {fix}")
-    if not os.access(root, os.W_OK | os.X_OK):
-        raise OffloadError(f"{name} {root} is not writable by uid {os.geteuid()} (read-only "
-                           f"mount or permissions); {fix}")
+    check_writable_dir(os.path.abspath(directory), name,
+                       "pass an existing, writable directory on a local disk")
 
 
 def open_locked_subdir(root: str, path: str) -> int:
