@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import subprocess
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,19 @@ class Outcome:
     @property
     def ok(self) -> bool:
         return self.exitcode == 0 and self.error is None
+
+
+def run_on_free_port(command: Callable[[str], list[str]], attempts: int = 3,
+                     **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(command(port))`` with a free rendezvous port, again with a new port when
+    another process took it between `free_port` and torchrun's bind (EADDRINUSE: tests run in
+    parallel), so a port race never reads as a test failure."""
+    for attempt in range(attempts):
+        proc = subprocess.run(command(str(free_port())), capture_output=True, text=True,
+                              **kwargs)
+        if proc.returncode == 0 or "EADDRINUSE" not in proc.stderr or attempt == attempts - 1:
+            return proc
+    raise AssertionError("unreachable")
 
 
 def free_port() -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import free_port, has_our_traceback
+from tests.harness import free_port, has_our_traceback, run_on_free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,13 +20,13 @@ def torchrun(nproc: int, *args: str, env: dict[str, str] | None = None, timeout:
              ) -> subprocess.CompletedProcess[str]:
     """The main job under torchrun; nameless regions unless ``shm_dir`` is given.  ``prefix``
     runs the whole command under a wrapper (e.g. a private mount namespace)."""
-    cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-           "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(ROOT / "launch" / "run.py"),
-           "--device", "cpu", "--timeout", "30",
-           *(("--shm-dir", shm_dir) if shm_dir else ()), *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    return run_on_free_port(
+        lambda port: [*prefix, sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+                      "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+                      "--master-port", port, str(ROOT / "launch" / "run.py"),
+                      "--device", "cpu", "--timeout", "30",
+                      *(("--shm-dir", shm_dir) if shm_dir else ()), *args],
+        cwd=ROOT, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def our_errors(proc: subprocess.CompletedProcess[str]) -> list[str]:

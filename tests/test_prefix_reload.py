@@ -25,7 +25,7 @@ from launch.prefix_reload import (
     to_pages,
 )
 from offload.errors import OffloadError
-from tests.harness import free_port
+from tests.harness import run_on_free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
@@ -36,12 +36,12 @@ SMALL = ("--prompt-tokens", "21,40", "--layers", "2", "--decode-tokens", "5",
 
 def torchrun(nproc: int, *args: str, shm_dir: str, env: dict[str, str] | None = None,
              device: str = "cpu") -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-           "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(ROOT / "launch" / "prefix_reload.py"),
-           "--device", device, "--shm-dir", shm_dir, *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    return run_on_free_port(
+        lambda port: [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+                      "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+                      "--master-port", port, str(ROOT / "launch" / "prefix_reload.py"),
+                      "--device", device, "--shm-dir", shm_dir, *args],
+        cwd=ROOT, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def our_errors(proc: subprocess.CompletedProcess[str]) -> list[str]:

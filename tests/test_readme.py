@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
-from tests.harness import free_port
+from tests.harness import run_on_free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,9 +20,10 @@ def test_library_example_runs(tmp_path: Path, shm_dir: str) -> None:
     assert example.count("TierConfig(") == 1
     # the example as written, with its regions in this test's own shm dir for the leak check
     script.write_text(example.replace("TierConfig(", f"TierConfig(shm_dir={shm_dir!r}, "))
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
-         "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    proc = run_on_free_port(
+        lambda port: [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+                      "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+                      port, str(script)],
+        cwd=tmp_path, timeout=120,
         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
