@@ -171,7 +171,7 @@ def discover(tp: int | None = None, pp: int = 1, timeout_s: float | None = None,
     timeout = datetime.timedelta(seconds=max(timeout_s or 0.0, NODE_GROUP_MIN_TIMEOUT_S))
     if len(nodes) > 1 and group is None:
         for node in nodes:
-            group = dist.new_group(list(node.ranks), timeout=timeout)
+            created = dist.new_group(list(node.ranks), timeout=timeout)
             if rank in node.ranks:
-                node_group = group
+                node_group = created
     return Topology(rank, world, tp, pp, nodes, node_group, group)
