@@ -17,9 +17,12 @@ GROUPS = ((0, 2), (1, 3))  # interleaved: group ranks differ from world ranks
 
 def replica_body(rank: int, layout: str, shm_dir: str | None) -> object:
     """Every world rank creates both groups (in order: `new_group` is collective), then a tier
-    on its own; both tiers store into the very same chunk indices with data distinct per world
-    rank, wait for each other (so the second's stores land while the first's blocks are
-    held), zero their KV and load back."""
+    on its own: the first group's tier is up before the second's starts, whose driver comes
+    late (a follower that read the first tier's keys would join the wrong tier).  Both tiers
+    store into the very same chunk indices with data distinct per world rank, wait for each
+    other (so both hold their blocks at once), zero their KV and load back."""
+    import time
+
     import torch
     import torch.distributed as dist
 
@@ -32,7 +35,12 @@ def replica_body(rank: int, layout: str, shm_dir: str | None) -> object:
     original = kv[0].clone()
     config = TierConfig(cpu_bytes_per_node=2 * MiB, layout=layout, blocks_per_chunk=4, tp=2,
                         timeout_s=20, shm_dir=shm_dir)
+    if mine == 1:
+        dist.barrier()
+        time.sleep(1.0 if rank == GROUPS[1][0] else 0.0)
     tier = HostTier.create(kv, config, group=groups[mine])
+    if mine == 0:
+        dist.barrier()
     blocks, chunks, positions = tuple(range(8)), tuple(b // 4 for b in range(8)), (0, 1, 2, 3) * 2
     tier.submit(CopyJob(1, "store", blocks, chunks, positions))
     tier.wait([1])
