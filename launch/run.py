@@ -110,9 +110,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def replica_world(args: argparse.Namespace, world: int) -> int:
     """Ranks per DP replica."""
-    if args.dp < 1 or world % args.dp:
+    if args.dp < 1:
+        raise OffloadError(f"--dp {args.dp} must be at least 1")
+    if world % args.dp:
         raise OffloadError(f"--dp {args.dp} does not divide the {world} ranks; choose a dp "
                            f"that divides {world}")
+    if args.dp > 1 and args.tp is not None and args.dp * args.tp * args.pp != world:
+        raise OffloadError(f"--dp {args.dp} x --tp {args.tp} x --pp {args.pp} = "
+                           f"{args.dp * args.tp * args.pp} but the world has {world} ranks; "
+                           f"choose dp, tp and pp whose product is {world}")
     return world // args.dp
 
 
