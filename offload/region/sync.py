@@ -60,9 +60,11 @@ class NodeSync:
         except Exception as exc:
             if error is not None:
                 raise error from None
+            peers = (f"on node {t.node_id}" if size == t.local_world_size
+                     else f"of node {t.node_id}'s tier group")
             raise PeerError(
-                f"rank {self.topology.rank}: peers on node {self.topology.node_id} stopped "
-                f"answering while {what} (a rank died or timed out): {one_line(exc)}"
+                f"rank {t.rank}: peers {peers} stopped answering while {what} (a rank died "
+                f"or timed out): {one_line(exc)}"
             ) from exc
         if error is not None:
             raise error
