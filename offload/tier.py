@@ -124,9 +124,9 @@ class HostTier:
         ranks; None: the default group): the whole control plane then runs on that group's
         ranks, every rank number (``decider``, the topology's, the report's) is a rank of that
         group and its rank 0 drives.  The control plane needs gloo: a group of another backend
-        (NCCL) gets a gloo twin from ``torch.distributed.new_group``, which is collective over
-        the *default* group -- then every process of the job must call `create` (each with
-        its own group), in the same order; pass a gloo group to create tiers independently.
+        (NCCL) gets a gloo twin (`control_group`), made collectively over the *default* group --
+        then every process of the job must call `create` at the same point (each with its own
+        group, all of non-gloo backends); pass gloo groups to create tiers independently.
         ``store`` is the key-value store for the tier's keys (default: the job's own, see
         `offload.quorum.default_store`); keys live under a namespace unique to the group, so
         tiers on disjoint groups never see each other's."""
@@ -437,8 +437,11 @@ _MAX_PAUSE_S = 0.001
 
 def control_group(group: Any, timeout_s: float) -> Any:
     """The gloo group the tier's control plane runs on: ``group`` itself when it is gloo, else
-    a gloo twin of its ranks (collective over the default group, see `HostTier.create`).  The
-    twin waits as long as node groups do: node exchanges run over it."""
+    a gloo twin of its ranks.  ``new_group`` is collective over the default group and must see
+    the same rank lists in the same order on every process, while each process knows only its
+    own group: so every process publishes its group's ranks (an object all-gather over the
+    default group) and creates a twin of every distinct group, in sorted order, keeping its
+    own.  Twins wait as long as node groups do: node exchanges run over them."""
     if not dist.is_initialized():
         raise OffloadError("no torch.distributed process group; call "
                            "torch.distributed.init_process_group before HostTier.create")
@@ -447,10 +450,17 @@ def control_group(group: Any, timeout_s: float) -> Any:
                            "HostTier.create; call it with the group this rank belongs to")
     if dist.get_backend(group) == "gloo":
         return group
-    ranks = (list(range(dist.get_world_size())) if group is None
-             else dist.get_process_group_ranks(group))
+    mine = tuple(range(dist.get_world_size()) if group is None
+                 else dist.get_process_group_ranks(group))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
     timeout = datetime.timedelta(seconds=max(timeout_s, NODE_GROUP_MIN_TIMEOUT_S))
-    return dist.new_group(ranks, backend="gloo", timeout=timeout)
+    twin = None
+    for ranks in sorted(set(everyone)):
+        created = dist.new_group(list(ranks), backend="gloo", timeout=timeout)
+        if ranks == mine:
+            twin = created
+    return twin
 
 
 def _tier_store(topology: Topology, config: TierConfig, store: dist.Store | None

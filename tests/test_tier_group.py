@@ -15,12 +15,13 @@ MiB = 1 << 20
 GROUPS = ((0, 2), (1, 3))  # interleaved: group ranks differ from world ranks
 
 
-def replica_body(rank: int, layout: str, shm_dir: str | None) -> object:
+def replica_body(rank: int, layout: str, shm_dir: str | None, backend: str = "gloo"
+                 ) -> object:
     """Every world rank creates both groups (in order: `new_group` is collective), then a tier
-    on its own: the first group's tier is up before the second's starts, whose driver comes
-    late (a follower that read the first tier's keys would join the wrong tier).  Both tiers
-    store into the very same chunk indices with data distinct per world rank, wait for each
-    other (so both hold their blocks at once), zero their KV and load back."""
+    on its own: with gloo groups the first group's tier is up before the second's starts, whose
+    driver comes late (a follower that read the first tier's keys would join the wrong tier).
+    Both tiers store into the very same chunk indices with data distinct per world rank, wait
+    for each other (so both hold their blocks at once), zero their KV and load back."""
     import time
 
     import torch
@@ -28,18 +29,19 @@ def replica_body(rank: int, layout: str, shm_dir: str | None) -> object:
 
     from offload import CopyJob, HostTier
 
-    groups = [dist.new_group(list(g)) for g in GROUPS]
+    groups = [dist.new_group(list(g), backend=backend) for g in GROUPS]
     mine = next(i for i, g in enumerate(GROUPS) if rank in g)
     gen = torch.Generator().manual_seed(1000 + rank)
     kv = [torch.randint(0, 256, (8, 4096), generator=gen, dtype=torch.uint8)]
     original = kv[0].clone()
     config = TierConfig(cpu_bytes_per_node=2 * MiB, layout=layout, blocks_per_chunk=4, tp=2,
                         timeout_s=20, shm_dir=shm_dir)
-    if mine == 1:
+    staggered = backend == "gloo"  # twins of other backends are made by every process at once
+    if staggered and mine == 1:
         dist.barrier()
         time.sleep(1.0 if rank == GROUPS[1][0] else 0.0)
     tier = HostTier.create(kv, config, group=groups[mine])
-    if mine == 0:
+    if staggered and mine == 0:
         dist.barrier()
     blocks, chunks, positions = tuple(range(8)), tuple(b // 4 for b in range(8)), (0, 1, 2, 3) * 2
     tier.submit(CopyJob(1, "store", blocks, chunks, positions))
@@ -50,7 +52,7 @@ def replica_body(rank: int, layout: str, shm_dir: str | None) -> object:
     tier.wait([2])
     t = tier.topology
     out = (torch.equal(kv[0], original), tier.actor.tier_id, t.rank, t.world_size,
-           [n.ranks for n in t.nodes])
+           [n.ranks for n in t.nodes], t.group is groups[mine], dist.get_backend(t.group))
     tier.close()
     return out
 
@@ -62,7 +64,7 @@ def check_replicas(out: Sequence[object]) -> list[object]:
         values.append(o.value)  # type: ignore[attr-defined]
     for g in GROUPS:
         for group_rank, world_rank in enumerate(g):
-            same, _, rank, size, _ = values[world_rank]  # type: ignore[misc]
+            same, _, rank, size, *_ = values[world_rank]  # type: ignore[misc]
             assert same and (rank, size) == (group_rank, 2)
     ids = {g: {values[r][1] for r in g} for g in GROUPS}  # type: ignore[index]
     assert all(len(v) == 1 for v in ids.values()) and ids[GROUPS[0]] != ids[GROUPS[1]]
@@ -72,7 +74,15 @@ def check_replicas(out: Sequence[object]) -> list[object]:
 @pytest.mark.parametrize("layout", ["private", "shared"])
 def test_tiers_on_disjoint_subgroups_keep_their_own_blocks(layout: str, shm_dir: str) -> None:
     values = check_replicas(run_group(replica_body, 4, args=(layout, shm_dir)))
-    assert all(v[4] == [(0, 1)] for v in values)  # type: ignore[index]
+    assert all(v[4] == [(0, 1)] and v[5] for v in values)  # type: ignore[index]
+
+
+def test_groups_of_another_backend_get_one_gloo_twin_per_replica(shm_dir: str) -> None:
+    """``cpu:gloo`` stands in for NCCL (it does not read as plain gloo): every process makes
+    the twins of both replicas' groups in one order, so the two replicas' twins are distinct
+    groups and each tier's control plane runs on its own."""
+    values = check_replicas(run_group(replica_body, 4, args=("shared", shm_dir, "cpu:gloo")))
+    assert all(not v[5] and v[6] == "gloo" for v in values)  # type: ignore[index]
 
 
 def test_each_replica_finds_its_nodes_within_its_group() -> None:
