@@ -70,8 +70,9 @@ class RoundStats:
 # ---------------------------------------------------------------- run on every rank's actor
 def _seed(actor: RankActor, round_index: int) -> int:
     t = actor.topology
+    replica = t.global_rank(t.rank) // t.world_size  # the main job's DP replicas are contiguous
     return synthetic.round_seed(round_index, t.pp_rank, t.tp_rank,
-                                actor.config.layout == "replicated")
+                                actor.config.layout == "replicated", replica)
 
 
 def _fill(actor: RankActor, round_index: int) -> None:

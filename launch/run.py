@@ -3,8 +3,12 @@
     torchrun --standalone --nproc-per-node 2 launch/run.py --cpu-bytes 256MiB
 
 Every rank creates its share of the tier; rank 0 drives verified store/load rounds, prints the
-start-up table and writes the JSON report.  Exit status 0 only when every round verified
-byte-exact; user errors print one line and exit 1 with nothing left behind.
+start-up table and writes the JSON report.  With ``--dp N`` the world holds N data-parallel
+replicas of ``tp x pp`` ranks each, ``rank = dp_rank * tp * pp + pp_rank * tp + tp_rank``; each
+replica gets its own tier (plan, regions, quorum, budget per node) on its own process group,
+driven by the replica's first rank, and world rank 0 reports them all.  Exit status 0 only when
+every round of every replica verified byte-exact; user errors print one line and exit 1 with
+nothing left behind.
 """
 
 from __future__ import annotations
@@ -53,8 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--cpu-bytes", default="256MiB", metavar="SIZE",
                    help="host budget per node (per DP replica)")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: world)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size; tp x pp = world")
+    p.add_argument("--dp", type=int, default=1,
+                   help="data-parallel replicas, one tier each; rank = dp_rank x tp x pp + "
+                        "pp_rank x tp + tp_rank")
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel size (default: world / dp / pp)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline-parallel size; dp x tp x pp = world")
     p.add_argument("--layout", default="private", choices=LAYOUTS,
                    help="private: one region per rank; shared: one node region of interleaved "
                         "slots; replicated: one node copy per pipeline stage of data "
@@ -97,6 +106,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds any rank waits for a peer before failing the job")
     return p
+
+
+def replica_world(args: argparse.Namespace, world: int) -> int:
+    """Ranks per DP replica."""
+    if args.dp < 1:
+        raise OffloadError(f"--dp {args.dp} must be at least 1")
+    if world % args.dp:
+        raise OffloadError(f"--dp {args.dp} does not divide the {world} ranks; choose a dp "
+                           f"that divides {world}")
+    if args.dp > 1 and args.tp is not None and args.dp * args.tp * args.pp != world:
+        raise OffloadError(f"--dp {args.dp} x --tp {args.tp} x --pp {args.pp} = "
+                           f"{args.dp * args.tp * args.pp} but the world has {world} ranks; "
+                           f"choose dp, tp and pp whose product is {world}")
+    return world // args.dp
+
+
+def replica_groups(dp: int, size: int) -> list[Any]:
+    """One gloo group per replica (None for a single replica: the default group).  Every rank
+    creates every group, in order: `new_group` is collective over the default group."""
+    if dp == 1:
+        return [None]
+    return [dist.new_group(list(range(d * size, (d + 1) * size))) for d in range(dp)]
 
 
 def config_from_args(args: argparse.Namespace, world: int) -> TierConfig:
@@ -145,41 +176,34 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
 
 def run(args: argparse.Namespace) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = config_from_args(args, world)
+    size = replica_world(args, world)
+    config = config_from_args(args, size)
     assert config.tp is not None
+    dp_rank, group = rank // size, replica_groups(args.dp, size)[rank // size]
     device = pick_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
-    payload = payload_for(args, rank // config.tp, config.pp)
+    payload = payload_for(args, rank % size // config.tp, config.pp)
     kv = synthetic.make_kv(payload, args.num_gpu_blocks, device)
-    tier = HostTier.create(kv, config, backend=args.backend, audit=args.audit)
-    report: dict[str, Any] = {}
-    if rank == 0:
-        try:
-            stats = rounds.run_rounds(tier, args.rounds, args.num_gpu_blocks)
-            ranks = tier.call(RankActor.report)
-            files = tier.call(fs_actions.report) if config.fs_dir is not None else None
-        except BaseException as exc:
-            tier.abort(str(exc) or type(exc).__name__)
-            raise
-        tier.release()
-        report = {
-            "world_size": world, "tp": config.tp, "pp": config.pp, "layout": config.layout,
-            "device": device.type, "tier_id": tier.actor.tier_id,
-            "nodes": tier.topology.to_json(), "plan": tier.plan.to_json(),
-            "ranks": ranks, "transfer": stats.to_json(),
-        }
-        if files is not None:
-            assert config.fs_dir is not None
-            report["fs_tier"] = combine_reports(os.path.abspath(config.fs_dir), files)
-        if args.audit:
-            report["audit"] = {key: sum(r["audit"][key] for r in ranks)
-                               for key in ("checked_blocks", "mismatched_blocks")}
-    else:
+    tier = HostTier.create(kv, config, backend=args.backend, audit=args.audit, group=group)
+    replica = drive(tier, args, dp_rank) if tier.topology.rank == 0 else None
+    if replica is None:
         tier.serve()
     tier.close()
-    dist.barrier()
+    dist.barrier()  # every rank of every replica has closed: nothing of theirs may remain
     left = shm_files_left(tier, config.shm_dir or "/dev/shm")
+    replicas: list[Any] = [None] * world
+    dist.all_gather_object(replicas, replica)
     if rank != 0:
         return 0
+    report: dict[str, Any] = {
+        "world_size": world, "dp": args.dp, "tp": config.tp, "pp": config.pp,
+        "layout": config.layout, "device": device.type,
+        "replicas": [r for r in replicas if r is not None]}
+    report.update(report["replicas"][0])  # replica 0 at the top: a single replica's report
+    for key in ("replica", "world_ranks"):
+        report.pop(key)
+    if args.audit:
+        report["audit"] = {key: sum(r["audit"][key] for r in report["replicas"])
+                           for key in ("checked_blocks", "mismatched_blocks")}
     report["shm_files_left"] = left
     print(render_table(report), flush=True)
     if args.report_json:
@@ -187,25 +211,52 @@ def run(args: argparse.Namespace) -> int:
     if args.timeline:
         draw_timeline(report["ranks"], args.timeline,
                       f"{config.layout}, {world} ranks, {args.cpu_bytes} per node")
+    bad = [r["replica"] for r in report["replicas"] if not r["transfer"]["verified"]]
     audit_bad = report.get("audit", {}).get("mismatched_blocks", 0)
-    ok = report["transfer"]["verified"] and report["shm_files_left"] == 0 and not audit_bad
+    ok = not bad and report["shm_files_left"] == 0 and not audit_bad
     if not ok:
-        log.error("verification failed: %d mismatched blocks, %d audit mismatches, %d shm "
-                  "files left", report["transfer"]["mismatched_blocks"], audit_bad,
-                  report["shm_files_left"])
+        log.error("verification failed: replicas %s had mismatched blocks, %d audit "
+                  "mismatches, %d shm files left", bad, audit_bad, report["shm_files_left"])
     return 0 if ok else 1
 
 
+def drive(tier: HostTier, args: argparse.Namespace, dp_rank: int) -> dict[str, Any]:
+    """The replica's first rank: run the rounds, collect its ranks' reports, release them."""
+    config = tier.actor.config
+    try:
+        stats = rounds.run_rounds(tier, args.rounds, args.num_gpu_blocks)
+        ranks = tier.call(RankActor.report)
+        files = tier.call(fs_actions.report) if config.fs_dir is not None else None
+    except BaseException as exc:
+        tier.abort(str(exc) or type(exc).__name__)
+        raise
+    tier.release()
+    replica: dict[str, Any] = {
+        "replica": dp_rank, "world_ranks": [tier.topology.global_rank(r)
+                                            for r in range(tier.topology.world_size)],
+        "tier_id": tier.actor.tier_id, "nodes": tier.topology.to_json(),
+        "plan": tier.plan.to_json(), "ranks": ranks, "transfer": stats.to_json()}
+    if files is not None:
+        assert config.fs_dir is not None
+        replica["fs_tier"] = combine_reports(os.path.abspath(config.fs_dir), files)
+    if args.audit:
+        replica["audit"] = {key: sum(r["audit"][key] for r in ranks)
+                            for key in ("checked_blocks", "mismatched_blocks")}
+    return replica
+
+
 def shm_files_left(tier: HostTier, shm_dir: str) -> int:
-    """Collective: every node leader counts this job's files on its own host after close;
-    the total comes back on every rank (other hosts' /dev/shm is not visible from rank 0).
-    Nameless regions count /dev/shm, where a named file of theirs would be a bug."""
-    mine = count_shm_files(shm_dir, tier.actor.tier_id) if tier.topology.is_leader else 0
-    counts: list[Any] = [None] * tier.topology.world_size
-    dist.all_gather_object(counts, (socket.gethostname(), mine))
-    per_host: dict[str, int] = {}
-    for host, count in counts:  # simulated nodes share a host: count its directory once
-        per_host[host] = max(per_host.get(host, 0), count)
+    """Collective over the world: every node leader of every replica counts its tier's files on
+    its own host after close; the total comes back on every rank (other hosts' /dev/shm is not
+    visible from rank 0).  Nameless regions count /dev/shm, where a named file of theirs would
+    be a bug."""
+    tier_id = tier.actor.tier_id
+    mine = count_shm_files(shm_dir, tier_id) if tier.topology.is_leader else 0
+    counts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, (socket.gethostname(), tier_id, mine))
+    per_host: dict[tuple[str, str], int] = {}
+    for host, tier_of, count in counts:  # simulated nodes share a host: count it once
+        per_host[host, tier_of] = max(per_host.get((host, tier_of), 0), count)
     return sum(per_host.values())
 
 

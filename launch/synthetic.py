@@ -36,11 +36,14 @@ def expected(seed: int, tensor: int, blocks: torch.Tensor, page: int) -> torch.T
     return ((value >> 16) ^ (value >> 5) ^ mix).remainder(256).to(torch.uint8)
 
 
-def round_seed(round_index: int, pp_rank: int, tp_rank: int, replicated: bool) -> int:
-    """Distinct for every (round, stage, TP rank) — TP rank left out in the replicated layout,
-    where a stage's ranks hold identical data."""
+def round_seed(round_index: int, pp_rank: int, tp_rank: int, replicated: bool,
+               replica: int = 0) -> int:
+    """Distinct for every (DP replica, round, stage, TP rank) — TP rank left out in the
+    replicated layout, where a stage's ranks hold identical data; the replica enters so that a
+    replica that loaded another replica's blocks fails verification."""
     width = 1 << 10  # more stages or TP ranks than any grid has; keeps the hash in int64
-    return (round_index * width + pp_rank) * width + (0 if replicated else tp_rank + 1)
+    return (((replica * width + round_index) * width + pp_rank) * width
+            + (0 if replicated else tp_rank + 1))
 
 
 def fill(kv: list[torch.Tensor], seed: int) -> None:

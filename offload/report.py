@@ -22,12 +22,27 @@ def count_shm_files(shm_dir: str, tier_id: str) -> int:
 
 
 def render_table(report: dict[str, Any]) -> str:
-    """Plan summary, one row per rank, and the transfer line."""
+    """Plan summary, one row per rank, and the transfer line -- per DP replica when there are
+    several (ranks are the replica's own)."""
+    replicas = report.get("replicas", [report])
+    dp = f"dp {report['dp']} x " if report.get("dp", 1) > 1 else ""
+    lines = [f"offload: world {report['world_size']} ({dp}tp {report['tp']} x pp "
+             f"{report['pp']}), layout {report['layout']}, device {report['device']}"]
+    for replica in replicas:
+        if len(replicas) > 1:
+            first, last = replica["world_ranks"][0], replica["world_ranks"][-1]
+            lines.append(f"replica {replica['replica']} (world ranks {first}-{last}, ranks "
+                         f"below are the replica's): {len(replica['nodes'])} node(s)")
+        else:
+            lines[0] += f", {len(replica['nodes'])} node(s)"
+        lines += _replica_lines(replica)
+    lines.append(f"shm files left: {report['shm_files_left']}")
+    return "\n".join(lines)
+
+
+def _replica_lines(report: dict[str, Any]) -> list[str]:
     plan = report["plan"]
     lines = [
-        f"offload: world {report['world_size']} (tp {report['tp']} x pp {report['pp']}), "
-        f"layout {report['layout']}, device {report['device']}, "
-        f"{len(report['nodes'])} node(s)",
         f"plan: {plan['chunk_count']} chunks x {plan['blocks_per_chunk']} blocks, budget "
         f"{format_size(plan['cpu_bytes_per_node'])}/node, rows "
         + ", ".join(f"{n}={format_size(b)}" for n, b in plan["row_bytes"].items()),
@@ -63,8 +78,7 @@ def render_table(report: dict[str, Any]) -> str:
     if audit:
         lines.append(f"audit: {audit['checked_blocks']} blocks hashed on load, "
                      f"{audit['mismatched_blocks']} mismatched")
-    lines.append(f"shm files left: {report['shm_files_left']}")
-    return "\n".join(lines)
+    return lines
 
 
 def _align(rows: Sequence[Sequence[str]]) -> list[str]:

@@ -21,9 +21,11 @@ Both paths complete jobs through the same watermarks (`offload.quorum`, `offload
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
+import hashlib
 import itertools
 import logging
 import os
@@ -49,11 +51,12 @@ from offload.region.pin import Registrar, choose_registrar
 from offload.region.prefault import progress_logger
 from offload.rpc import CollectiveRPC
 from offload.tiers.rank_files import disk_capacity
-from offload.topology import Topology, discover
+from offload.topology import NODE_GROUP_MIN_TIMEOUT_S, Topology, discover
 from offload.transfer.base import After
 
 log = logging.getLogger(__name__)
-_tier_seq = itertools.count()
+_tier_seq: collections.defaultdict[str, itertools.count[int]] = collections.defaultdict(
+    itertools.count)  # store namespace -> the tiers created there
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,8 @@ class HostTier:
     def create(cls, kv_tensors: Sequence[torch.Tensor], config: TierConfig, *,
                backend: str = "auto", audit: bool = False,
                registrar_factory: Callable[[torch.device], Registrar] = choose_registrar,
-               decider: int = 0) -> HostTier:
+               decider: int = 0, group: Any = None, store: dist.Store | None = None
+               ) -> HostTier:
         """Collective: every rank calls it with its own KV tensors and the same config.
 
         ``backend`` picks the transfer backend (``auto``: by device and pinning); ``audit``
@@ -114,15 +118,27 @@ class HostTier:
         (`offload.audit`).  ``registrar_factory`` makes the object that pins host memory for
         the KV device (default: CUDA's driver API for CUDA tensors, a recording no-op else).
         ``decider`` is the rank whose `finished` decides (the engine's scheduling rank; the
-        same on every rank)."""
+        same on every rank).
+
+        ``group`` puts the tier on a caller's process group (e.g. one DP replica's TP × PP
+        ranks; None: the default group): the whole control plane then runs on that group's
+        ranks, every rank number (``decider``, the topology's, the report's) is a rank of that
+        group and its rank 0 drives.  The control plane needs gloo: a group of another backend
+        (NCCL) gets a gloo twin (`control_group`), made collectively over the *default* group --
+        then every process of the job must call `create` at the same point (each with its own
+        group, all of non-gloo backends); pass gloo groups to create tiers independently.
+        ``store`` is the key-value store for the tier's keys (default: the job's own, see
+        `offload.quorum.default_store`); keys live under a namespace unique to the group, so
+        tiers on disjoint groups never see each other's."""
         started = time.perf_counter()
-        topology = discover(config.tp, config.pp, config.timeout_s)
+        group = control_group(group, config.timeout_s)
+        topology = discover(config.tp, config.pp, config.timeout_s, group)
         if not 0 <= decider < topology.world_size:
             raise OffloadError(f"decider = {decider} is not a rank of this {topology.world_size}"
                                f"-rank job; give the scheduling rank, 0 to "
                                f"{topology.world_size - 1}")
         config = dataclasses.replace(config, tp=topology.tp)  # None meant world // pp
-        tier_id, store = _tier_store(topology, config)
+        tier_id, store = _tier_store(topology, config, store)
         board = Board.open(topology, tier_id, config.timeout_s)
         rpc = CollectiveRPC(dist.PrefixStore("rpc", store), topology.rank,
                             topology.world_size, config.timeout_s,
@@ -135,7 +151,7 @@ class HostTier:
                           registrar_factory=registrar_factory, created_at=started)
         descriptor = _describe(actor)
         gathered: list[Any] | None = [None] * topology.world_size if topology.rank == 0 else None
-        dist.gather_object(descriptor, gathered, dst=0)
+        dist.gather_object(descriptor, gathered, dst=topology.global_rank(0), group=group)
         disk_keys: list[bytes] = []
         if topology.rank == 0:
             assert gathered is not None
@@ -401,7 +417,7 @@ class HostTier:
         self._closed = True
         try:
             self.actor.drain()
-            dist.barrier()
+            dist.barrier(group=self.topology.group)
         finally:
             self.actor.close()
             self.actor.quorum.board.close()
@@ -419,10 +435,46 @@ _SPIN_POLLS = 64
 _MAX_PAUSE_S = 0.001
 
 
-def _tier_store(topology: Topology, config: TierConfig) -> tuple[str, dist.Store]:
-    """A fresh tier id (rank 0's uuid, shared through the store) and this tier's store."""
-    base = default_store("offload", config.timeout_s)
-    key = f"tier{next(_tier_seq)}/tier_id"
+def control_group(group: Any, timeout_s: float) -> Any:
+    """The gloo group the tier's control plane runs on: ``group`` itself when it is gloo, else
+    a gloo twin of its ranks.  ``new_group`` is collective over the default group and must see
+    the same rank lists in the same order on every process, while each process knows only its
+    own group: so every process publishes its group's ranks (an object all-gather over the
+    default group) and creates a twin of every distinct group, in sorted order, keeping its
+    own.  Twins wait as long as node groups do: node exchanges run over them."""
+    if not dist.is_initialized():
+        raise OffloadError("no torch.distributed process group; call "
+                           "torch.distributed.init_process_group before HostTier.create")
+    if group is not None and dist.get_rank(group) < 0:
+        raise OffloadError(f"rank {dist.get_rank()} is not a member of the group given to "
+                           "HostTier.create; call it with the group this rank belongs to")
+    if dist.get_backend(group) == "gloo":
+        return group
+    mine = tuple(range(dist.get_world_size()) if group is None
+                 else dist.get_process_group_ranks(group))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    timeout = datetime.timedelta(seconds=max(timeout_s, NODE_GROUP_MIN_TIMEOUT_S))
+    twin = None
+    for ranks in sorted(set(everyone)):
+        created = dist.new_group(list(ranks), backend="gloo", timeout=timeout)
+        if ranks == mine:
+            twin = created
+    return twin
+
+
+def _tier_store(topology: Topology, config: TierConfig, store: dist.Store | None
+                ) -> tuple[str, dist.Store]:
+    """A fresh tier id (rank 0's uuid, shared through the store) and this tier's store.  The
+    id's key lives under the group's namespace (its global ranks) and counts that group's
+    tiers, so tiers on disjoint groups never read each other's ids."""
+    namespace = "offload"
+    if topology.group is not None:
+        ranks = ",".join(map(str, dist.get_process_group_ranks(topology.group)))
+        namespace += "/group-" + hashlib.sha1(ranks.encode()).hexdigest()[:16]
+    base = (default_store(namespace, config.timeout_s) if store is None
+            else dist.PrefixStore(namespace, store))
+    key = f"tier{next(_tier_seq[namespace])}/tier_id"
     if topology.rank == 0:
         tier_id = uuid.uuid4().hex[:16]
         base.set(key, tier_id)

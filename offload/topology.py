@@ -1,10 +1,11 @@
 """Who runs where: grid coordinates, nodes, node leaders and node-local process groups.
 
 Rank order on the TP × PP grid is ``rank = pp_rank * tp + tp_rank`` (TP ranks of one pipeline
-stage are consecutive, as torchrun places them on one node).  The node id is the host name unless
-``OFFLOAD_NODE_ID`` overrides it, which lets one host simulate several nodes.  A node's leader is
-its lowest global rank; a *stage writer* is the lowest global rank of one pipeline stage on one
-node (it stores that stage's copy in the replicated layout).
+stage are consecutive, as torchrun places them on one node), where ``rank`` is the rank in the
+tier's group: the default group, or a caller's group such as one DP replica's.  The node id is
+the host name unless ``OFFLOAD_NODE_ID`` overrides it, which lets one host simulate several
+nodes.  A node's leader is its lowest rank; a *stage writer* is the lowest rank of one pipeline
+stage on one node (it stores that stage's copy in the replicated layout).
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ class NodeInfo:
 
 @dataclass
 class Topology:
-    """This rank's view of the whole job.  ``node_group`` is the torch.distributed group of this
-    rank's node (None when the world is one node: the default group serves)."""
+    """This rank's view of the tier's ranks.  ``group`` is the gloo group the tier's control
+    plane runs on (None: the default group); ``rank`` and every rank number here are ranks *of
+    that group*.  ``node_group`` is the torch.distributed group of this rank's node, or None:
+    then node exchanges run over ``group`` (one node, or a tier on a caller's group)."""
 
     rank: int
     world_size: int
@@ -51,6 +54,11 @@ class Topology:
     pp: int
     nodes: tuple[NodeInfo, ...]
     node_group: Any = field(default=None, repr=False, compare=False)
+    group: Any = field(default=None, repr=False, compare=False)
+
+    def global_rank(self, rank: int) -> int:
+        """The default-group rank of the tier's ``rank`` (torch's ``dst`` arguments want it)."""
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     @property
     def tp_rank(self) -> int:
@@ -135,29 +143,35 @@ def build_nodes(places: Sequence[RankPlace]) -> tuple[NodeInfo, ...]:
     return nodes
 
 
-def discover(tp: int | None = None, pp: int = 1, timeout_s: float | None = None
-             ) -> Topology:
-    """Collective over the default group: publish places, build nodes, create node groups.
+def discover(tp: int | None = None, pp: int = 1, timeout_s: float | None = None,
+             group: Any = None) -> Topology:
+    """Collective over ``group`` (None: the default group): publish places, build nodes, and,
+    on the default group only, create node groups.
 
     Every rank calls ``new_group`` for every node in the same order, as torch.distributed
     requires.  Node groups wait at least 30 minutes (torch's gloo default) or ``timeout_s`` if
     longer: their exchanges follow pre-fault and pinning, which on a large host can take
     minutes for a healthy rank (8 ranks registering 1 TiB each at ~25 GiB/s host-wide: ~330 s),
     while dead peers are caught sooner by the RPC and quorum timeouts (and torchrun).
+
+    A tier on a caller's group creates no node groups: ``new_group`` is collective over the
+    whole default group, which the other groups' ranks are not calling here, and group names
+    derived locally (``use_local_synchronization``) depend on how many groups each process
+    made before.  Its node exchanges run over ``group`` itself (`offload.region.sync`).
     """
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     tp = world // pp if tp is None else tp
     check_grid(world, tp, pp)
-    lws = os.environ.get("LOCAL_WORLD_SIZE")
-    mine = RankPlace(rank, local_node_id(), int(lws) if lws else None)
+    lws = os.environ.get("LOCAL_WORLD_SIZE")  # counts the whole node, other groups' ranks too
+    mine = RankPlace(rank, local_node_id(), int(lws) if lws and group is None else None)
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, mine)
+    dist.all_gather_object(gathered, mine, group=group)
     nodes = build_nodes(gathered)
     node_group = None
     timeout = datetime.timedelta(seconds=max(timeout_s or 0.0, NODE_GROUP_MIN_TIMEOUT_S))
-    if len(nodes) > 1:
+    if len(nodes) > 1 and group is None:
         for node in nodes:
-            group = dist.new_group(list(node.ranks), timeout=timeout)
+            created = dist.new_group(list(node.ranks), timeout=timeout)
             if rank in node.ranks:
-                node_group = group
-    return Topology(rank, world, tp, pp, nodes, node_group)
+                node_group = created
+    return Topology(rank, world, tp, pp, nodes, node_group, group)

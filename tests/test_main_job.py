@@ -65,6 +65,30 @@ def test_tp2_pp2_report_matches_the_plan_formula(tmp_path: Path, shm_dir: str) -
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_dp2_gives_each_replica_its_own_verified_tier(tmp_path: Path, shm_dir: str) -> None:
+    """World = dp x tp: replicas of consecutive ranks, each with its own plan, tier and
+    rounds (data distinct per replica), reported side by side."""
+    report_path = tmp_path / "r.json"
+    proc = torchrun(4, "--dp", "2", "--tp", "2", "--layout", "shared", "--cpu-bytes", "64MiB",
+                    "--report-json", str(report_path), shm_dir=shm_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert (report["world_size"], report["dp"], report["tp"], report["pp"]) == (4, 2, 2, 1)
+    replicas = report["replicas"]
+    assert [r["replica"] for r in replicas] == [0, 1]
+    assert [r["world_ranks"] for r in replicas] == [[0, 1], [2, 3]]
+    assert len({r["tier_id"] for r in replicas}) == 2
+    slot = 16 * 64 * 1024
+    for r in replicas:  # the whole budget per node, per replica
+        assert r["plan"]["chunk_count"] == (64 << 20) // (2 * slot)
+        assert [(x["rank"], x["tp_rank"], x["slot"]) for x in r["ranks"]] == [(0, 0, 0),
+                                                                           (1, 1, 1)]
+        assert r["transfer"]["verified"] and r["transfer"]["checked_blocks"] > 0
+    assert report["plan"] == replicas[0]["plan"] and report["shm_files_left"] == 0
+    assert "replica 0 (world ranks 0-1" in proc.stdout
+    assert "replica 1 (world ranks 2-3" in proc.stdout
+
+
 @pytest.mark.parametrize("layout", ["shared", "replicated"])
 def test_node_layouts_with_eviction_verify(layout: str, tmp_path: Path, shm_dir: str) -> None:
     report_path = tmp_path / "r.json"
@@ -120,6 +144,9 @@ def test_replicated_pipeline_stages_verify_with_their_own_slots(tp: int, tmp_pat
     (["--tp", "1", "--pp", "3"], "--tp 1 x --pp 3 = 3 but the world has 2 ranks"),
     (["--segment-bytes", "0"], "(--segment-bytes) = 0 is below its minimum"),
     (["--kv-bytes-per-block", "0"], "a KV payload of 0 bytes per block is empty"),
+    (["--dp", "3"], "--dp 3 does not divide the 2 ranks; choose a dp that divides 2"),
+    (["--dp", "0"], "--dp 0 must be at least 1"),
+    (["--dp", "2", "--tp", "2"], "--dp 2 x --tp 2 x --pp 1 = 4 but the world has 2 ranks"),
 ])
 def test_bad_input_is_one_line_nonzero_and_leaves_nothing(args: list[str], needle: str,
                                                           shm_dir: str) -> None:
@@ -194,7 +221,7 @@ def test_unknown_layout_is_refused_by_the_parser() -> None:
 def test_help_lists_every_flag() -> None:
     out = subprocess.run([sys.executable, str(ROOT / "launch" / "run.py"), "--help"],
                          capture_output=True, text=True, check=True).stdout
-    for flag in ("--cpu-bytes", "--tp", "--pp", "--layout", "--kv-bytes-per-block",
+    for flag in ("--cpu-bytes", "--dp", "--tp", "--pp", "--layout", "--kv-bytes-per-block",
                  "--stage-kv-bytes", "--blocks-per-chunk", "--num-gpu-blocks", "--device",
                  "--rounds", "--fs-tier", "--fs-bytes", "--report-json",
                  "OFFLOAD_NODE_ID"):

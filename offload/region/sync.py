@@ -30,8 +30,10 @@ def one_line(exc: BaseException) -> str:
 
 
 class NodeSync:
-    """Status exchanges over this rank's node group (the default group when the world is one
-    node)."""
+    """Status exchanges among this rank's node.  They run over the node group where the
+    topology has one, else over the tier's whole group (one node; or a tier on a caller's
+    group, which has no node groups): every rank of the tier takes every step, so the
+    exchange is collective there, and each rank reads only its own node's statuses."""
 
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
@@ -39,7 +41,11 @@ class NodeSync:
     def step(self, what: str, action: Callable[[], T] | None = None) -> T | None:
         """Run ``action`` (None: nothing to do on this rank), then agree on the outcome.  A
         rank alone on its node has no one to agree with: it just runs the action."""
-        if self.topology.local_world_size == 1:
+        t = self.topology
+        group, mine = ((t.node_group, range(t.local_world_size)) if t.node_group is not None
+                       else (t.group, t.node.ranks))
+        size = t.local_world_size if t.node_group is not None else t.world_size
+        if size == 1:
             return action() if action is not None else None
         error: Exception | None = None
         result = None
@@ -47,20 +53,23 @@ class NodeSync:
             result = action() if action is not None else None
         except Exception as exc:
             error = exc
-        statuses: list[Any] = [None] * self.topology.local_world_size
+        statuses: list[Any] = [None] * size
         try:
             dist.all_gather_object(statuses, None if error is None else one_line(error),
-                                   group=self.topology.node_group)
+                                   group=group)
         except Exception as exc:
             if error is not None:
                 raise error from None
+            peers = (f"on node {t.node_id}" if size == t.local_world_size
+                     else f"of node {t.node_id}'s tier group")
             raise PeerError(
-                f"rank {self.topology.rank}: peers on node {self.topology.node_id} stopped "
-                f"answering while {what} (a rank died or timed out): {one_line(exc)}"
+                f"rank {t.rank}: peers {peers} stopped answering while {what} (a rank died "
+                f"or timed out): {one_line(exc)}"
             ) from exc
         if error is not None:
             raise error
-        failed = [(self.topology.node.ranks[i], msg) for i, msg in enumerate(statuses) if msg]
+        failed = [(r, statuses[i]) for i, r in zip(mine, t.node.ranks, strict=True)
+                  if statuses[i]]
         if failed:
             rank, msg = failed[0]
             others = f" (ranks {[r for r, _ in failed[1:]]} failed too)" if failed[1:] else ""
