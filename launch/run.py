@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data-parallel replicas, one tier each; rank = dp_rank x tp x pp + "
                         "pp_rank x tp + tp_rank")
     p.add_argument("--tp", type=int, default=None,
-                   help="tensor-parallel size (default: world / dp / pp)")
+                   help="tensor-parallel size (unset: world / dp / pp)")
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline-parallel size; dp x tp x pp = world")
     p.add_argument("--layout", default="private", choices=LAYOUTS,
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "DIR/fp-<geometry fingerprint>/, so a restart with the same geometry "
                         "finds them")
     p.add_argument("--fs-bytes", default=None, metavar="SIZE",
-                   help="file tier budget per node (needs --fs-tier; default: "
+                   help="file tier budget per node (needs --fs-tier; unset: "
                         f"{FS_BYTES_FACTOR} x --cpu-bytes)")
     p.add_argument("--report-json", default=None, metavar="PATH",
                    help="rank 0 writes the JSON report there")
