@@ -2,7 +2,9 @@
 # The main job across two nodes.  On one host (default) it starts two torchrun "nodes" with
 # distinct OFFLOAD_NODE_ID values; on real hosts run the same torchrun line on each with
 # NODE_RANK=0/1 and MASTER_ADDR set to the first host.  Extra arguments go to launch/run.py.
+# NPROC ranks per node, or NPROC0 / NPROC1 for unequal nodes (e.g. 3 + 1).
 #   NPROC=2 bash scripts/two_nodes.sh --tp 2 --pp 2 --layout shared --cpu-bytes 64MiB
+#   NPROC0=3 NPROC1=1 bash scripts/two_nodes.sh --tp 4 --layout shared --cpu-bytes 64MiB
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup_env.sh"
@@ -11,8 +13,9 @@ NPROC="${NPROC:-2}"
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-$(python -c 'import socket; s=socket.socket(); s.bind(("",0)); print(s.getsockname()[1])')}"
 launch() {  # $1 = node rank
+    local nproc_var="NPROC$1"
     OFFLOAD_NODE_ID="${OFFLOAD_NODE_PREFIX:-node}$1" torchrun --nnodes 2 --node-rank "$1" \
-        --nproc-per-node "$NPROC" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+        --nproc-per-node "${!nproc_var:-$NPROC}" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
         launch/run.py --device "${DEVICE:-cpu}" "${@:2}"
 }
 if [ -n "${NODE_RANK:-}" ]; then  # real hosts: this host is one node

@@ -228,17 +228,21 @@ def test_help_lists_every_flag() -> None:
         assert flag in out
 
 
-@pytest.mark.parametrize("layout", ["shared", "replicated"])
+@pytest.mark.parametrize(("layout", "nprocs"), [("shared", (2, 2)), ("replicated", (2, 2)),
+                                                ("shared", (3, 1))])
 def test_two_simulated_nodes_elect_two_leaders_and_size_rows_per_node(
-        layout: str, tmp_path: Path) -> None:
+        layout: str, nprocs: tuple[int, int], tmp_path: Path) -> None:
+    """Two torchrun "nodes" (as scripts/two_nodes.sh starts them, NPROC0 / NPROC1), equal or
+    not: each node sizes its rows from its own ranks, the chunk count fits the fuller one."""
     report_path = tmp_path / "r.json"
     port = str(free_port())
+    grid = ("--tp", "2", "--pp", "2") if nprocs == (2, 2) else ("--tp", str(sum(nprocs)))
 
     def node(rank: int) -> subprocess.Popen[str]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
-               str(rank), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               str(rank), "--nproc-per-node", str(nprocs[rank]), "--master-addr", "127.0.0.1",
                "--master-port", port, str(ROOT / "launch" / "run.py"), "--device", "cpu",
-               "--tp", "2", "--pp", "2", "--layout", layout, "--cpu-bytes", "8MiB",
+               *grid, "--layout", layout, "--cpu-bytes", "8MiB",
                "--timeout", "30", "--report-json", str(report_path)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "OFFLOAD_NODE_ID": f"host{rank}"}
         return subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
@@ -248,14 +252,18 @@ def test_two_simulated_nodes_elect_two_leaders_and_size_rows_per_node(
     outputs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     report = json.loads(report_path.read_text())
-    assert report["nodes"] == [{"node_id": "host0", "leader_rank": 0, "ranks": [0, 1]},
-                               {"node_id": "host1", "leader_rank": 2, "ranks": [2, 3]}]
+    first = list(range(nprocs[0]))
+    assert report["nodes"] == [
+        {"node_id": "host0", "leader_rank": 0, "ranks": first},
+        {"node_id": "host1", "leader_rank": nprocs[0],
+         "ranks": list(range(nprocs[0], sum(nprocs)))}]
     slot = 16 * 64 * 1024
-    per_node = 2 * slot if layout == "shared" else slot
-    assert report["plan"]["row_bytes"] == {"host0": per_node, "host1": per_node}
-    assert report["plan"]["chunk_count"] == (8 << 20) // per_node
-    assert [r["slot"] for r in report["ranks"]] == ([0, 1, 0, 1] if layout == "shared"
-                                                     else [0, 0, 0, 0])
+    rows = ({"host0": nprocs[0] * slot, "host1": nprocs[1] * slot} if layout == "shared"
+            else {"host0": slot, "host1": slot})  # replicated: one stage per node here
+    assert report["plan"]["row_bytes"] == rows
+    assert report["plan"]["chunk_count"] == (8 << 20) // max(rows.values())
+    assert [r["slot"] for r in report["ranks"]] == (
+        [*first, *range(nprocs[1])] if layout == "shared" else [0] * sum(nprocs))
     assert report["transfer"]["verified"] and report["shm_files_left"] == 0
 
 
