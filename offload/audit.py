@@ -12,7 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from offload.transfer.layout import Indices
 
 _BATCH = 256  # blocks hashed per kernel batch: bounds the temporary memory
 
@@ -44,24 +47,28 @@ class Auditor:
     checked_blocks: int = 0
     mismatched_blocks: int = 0
 
-    def record(self, kv: Sequence[torch.Tensor], blocks: Sequence[int], chunks: Sequence[int],
-               positions: Sequence[int]) -> None:
-        index = torch.tensor(blocks, dtype=torch.int64)
+    def record(self, kv: Sequence[torch.Tensor], blocks: Indices, chunks: Indices,
+               positions: Indices) -> None:
+        index = torch.as_tensor(np.asarray(blocks), dtype=torch.int64)
+        places = list(zip(np.asarray(chunks).tolist(), np.asarray(positions).tolist(),
+                          strict=True))
         for t, tensor in enumerate(kv):
-            for h, c, p in zip(block_hashes(tensor, index), chunks, positions, strict=True):
+            for h, (c, p) in zip(block_hashes(tensor, index), places, strict=True):
                 self.expected[(c, p, t)] = h
 
-    def check(self, kv: Sequence[torch.Tensor], blocks: Sequence[int], chunks: Sequence[int],
-              positions: Sequence[int]) -> int:
+    def check(self, kv: Sequence[torch.Tensor], blocks: Indices, chunks: Indices,
+              positions: Indices) -> int:
         """Compare loaded blocks with their recorded hashes; return this load's mismatches."""
-        index = torch.tensor(blocks, dtype=torch.int64)
-        bad = [False] * len(blocks)
+        index = torch.as_tensor(np.asarray(blocks), dtype=torch.int64)
+        places = list(zip(np.asarray(chunks).tolist(), np.asarray(positions).tolist(),
+                          strict=True))
+        bad = [False] * len(places)
         for t, tensor in enumerate(kv):
             hashes = block_hashes(tensor, index)
-            for i, (h, c, p) in enumerate(zip(hashes, chunks, positions, strict=True)):
+            for i, (h, (c, p)) in enumerate(zip(hashes, places, strict=True)):
                 if self.expected.get((c, p, t)) != h:
                     bad[i] = True
-        self.checked_blocks += len(blocks)
+        self.checked_blocks += len(places)
         self.mismatched_blocks += sum(bad)
         return sum(bad)
 

@@ -639,3 +639,32 @@ def test_submit_returns_no_event_for_host_kv_tensors() -> None:
     out = run_group(body, 1)
     assert all(o.ok for o in out), [o.error for o in out]
     assert out[0].value is None
+
+
+def test_jobs_with_numpy_index_arrays_round_trip_and_audit() -> None:
+    def body(rank: int) -> object:
+        import numpy as np
+        import torch
+
+        from offload import CopyJob, HostTier
+
+        kv = [torch.randint(0, 256, (32, 4096), dtype=torch.uint8)]
+        original = kv[0].clone()
+        tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=4 * MiB, blocks_per_chunk=4,
+                                              tp=2, timeout_s=30), audit=True)
+        blocks = np.arange(32, dtype=np.int32)
+        chunks, positions = blocks // 4, blocks % 4
+        tier.submit(CopyJob(0, "store", blocks, chunks, positions))
+        tier.wait([0])
+        kv[0].zero_()
+        tier.submit(CopyJob(1, "load", blocks[::-1].copy(), chunks[::-1].copy(),
+                            positions[::-1].copy()))
+        tier.wait([1])
+        audit = tier.actor.auditor.to_json() if tier.actor.auditor else None
+        same = torch.equal(kv[0], original)
+        tier.close()
+        return same, audit
+
+    out = run_group(body, 2)
+    assert all(o.ok for o in out), [o.error for o in out]
+    assert [o.value for o in out] == [(True, {"checked_blocks": 32, "mismatched_blocks": 0})] * 2

@@ -7,6 +7,7 @@ tensor-major slots, one row per chunk) are tested exhaustively on any host.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,8 @@ from offload.errors import OffloadError
 from offload.plan import Plan
 
 IndexArray = np.ndarray[Any, np.dtype[np.int64]]
+# what a job's index fields accept: numpy integer arrays need no conversion per job
+Indices = Sequence[int] | np.ndarray[Any, np.dtype[np.integer[Any]]]
 
 
 @dataclass(frozen=True)
