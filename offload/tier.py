@@ -255,7 +255,8 @@ class HostTier:
         if not jobs:
             return
         timeout = self.actor.config.timeout_s if timeout_s is None else timeout_s
-        words = self._await(max(jobs), time.monotonic() + timeout)
+        last = max(jobs)
+        words = self._await(last, jobs[last], time.monotonic() + timeout)
         failed = self.actor.quorum.failures(words, min(jobs), max(jobs) + 1)
         for seq, job_id in jobs.items():
             del self._live[seq], self._seq_of[job_id]
@@ -310,14 +311,15 @@ class HostTier:
 
     def _overdue(self, job_id: int, seq: int, words: Words, waited: float) -> PeerError:
         late = self.actor.quorum.laggards(words, seq)
-        return PeerError(f"job {job_id}: ranks {late} have not completed it within "
-                         f"{waited:.3g} s (timeout {self.actor.config.timeout_s:g} s); a rank "
-                         "died or stopped polling")
+        return PeerError(f"job {job_id}: ranks {late}{_whole_nodes(self.topology, late)} have "
+                         f"not completed it within {waited:.3g} s (timeout "
+                         f"{self.actor.config.timeout_s:g} s); a rank died or stopped polling")
 
-    def _await(self, seq: int, deadline: float) -> Words:
-        """Poll until every rank has completed job ``seq``; past ``deadline`` raise
-        `PeerError` naming the ranks behind.  Spins (yielding the CPU) for the first
-        ~50 µs-scale polls, then backs off to at most 1 ms: no fixed sleep on the hot path."""
+    def _await(self, seq: int, job_id: int, deadline: float) -> Words:
+        """Poll until every rank has completed job ``job_id`` (sequence ``seq``); past
+        ``deadline`` raise `PeerError` naming the ranks behind (and any node they all left).
+        Spins (yielding the CPU) for the first ~50 µs-scale polls, then backs off to at most
+        1 ms: no fixed sleep on the hot path."""
         quorum = self.actor.quorum
         began = time.monotonic()
         polls = 0
@@ -328,9 +330,7 @@ class HostTier:
                 return words
             now = time.monotonic()
             if now >= deadline:
-                raise PeerError(f"sequence {seq}: ranks {quorum.laggards(words, seq)} have "
-                                f"not completed it within {now - began:.3g} s; a rank died "
-                                "or stopped answering")
+                raise self._overdue(job_id, seq, words, now - began)
             polls += 1
             if polls < _SPIN_POLLS:
                 os.sched_yield()
@@ -356,7 +356,7 @@ class HostTier:
         pass `submitted` as the fence to the chunk manager's ``complete_*``."""
         seq = self.actor.submitted
         request, _ = self.rpc.post(_submit_quietly, job, actor=self.actor)
-        words = self._await(seq, time.monotonic() + self.actor.config.timeout_s)
+        words = self._await(seq, job.job_id, time.monotonic() + self.actor.config.timeout_s)
         self.rpc.forget(request)  # every rank executed it: its watermark passed the job
         failed = self.actor.quorum.failures(words, seq, seq + 1)
         if failed:
@@ -422,6 +422,17 @@ class HostTier:
             self.actor.close()
             self.actor.quorum.board.close()
             cleanup.unregister(self.actor.close)
+
+
+def _whole_nodes(topology: Topology, late: Sequence[int]) -> str:
+    """The nodes all of whose ranks are among ``late`` (in a tier of several nodes), as a
+    clause for the timeout error: a dead host is named, not just its ranks."""
+    if len(topology.nodes) < 2:
+        return ""
+    down = [n.node_id for n in topology.nodes if set(n.ranks) <= set(late)]
+    if not down:
+        return ""
+    return f" (every rank of node {', '.join(down)}: the node is down or cut off)"
 
 
 def _submit_quietly(actor: RankActor, job: CopyJob) -> None:

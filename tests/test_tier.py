@@ -618,7 +618,7 @@ def test_a_killed_rank_fails_the_driver_within_the_timeout_and_leaves_nothing(
     failed_after, message = out[0].value
     assert failed_after < 1.0 + 4 + 3, message  # kill at ~1 s, then the 4 s RPC timeout
     assert "ranks [2] have not completed it" in message
-    assert out[1].value.startswith("aborted: sequence ")
+    assert out[1].value.startswith("aborted: job ")
     assert out[2].exitcode == -9
 
 
@@ -668,3 +668,36 @@ def test_jobs_with_numpy_index_arrays_round_trip_and_audit() -> None:
     out = run_group(body, 2)
     assert all(o.ok for o in out), [o.error for o in out]
     assert [o.value for o in out] == [(True, {"checked_blocks": 32, "mismatched_blocks": 0})] * 2
+
+
+def test_a_dead_node_is_named_by_every_survivor_within_the_timeout() -> None:
+    """Both ranks of simulated node b die after set-up (as when the host goes down); the ranks
+    of node a fail their next job within the timeout, naming node b."""
+
+    def body(rank: int) -> object:
+        import os
+        import time
+
+        import torch
+
+        from offload import CopyJob, HostTier, PeerError
+
+        kv = [torch.zeros((8, 4096), dtype=torch.uint8)]
+        tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=4 * MiB, blocks_per_chunk=4,
+                                              tp=4, timeout_s=3))
+        if tier.topology.node_id == "b":
+            os._exit(0)  # the whole node goes, no cleanup runs
+        tier.submit(CopyJob(0, "store", (0,), (0,), (0,)))
+        began = time.monotonic()
+        try:
+            tier.wait([0])
+        except PeerError as exc:
+            return str(exc), time.monotonic() - began
+        return "no error", 0.0
+
+    out = run_group(body, 4, nodes=["a", "a", "b", "b"], timeout=90, pg_timeout=15)
+    for o in out[:2]:
+        assert o.value is not None, o.error
+        message, waited = o.value
+        assert "ranks [2, 3] (every rank of node b: the node is down or cut off)" in message
+        assert waited < 10
