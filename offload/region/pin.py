@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from offload.cuda_driver import check, require_libcuda
 from offload.geometry import ByteRange
 from offload.sizes import format_size
 
@@ -67,13 +68,13 @@ class CudaRegistrar:
     def __init__(self, device: torch.device) -> None:
         torch.cuda.init()
         index = device.index if device.index is not None else torch.cuda.current_device()
-        self._cuda = ctypes.CDLL("libcuda.so.1")
-        self._check(self._cuda.cuInit(0), "cuInit")
+        self._cuda = require_libcuda()
+        check(self._cuda.cuInit(0), "cuInit")
         dev = ctypes.c_int()
-        self._check(self._cuda.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
+        check(self._cuda.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
         self._context = ctypes.c_void_p()
         # Retained for the process's life, like the runtime's own reference to it.
-        self._check(self._cuda.cuDevicePrimaryCtxRetain(ctypes.byref(self._context), dev),
+        check(self._cuda.cuDevicePrimaryCtxRetain(ctypes.byref(self._context), dev),
                     "cuDevicePrimaryCtxRetain")
         self._cuda.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
                                                     ctypes.c_uint]
@@ -83,23 +84,15 @@ class CudaRegistrar:
     def register(self, address: int, length: int) -> None:
         self._bind()
         flags = CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP
-        self._check(self._cuda.cuMemHostRegister_v2(address, length, flags),
+        check(self._cuda.cuMemHostRegister_v2(address, length, flags),
                     f"cuMemHostRegister of {length} B ({format_size(length)}) at {address:#x}")
 
     def unregister(self, address: int) -> None:
         self._bind()
-        self._check(self._cuda.cuMemHostUnregister(address), f"cuMemHostUnregister at {address:#x}")
+        check(self._cuda.cuMemHostUnregister(address), f"cuMemHostUnregister at {address:#x}")
 
     def _bind(self) -> None:
-        self._check(self._cuda.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
-
-    def _check(self, result: int, what: str) -> None:
-        if result == 0:
-            return
-        text = ctypes.c_char_p()
-        self._cuda.cuGetErrorString(result, ctypes.byref(text))
-        message = text.value.decode() if text.value else "unknown error"
-        raise RuntimeError(f"{what} failed: CUDA error {result} ({message})")
+        check(self._cuda.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
 
 
 class Pinner:

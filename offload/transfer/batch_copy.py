@@ -19,9 +19,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from offload.cuda_driver import driver_call, has_entry_point
 from offload.transfer.base import Direction
 from offload.transfer.cuda import StreamEngine
-from offload.transfer.driver import driver_call, has_entry_point
 from offload.transfer.layout import Job, SlotLayout, coalesce, page_addresses
 
 CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1

@@ -27,9 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from offload.cuda_driver import driver_call
 from offload.transfer.base import Direction
 from offload.transfer.cuda import DEFAULT_COPY_PROGRAMS, StreamEngine
-from offload.transfer.driver import driver_call
 from offload.transfer.layout import Job, SlotLayout, common_alignment
 
 STEP_BYTES = 32 << 10  # per program and step in flight

@@ -1,0 +1,47 @@
+"""The CUDA driver through ctypes: the library, its entry points and one error check.
+
+Used by the copy paths (raw pointer arrays, no Python object per page; the calls act on the
+calling thread's current context, which torch has made current by the time an engine issues)
+and by host registration (`offload.region.pin`, which binds its context itself).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+
+@cache
+def libcuda() -> ctypes.CDLL | None:
+    """The driver library, or None on hosts without one."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+def has_entry_point(name: str) -> bool:
+    lib = libcuda()
+    return lib is not None and hasattr(lib, name)
+
+
+def require_libcuda() -> ctypes.CDLL:
+    lib = libcuda()
+    if lib is None:
+        raise RuntimeError("no CUDA driver (libcuda.so.1) on this host")
+    return lib
+
+
+def check(result: int, what: str) -> None:
+    """Raise with the driver's own message when a driver call returned non-zero."""
+    if result == 0:
+        return
+    text = ctypes.c_char_p()
+    require_libcuda().cuGetErrorString(result, ctypes.byref(text))
+    message = text.value.decode() if text.value else "unknown error"
+    raise RuntimeError(f"{what} failed: CUDA error {result} ({message})")
+
+
+def driver_call(name: str, *args: object) -> None:
+    """Call driver function ``name``; a non-zero result raises with the driver's message."""
+    check(getattr(require_libcuda(), name)(*args), name)
