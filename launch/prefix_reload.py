@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "page; the job must report a mismatch and exit 1")
     p.add_argument("--report-json", default=None, metavar="PATH",
                    help="rank 0 writes the JSON report there")
-    p.add_argument("--shm-dir", default="/dev/shm", help="where region files are created")
+    p.add_argument("--shm-dir", default=None, metavar="DIR",
+                   help="keep the region in visible files in DIR (default: nameless memfds)")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds any rank waits for a peer before failing the job")
     return p
@@ -456,7 +457,7 @@ def run(args: argparse.Namespace) -> int:
         tier.close()
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, outcomes)
-    left = shm_files_left(tier, args.shm_dir)
+    left = shm_files_left(tier, args.shm_dir or "/dev/shm")
     report = build_report(args, tier, kv_heads, heads, dtype, tf.__version__, prompts, gathered)
     report["shm_files_left"] = left
     ok = report["matched"] == report["reloads"] and report["mismatched"] == 0 and left == 0

@@ -5,8 +5,12 @@ Every rank submits the same 1-block store (jobs alternate between two blocks), t
 decider's mark to `finished(mark)` the way an engine's step broadcast would.  A gloo barrier
 before each job (outside the timed span) keeps the ranks in step.  The timed span is rank 0's
 `submit` start to the moment it holds the decision (``submit_median_us``: the part spent inside
-`submit`, which on CPU tensors includes the copy itself).  CUDA KV tensors where a GPU exists
-(``--device cuda``, rank ``r`` on GPU ``r % count``), else CPU tensors.
+`submit`, which on CPU tensors includes the copy itself).  The ranks leave the barrier up to
+hundreds of microseconds apart, so ``from_last_us`` also times each job from the *last* rank's
+`submit` start (``time.perf_counter`` is CLOCK_MONOTONIC, one clock for every process of the
+host): the completion path itself, without the skew of the engine's own broadcast.  CUDA KV
+tensors where a GPU exists (``--device cuda``, rank ``r`` on GPU ``r % count``), else CPU
+tensors.
 
 ``--driven`` times rank 0's `run(job)` instead: the command broadcast through the store, every
 rank's copy, and the same watermark completion.
@@ -59,7 +63,7 @@ def _rank_main(rank: int, world: int, port: int, jobs: int, device: str, driven:
     def job(i: int) -> CopyJob:  # 1 block: i % 2 -> chunk 0 position i % 2; 0: no copy at all
         return CopyJob(i, "store", (i % 2,) * blocks, (0,) * blocks, (i % 2,) * blocks)
 
-    samples, submits = [], []
+    samples, submits, starts, decided = [], [], [], []
     mark = None
     if driven:  # rank 0 drives every job through the RPC; the others serve
         if rank == 0:
@@ -82,12 +86,14 @@ def _rank_main(rank: int, world: int, port: int, jobs: int, device: str, driven:
         began = time.perf_counter()
         tier.submit(job(i))
         submits.append(time.perf_counter() - began)
+        starts.append(began)
         if not engine_loop:
             while not tier.done(i):
                 os.sched_yield()  # ranks may outnumber cores: let the others copy
         elif rank == 0:
             while not any(r.job_id == i for r in tier.finished()):
                 os.sched_yield()
+            decided.append(time.perf_counter())
             mark = tier.mark
         else:
             while tier.poll():  # our copy must land before we block in the next broadcast
@@ -102,13 +108,20 @@ def _rank_main(rank: int, world: int, port: int, jobs: int, device: str, driven:
     elif engine_loop:
         dist.broadcast_object_list([mark], src=0)
     tier.close()
+    everyone: list[Any] = [None] * world
+    if not driven:
+        dist.all_gather_object(everyone, starts)
     if rank == 0:
         skip = min(50, len(samples) // 10)
+        from_last = sorted(d - max(s[i] for s in everyone)
+                           for i, d in enumerate(decided) if i >= skip)
         warm = sorted(samples[skip:])
         out.put({"ranks": world, "jobs": len(warm),
                  "median_us": round(statistics.median(warm) * 1e6, 1),
                  "p99_us": round(warm[int(0.99 * (len(warm) - 1))] * 1e6, 1),
                  "submit_median_us": round(statistics.median(submits[skip:]) * 1e6, 1),
+                 "from_last_us": (round(statistics.median(from_last) * 1e6, 1)
+                                  if from_last else None),
                  "path": "run" if driven else "finished" if engine_loop else "done",
                  "blocks": blocks,
                  "device": device})

@@ -51,6 +51,7 @@ def single_rank_region(layout: str, cpu_bytes: int, registrar: Registrar | None 
 
 def group_region(rank: int, job_id: str, layout: str, cpu_bytes: int,
                  pages: Callable[[int], Sequence[int]] = lambda rank: PAGES, pp: int = 1,
+                 registrar: RecordingRegistrar | None = None,
                  **overrides: Any) -> tuple[HostRegion, Plan, RecordingRegistrar]:
     """Inside a run_group rank: discover, agree on a plan, create the region."""
     import torch.distributed as dist
@@ -66,7 +67,7 @@ def group_region(rank: int, job_id: str, layout: str, cpu_bytes: int,
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
     plan = compute_plan(everyone)
-    registrar = RecordingRegistrar()
+    registrar = registrar or RecordingRegistrar()
     return HostRegion.create(plan, topology, config, job_id, registrar), plan, registrar
 
 
@@ -201,10 +202,24 @@ def test_shared_one_creator_and_each_rank_lands_in_its_slot(job: str,
         assert v["prefault"] == v["resident"] == rows * size
 
 
+class ResidencyRegistrar(RecordingRegistrar):
+    """Records, in order, each registration and whether this process had populated all of its
+    pages then (pages another rank populated count only once this one touches them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order: list[tuple[int, int, bool]] = []
+
+    def register(self, address: int, length: int) -> None:
+        self.order.append((address, length, resident_bytes(address, length) == length))
+        super().register(address, length)
+
+
 def _replicated_body(rank: int, job_id: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    region, _plan, registrar = group_region(rank, job_id, "replicated", 3 * MiB)
+    registrar = ResidencyRegistrar()
+    region, _plan, _ = group_region(rank, job_id, "replicated", 3 * MiB, registrar=registrar)
     try:
         resident = resident_bytes(region.address, region.size)
         if rank == 0:  # the single writer
@@ -213,7 +228,8 @@ def _replicated_body(rank: int, job_id: str) -> dict[str, Any]:
         seen = torch.equal(region.tensor, expected_region(region.plan, [0], region.size))
         return {"resident": resident, "prefault": region.stats.prefault_bytes,
                 "size": region.size, "seen": seen,
-                "registered": sum(registrar.registered.values())}
+                "registered": sum(registrar.registered.values()),
+                "order": [(a - region.address, n, full) for a, n, full in registrar.order]}
     finally:
         dist.barrier()
         region.close()
@@ -229,6 +245,14 @@ def test_replicated_shards_cover_the_region_exactly_once(job: str) -> None:
     assert sum(v["prefault"] for v in values) == size
     assert all(v["prefault"] > 0 for v in values)
     assert all(v["seen"] and v["registered"] == size for v in values)
+    # registered in piece-sized runs: first those in the rank's own shard, as soon as it had
+    # populated them (during its pre-fault), then the rest after the node's exchange
+    shards = [(0, values[0]["prefault"]), (values[0]["prefault"], size)]
+    for v, (lo, hi) in zip(values, shards, strict=True):
+        own = [lo <= offset and offset + n <= hi for offset, n, _ in v["order"]]
+        assert len(v["order"]) > 1 and own[0], v["order"]
+        assert own == sorted(own, reverse=True)
+        assert all(full for (_, _, full), mine in zip(v["order"], own, strict=True) if mine)
 
 
 def _replicated_stages_body(rank: int, job_id: str) -> dict[str, Any]:

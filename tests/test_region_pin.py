@@ -117,6 +117,22 @@ def test_pipeline_registers_a_range_as_soon_as_its_pieces_are_done() -> None:
     assert registrar.registered == {0: 4 * MiB, 4 * MiB: 4 * MiB}
 
 
+def test_pipeline_holds_ranges_populated_elsewhere_until_release() -> None:
+    registrar = RecordingRegistrar()
+    ranges = [ByteRange(0, 4 * MiB), ByteRange(4 * MiB, 4 * MiB)]
+    pieces = [ByteRange(0, 6 * MiB)]  # ours; [6, 8) MiB is another rank's
+    pipeline = PinPipeline(Pinner(registrar, 0), ranges, pieces, held=[ranges[1]])
+    pipeline.piece_done(pieces[0])
+    deadline = time.monotonic() + 5
+    while not registrar.registered and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert list(registrar.registered) == [0]  # range 1 waits for the release
+    pipeline.release()
+    pipeline.finish()
+    assert registrar.registered == {0: 4 * MiB, 4 * MiB: 4 * MiB}
+
+
 def test_pipeline_finish_reports_ranges_still_waiting() -> None:
     pipeline = PinPipeline(Pinner(RecordingRegistrar(), 0), [ByteRange(0, 4096)],
                            [ByteRange(0, 4096)])

@@ -16,7 +16,9 @@ from offload.errors import OffloadError
 from offload.plan import RankDescriptor, compute_plan
 from offload.transfer import Job, SlotLayout, check_job, page_addresses
 from offload.transfer.layout import (
+    SMALL_JOB,
     UniqueDestinations,
+    _small_job,
     as_index_array,
     chunk_starts,
     common_alignment,
@@ -191,6 +193,34 @@ def test_unique_destinations_matches_a_set(dest: list[int], sorted_path: bool) -
     else:
         with pytest.raises(OffloadError, match="of the job both write GPU block"):
             check.check(job)
+
+
+def _outcome(job: tuple[object, ...], field: str | None) -> tuple[list[int], list[int]] | str:
+    unique = UniqueDestinations(field, 64 if field == "blocks" else 12, 4) if field else None
+    try:
+        checked = check_job(LAYOUT, *job, num_blocks=64, chunk_count=3, unique=unique)
+    except OffloadError as exc:
+        return str(exc)
+    return checked.blocks.tolist(), checked.host_pages.tolist()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(-2, 66), st.integers(-1, 4), st.integers(-1, 5)),
+                max_size=20),
+       st.sampled_from([None, "blocks", "host_pages"]), st.booleans())
+def test_short_list_jobs_take_the_python_path_with_the_same_outcome(
+        triples: list[tuple[int, int, int]], field: str | None, as_tuples: bool) -> None:
+    """Lists and tuples of up to SMALL_JOB ints are checked in Python; the result and every
+    error must be those of the numpy path (arrays)."""
+    columns = [[t[i] for t in triples] for i in range(3)]
+    fast = tuple(tuple(c) if as_tuples else c for c in columns)
+    arrays = tuple(np.array(c, dtype=np.int64) for c in columns)
+    outcome = _outcome(fast, field)
+    assert outcome == _outcome(arrays, field)
+    distinct = all(len(set(c)) == len(c) for c in (columns[0], outcome[1])) \
+        if not isinstance(outcome, str) else False
+    taken = _small_job(LAYOUT, *fast, num_blocks=64, chunk_count=3)
+    assert (taken is not None) == (distinct and len(triples) <= SMALL_JOB)
 
 
 def test_a_cuda_index_tensor_is_refused_without_a_sync() -> None:

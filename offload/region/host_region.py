@@ -20,14 +20,13 @@ check must precede all of them), the first step of the protocol below for node r
   every rank removes whatever of them is still there.
 
 Then the rank pre-faults its share (``geometry.prefault_ranges``) and registers
-``geometry.registration_ranges``.  When this rank populates every byte it registers (private,
-shared), registrations are cut on row boundaries into pre-fault-piece-sized runs and each is
-registered as soon as its pages are in, on a pin thread, while later pieces populate (on an
-H200 host, 32 GiB / 16 threads: 3.8-4.0 s against 3.1-3.3 s for pre-fault alone; one
-registration after pre-fault took 4.1-4.4 s; whole-range or 4x coarser pipelining was worse).
-Replicated ranks register their stage's slot (the whole region when the node holds one stage),
-populated by the shards of all local ranks, so they pin after a node exchange that follows
-pre-fault.
+``geometry.registration_ranges``, cut on row boundaries into pre-fault-piece-sized runs (at
+most ``prefault.MAX_PIECE``).  A pin thread registers each run as soon as the pieces holding its
+pages are in, while later pieces populate.  Runs with pages that other local ranks populate (a
+replicated rank registers its stage's slot, the whole region when the node holds one stage,
+but pre-faults one shard) also wait for the node exchange that follows pre-fault.  Measured on
+an H200 host, 2 ranks x 24 GiB private: 256 MiB runs 1.5-1.8x the pre-fault floor, 32 MiB runs
+0.94x (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -100,15 +99,16 @@ def region_geometry(plan: Plan, rank: int) -> RegionGeometry:
                           slot.slot_offset, slot.slot_bytes, plan.page_size)
 
 
-def covers(outer: list[ByteRange], inner: list[ByteRange]) -> bool:
-    """Whether every range of ``inner`` lies inside one range of the merged ``outer``."""
+def uncovered(outer: list[ByteRange], inner: list[ByteRange]) -> list[ByteRange]:
+    """The ranges of ``inner`` that do not lie inside one range of the merged ``outer``."""
     merged = merge_ranges(outer)
     starts = [r.offset for r in merged]
+    out = []
     for r in inner:
         i = bisect.bisect_right(starts, r.offset) - 1
         if i < 0 or merged[i].end < r.end:
-            return False
-    return True
+            out.append(r)
+    return out
 
 
 class HostRegion:
@@ -248,24 +248,23 @@ class HostRegion:
         self.stats.prefault_bytes = sum(r.length for r in own)
         self.stats.pin_plan_bytes = sum(r.length for r in registrations)
         pinner = self._pinner = Pinner(self.registrar, self.address)
-        if covers(own, registrations):
-            # Piece-sized registrations become ready while pre-fault still runs elsewhere.
-            grain = max((p.length for p in pieces), default=self.geometry.row_stride)
-            registrations = split_rows(registrations, self.geometry.row_stride, grain)
-            self._pipeline = PinPipeline(pinner, registrations, pieces)
+        # Piece-sized registrations become ready while pre-fault still runs; those holding
+        # pages this rank does not populate (replicated) wait for the node's exchange too.
+        grain = max((p.length for p in pieces), default=self.geometry.row_stride)
+        registrations = split_rows(registrations, self.geometry.row_stride, grain)
+        pipeline = self._pipeline = PinPipeline(pinner, registrations, pieces,
+                                                held=uncovered(own, registrations))
 
         def populate() -> None:
-            on_piece = self._pipeline.piece_done if self._pipeline is not None else None
             result = prefault(self.address, pieces, threads=config.prefault_threads,
-                              on_piece=on_piece, progress=progress)
+                              on_piece=pipeline.piece_done, progress=progress)
             self.stats.prefault_fallback = result.fallback
             self.stats.timings_s["prefault"] = result.seconds
 
         def pin() -> None:
-            if self._pipeline is None:
-                self._pipeline = PinPipeline(pinner, registrations)
+            pipeline.release()
             try:
-                self._pipeline.finish()
+                pipeline.finish()
             except Exception as exc:  # roll back; the group decides to run unpinned
                 pinner.unpin_all()
                 self.stats.pin_error = one_line(exc)
@@ -281,7 +280,7 @@ class HostRegion:
             pin_start = time.perf_counter()
             sync.step("pinning", pin)
         self.stats.timings_s["pin"] = time.perf_counter() - pin_start
-        self.stats.timings_s["pin_busy"] = self._pipeline.busy_s if self._pipeline else 0.0
+        self.stats.timings_s["pin_busy"] = pipeline.busy_s
         self.stats.registrations = len(pinner.registered)
         self.stats.pinned_bytes = pinner.pinned_bytes
         self.pinned = (self.registrar.counts_as_pinned and bool(registrations)

@@ -4,7 +4,10 @@ Registration is serialised host-wide by the driver and runs at about the pre-fau
 doing it after pre-fault nearly doubles start-up.  A ``PinPipeline`` counts, for every
 registration range, the pre-fault pieces that overlap it; the worker that finishes a range's
 last piece queues it, and one pin thread registers queued ranges while later pieces populate.
-Built with no pieces, every range is ready at once (pinning after a barrier).
+Ranges whose pages other processes populate (a replicated rank registers the whole node region
+but pre-faults only its shard) are ``held`` as well: they wait for `release`, which the region
+calls after the node's pre-fault exchange.  Built with no pieces and nothing held, every range
+is ready at once (pinning after a barrier).
 """
 
 from __future__ import annotations
@@ -37,10 +40,11 @@ def split_rows(ranges: Sequence[ByteRange], row_stride: int, grain: int) -> list
 
 
 class PinPipeline:
-    """Registers ``ranges`` (sorted, disjoint) through ``pinner`` on its own thread."""
+    """Registers ``ranges`` (sorted, disjoint) through ``pinner`` on its own thread; each waits
+    for the ``pieces`` that overlap it and, if listed in ``held``, for `release`."""
 
     def __init__(self, pinner: Pinner, ranges: Sequence[ByteRange],
-                 pieces: Sequence[ByteRange] = ()) -> None:
+                 pieces: Sequence[ByteRange] = (), held: Sequence[ByteRange] = ()) -> None:
         self._pinner = pinner
         self._ranges = list(ranges)
         self._starts = [r.offset for r in self._ranges]
@@ -48,6 +52,10 @@ class PinPipeline:
         for piece in pieces:
             for i in self._overlapping(piece):
                 self._remaining[i] += 1
+        index = {r: i for i, r in enumerate(self._ranges)}
+        self._held = [index[r] for r in held]
+        for i in self._held:
+            self._remaining[i] += 1
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._stopped = threading.Event()
@@ -61,9 +69,17 @@ class PinPipeline:
 
     def piece_done(self, piece: ByteRange) -> None:
         """Called by a pre-fault worker once ``piece`` is populated."""
+        self._count_down(self._overlapping(piece))
+
+    def release(self) -> None:
+        """The ``held`` ranges' pages are in (every local rank finished its pre-fault)."""
+        held, self._held = self._held, []
+        self._count_down(iter(held))
+
+    def _count_down(self, indices: Iterator[int]) -> None:
         ready = []
         with self._lock:
-            for i in self._overlapping(piece):
+            for i in indices:
                 self._remaining[i] -= 1
                 if self._remaining[i] == 0:
                     ready.append(i)

@@ -39,6 +39,7 @@ class StreamEngine(EngineBase):
         self._device = self._geometry.device
         self._stream = torch.cuda.Stream(self._device, priority=priority)
         self._ordered = torch.cuda.Event()  # re-recorded per job: the caller's stream point
+        self._caller: tuple[int, torch.cuda.Stream] | None = None  # (raw handle, stream)
         self._pending: deque[tuple[int, torch.cuda.Event, object]] = deque()
 
     @property
@@ -49,7 +50,7 @@ class StreamEngine(EngineBase):
                ) -> torch.cuda.Event:
         stream = self._stream
         if after is None:
-            self._ordered.record(torch.cuda.current_stream(self._device))
+            self._ordered.record(self._current_stream())
             stream.wait_event(self._ordered)
         elif isinstance(after, torch.cuda.Event):
             stream.wait_event(after)
@@ -63,6 +64,15 @@ class StreamEngine(EngineBase):
         done.record(stream)
         self._pending.append((job_id, done, keep))
         return done
+
+    def _current_stream(self) -> torch.cuda.Stream:
+        """The caller's current stream; the stream object is rebuilt only when the raw handle
+        changes (``torch.cuda.current_stream`` builds a new one per call, which costs more
+        than the rest of a small job's launch on a cold CPU)."""
+        raw = torch._C._cuda_getCurrentRawStream(self._device.index)
+        if self._caller is None or self._caller[0] != raw:
+            self._caller = (raw, torch.cuda.current_stream(self._device))
+        return self._caller[1]
 
     def _launch(self, direction: Direction, job: Job) -> object:
         raise NotImplementedError
