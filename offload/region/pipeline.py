@@ -39,6 +39,9 @@ def split_rows(ranges: Sequence[ByteRange], row_stride: int, grain: int) -> list
     return out
 
 
+PIN_THREADS = 1  # registration threads per process
+
+
 class PinPipeline:
     """Registers ``ranges`` (sorted, disjoint) through ``pinner`` on its own thread; each waits
     for the ``pieces`` that overlap it and, if listed in ``held``, for `release`."""
@@ -64,8 +67,10 @@ class PinPipeline:
         for i, count in enumerate(self._remaining):
             if count == 0:
                 self._queue.put(i)
-        self._thread = threading.Thread(target=self._run, name="offload-pin", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name=f"offload-pin-{i}", daemon=True)
+                         for i in range(PIN_THREADS)]
+        for thread in self._threads:
+            thread.start()
 
     def piece_done(self, piece: ByteRange) -> None:
         """Called by a pre-fault worker once ``piece`` is populated."""
@@ -89,8 +94,7 @@ class PinPipeline:
     def finish(self) -> None:
         """Wait until every range is registered (all pieces must be done) or raise the
         registration error.  Rolling back is the pinner owner's job."""
-        self._queue.put(None)
-        self._thread.join()
+        self._join()
         if self._error is not None:
             raise self._error
         pending = [r for r, n in zip(self._ranges, self._remaining, strict=True) if n]
@@ -101,9 +105,14 @@ class PinPipeline:
     def stop(self) -> None:
         """Abandon queued ranges and wait for the thread (error paths, close)."""
         self._stopped.set()
-        self._queue.put(None)
-        if self._thread is not threading.current_thread():
-            self._thread.join()
+        self._join()
+
+    def _join(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join()
 
     def _run(self) -> None:
         while (i := self._queue.get()) is not None:
@@ -114,7 +123,8 @@ class PinPipeline:
                 self._pinner.pin(self._ranges[i])
             except BaseException as exc:
                 self._error = exc
-            self.busy_s += time.perf_counter() - start
+            with self._lock:
+                self.busy_s += time.perf_counter() - start
 
     def _overlapping(self, piece: ByteRange) -> Iterator[int]:
         i = max(0, bisect.bisect_right(self._starts, piece.offset) - 1)
