@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from offload.region.nameless import memfd_mapping
 from offload.sizes import format_size, parse_size
 from offload.transfer import Direction, SlotLayout
 from offload.transfer.cuda import DEFAULT_COPY_PROGRAMS, PerBlockEngine, StreamEngine
@@ -189,7 +190,8 @@ def bench_rank(rank: int, args: argparse.Namespace, barrier: Any = None) -> Rank
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
     gpu = torch.randint(0, 256, (args.total_bytes,), dtype=torch.uint8, device=device)
-    host = torch.empty(args.total_bytes, dtype=torch.uint8).fill_(1)  # first touch, untimed
+    mapping = memfd_mapping(f"bench-transfer-{rank}", args.total_bytes)  # page-aligned
+    host = mapping.tensor[:args.total_bytes].fill_(1)  # first touch, untimed
     a = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device=device)
     mm_one = matmul_seconds(a, 10) / 10
     result = RankResult(rank, torch.cuda.get_device_name(device))

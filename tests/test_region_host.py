@@ -24,7 +24,7 @@ from offload.region import HostRegion, RecordingRegistrar
 from offload.region.pin import Registrar
 from offload.topology import NodeInfo, Topology
 from tests.harness import Outcome, run_group, shm_entries
-from tests.test_region_prefault import resident_bytes
+from tests.test_region_prefault import all_pages_mapped, resident_bytes
 
 KiB, MiB = 1 << 10, 1 << 20
 PAGES = (4 * KiB, 8 * KiB)  # two KV tensors per rank
@@ -154,15 +154,39 @@ def test_private_region_is_nameless_or_unlinked_and_maps_every_segment(
     assert region.size == 0 and region.tensor.numel() == 0
 
 
+class ResidencyRegistrar(RecordingRegistrar):
+    """Records, in order, each registration and whether this process had populated all of its
+    pages then (pages another rank populated count only once this one touches them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order: list[tuple[int, int, bool]] = []
+
+    def register(self, address: int, length: int) -> None:
+        self.order.append((address, length, all_pages_mapped(address, length)))
+        super().register(address, length)
+
+
+def test_private_registers_whole_ranges_after_pre_fault() -> None:
+    registrar = ResidencyRegistrar()
+    region = single_rank_region("private", 3 * MiB, registrar)
+    try:
+        assert [(a - region.address, n, full) for a, n, full in registrar.order] == [
+            (0, region.size, True)]
+    finally:
+        region.close()
+
+
 # ---------------------------------------------------------------- shared / replicated
 
 def _shared_body(rank: int, job_id: str, mode: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     created = counting_creates(rank)
-    region, plan, registrar = group_region(rank, job_id, "shared", 3 * MiB,
-                                           pages=lambda r: PAGES if r == 0 else SLOW_PAGES,
-                                           **mode)
+    registrar = ResidencyRegistrar()
+    region, plan, _ = group_region(rank, job_id, "shared", 3 * MiB,
+                                   pages=lambda r: PAGES if r == 0 else SLOW_PAGES,
+                                   registrar=registrar, **mode)
     try:
         left = job_files(job_id, mode.get("shm_dir", "/dev/shm"))
         memfds = sorted(memfd_mappings(job_id))
@@ -179,7 +203,8 @@ def _shared_body(rank: int, job_id: str, mode: dict[str, Any]) -> dict[str, Any]
                 "slot": (slot.slot_offset, slot.slot_bytes, plan.row_stride(rank),
                          plan.chunk_count),
                 "prefault": region.stats.prefault_bytes,
-                "resident": resident}
+                "resident": resident,
+                "populated": [full for _, _, full in registrar.order]}
     finally:
         dist.barrier()
         region.close()
@@ -197,22 +222,10 @@ def test_shared_one_creator_and_each_rank_lands_in_its_slot(job: str,
         assert v["memfds"] == ([] if mode else [f"/memfd:offload-{job}-L0-s{i}"
                                                 for i in range(v["segments"])])
         offset, size, stride, rows = v["slot"]
-        # one registration per row over exactly this rank's slot
+        # one registration per row over exactly this rank's slot, each once its pages were in
         assert v["registered"] == [(r * stride + offset, size) for r in range(rows)]
+        assert all(v["populated"]), v["populated"]
         assert v["prefault"] == v["resident"] == rows * size
-
-
-class ResidencyRegistrar(RecordingRegistrar):
-    """Records, in order, each registration and whether this process had populated all of its
-    pages then (pages another rank populated count only once this one touches them)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.order: list[tuple[int, int, bool]] = []
-
-    def register(self, address: int, length: int) -> None:
-        self.order.append((address, length, resident_bytes(address, length) == length))
-        super().register(address, length)
 
 
 def _replicated_body(rank: int, job_id: str) -> dict[str, Any]:
@@ -245,14 +258,8 @@ def test_replicated_shards_cover_the_region_exactly_once(job: str) -> None:
     assert sum(v["prefault"] for v in values) == size
     assert all(v["prefault"] > 0 for v in values)
     assert all(v["seen"] and v["registered"] == size for v in values)
-    # registered in piece-sized runs: first those in the rank's own shard, as soon as it had
-    # populated them (during its pre-fault), then the rest after the node's exchange
-    shards = [(0, values[0]["prefault"]), (values[0]["prefault"], size)]
-    for v, (lo, hi) in zip(values, shards, strict=True):
-        own = [lo <= offset and offset + n <= hi for offset, n, _ in v["order"]]
-        assert len(v["order"]) > 1 and own[0], v["order"]
-        assert own == sorted(own, reverse=True)
-        assert all(full for (_, _, full), mine in zip(v["order"], own, strict=True) if mine)
+    # whole rows after the node's exchange: pages the other rank populated are in by then
+    assert all(len(v["order"]) == 1 and v["order"][0][:2] == (0, size) for v in values)
 
 
 def _replicated_stages_body(rank: int, job_id: str) -> dict[str, Any]:

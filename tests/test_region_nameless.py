@@ -11,7 +11,7 @@ import uuid
 import pytest
 
 from offload.errors import PeerError
-from offload.region.nameless import FdOffer, create_memfd, fetch_fds, socket_name
+from offload.region.nameless import FdOffer, create_memfd, fetch_fds, memfd_mapping, socket_name
 from offload.region.shm import close_fds
 
 
@@ -57,6 +57,20 @@ def test_memfd_is_nameless_and_sealed_against_shrinking() -> None:
         os.ftruncate(fd, 16384)  # growing stays allowed
     finally:
         os.close(fd)
+
+
+def test_memfd_mapping_is_page_aligned_writable_and_rounded_up() -> None:
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    mapping = memfd_mapping(name, 3 * mmap.PAGESIZE + 1)
+    try:
+        assert mapping.address % mmap.PAGESIZE == 0 and mapping.size == 4 * mmap.PAGESIZE
+        mapping.tensor.fill_(7)
+        assert int(mapping.tensor.sum()) == 7 * mapping.size
+        assert not any(name in os.readlink(f"/proc/self/fd/{fd}")
+                       for fd in map(int, os.listdir("/proc/self/fd"))
+                       if os.path.exists(f"/proc/self/fd/{fd}"))  # no descriptor kept
+    finally:
+        mapping.close()
 
 
 def test_a_peer_without_a_leader_fails_within_its_timeout() -> None:

@@ -13,7 +13,7 @@ import torch
 from offload.geometry import ByteRange
 from offload.region import RecordingRegistrar, choose_registrar
 from offload.region.pin import CudaRegistrar, Pinner
-from offload.region.pipeline import PinPipeline, split_rows
+from offload.region.pipeline import PinPipeline
 from tests.test_region_host import single_rank_region
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -138,16 +138,6 @@ def test_pipeline_finish_reports_ranges_still_waiting() -> None:
                            [ByteRange(0, 4096)])
     with pytest.raises(RuntimeError, match="still wait"):
         pipeline.finish()
-
-
-def test_split_rows_cuts_long_ranges_on_row_boundaries_only() -> None:
-    stride = 3 * 4096
-    ranges = [ByteRange(0, 10 * stride), ByteRange(4096, 4096)]  # rows, then one slot
-    got = split_rows(ranges, stride, 4 * stride + 100)
-    assert got == [ByteRange(0, 4 * stride), ByteRange(4 * stride, 4 * stride),
-                   ByteRange(8 * stride, 2 * stride), ByteRange(4096, 4096)]
-    assert split_rows([ByteRange(0, 2 * stride)], stride, 1) == [ByteRange(0, stride),
-                                                                  ByteRange(stride, stride)]
 
 
 def test_cpu_kv_gets_the_recording_registrar() -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import errno
+import mmap
 import re
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,6 +34,17 @@ def resident_bytes(address: int, size: int) -> int:
     return total
 
 
+def all_pages_mapped(address: int, size: int) -> bool:
+    """Whether every page of [address, address + size) is present in this process's page
+    tables (/proc/self/pagemap bit 63), at page granularity unlike smaps' Rss per VMA."""
+    page = mmap.PAGESIZE
+    first, last = address // page, (address + size - 1) // page
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = np.frombuffer(f.read((last - first + 1) * 8), dtype=np.uint64)
+    return bool((entries >> np.uint64(63)).all())
+
+
 @pytest.fixture
 def mapping() -> Iterator[shm.Mapping]:
     """Two 2 MiB nameless segments mapped back to back."""
@@ -50,12 +63,14 @@ def pieces_of(m: shm.Mapping, threads: int = 2) -> list[ByteRange]:
 
 def test_madvise_populates_every_page_from_threads(mapping: shm.Mapping) -> None:
     assert resident_bytes(mapping.address, mapping.size) == 0
+    assert not all_pages_mapped(mapping.address + 4096, 8192)
     seen: list[ByteRange] = []
     reports: list[tuple[int, int]] = []
     result = pf.prefault(mapping.address, pieces_of(mapping), threads=2, on_piece=seen.append,
                          progress=lambda done, total, _s: reports.append((done, total)))
     assert result.bytes == mapping.size and not result.fallback
     assert resident_bytes(mapping.address, mapping.size) == mapping.size
+    assert all_pages_mapped(mapping.address + 4096, 8192)
     assert sorted(seen) == sorted(pieces_of(mapping))
     assert reports[-1] == (mapping.size, mapping.size)
 

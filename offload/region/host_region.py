@@ -20,13 +20,15 @@ check must precede all of them), the first step of the protocol below for node r
   every rank removes whatever of them is still there.
 
 Then the rank pre-faults its share (``geometry.prefault_ranges``) and registers
-``geometry.registration_ranges``, cut on row boundaries into pre-fault-piece-sized runs (at
-most ``prefault.MAX_PIECE``).  A pin thread registers each run as soon as the pieces holding its
-pages are in, while later pieces populate.  Runs with pages that other local ranks populate (a
-replicated rank registers its stage's slot, the whole region when the node holds one stage,
-but pre-faults one shard) also wait for the node exchange that follows pre-fault.  Measured on
-an H200 host, 2 ranks x 24 GiB private: 256 MiB runs 1.5-1.8x the pre-fault floor, 32 MiB runs
-0.94x (docs/BENCHMARKS.md).
+``geometry.registration_ranges``.  Slot-sized registrations (shared: one per row over the
+rank's slot, pages only it populates) are pipelined: a pin thread registers each as soon as the
+pre-fault pieces holding its pages are in.  Whole-row ranges (private; replicated, whose ranks
+register their stage's slot but pre-fault one shard; shared with wide slots) are registered
+after pre-fault and, for node layouts, the node's exchange, in as few calls as the registration
+cap allows.  Measured on an H200 host, 2 ranks x 24 GiB private (floor 2.4-2.7 s): whole ranges
+after pre-fault 3.3-3.5 s; pipelined 256 MiB runs 5.6-6.7 s, 32 MiB runs 3.4-5.8 s (4 pin
+threads: 3.5 s); shared's 8 MiB slots pipelined 3.6-3.8 s, with 4 pin threads 7.3 s
+(docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from offload.geometry import (
 from offload.plan import Plan
 from offload.region.nameless import FdOffer, check_sizes, create_memfds, fetch_fds, socket_name
 from offload.region.pin import Pinner, Registrar
-from offload.region.pipeline import PinPipeline, split_rows
+from offload.region.pipeline import PinPipeline
 from offload.region.prefault import ProgressFn, plan_pieces, prefault
 from offload.region.shm import (
     Mapping,
@@ -248,16 +250,18 @@ class HostRegion:
         self.stats.prefault_bytes = sum(r.length for r in own)
         self.stats.pin_plan_bytes = sum(r.length for r in registrations)
         pinner = self._pinner = Pinner(self.registrar, self.address)
-        # Piece-sized registrations become ready while pre-fault still runs; those holding
-        # pages this rank does not populate (replicated) wait for the node's exchange too.
-        grain = max((p.length for p in pieces), default=self.geometry.row_stride)
-        registrations = split_rows(registrations, self.geometry.row_stride, grain)
-        pipeline = self._pipeline = PinPipeline(pinner, registrations, pieces,
-                                                held=uncovered(own, registrations))
-
+        pipelined = (all(r.length < self.geometry.row_stride for r in registrations)
+                     and not uncovered(own, registrations))
+        # Slot-sized registrations of pages this rank populates: each as soon as its pieces
+        # are in.  Whole-row ranges (private, replicated, shared with wide slots): after
+        # pre-fault (and the node's exchange), in as few calls as the cap allows.
+        pipeline = self._pipeline = PinPipeline(pinner, registrations,
+                                                pieces if pipelined else (),
+                                                held=() if pipelined else registrations)
         def populate() -> None:
             result = prefault(self.address, pieces, threads=config.prefault_threads,
-                              on_piece=pipeline.piece_done, progress=progress)
+                              on_piece=pipeline.piece_done if pipelined else None,
+                              progress=progress)
             self.stats.prefault_fallback = result.fallback
             self.stats.timings_s["prefault"] = result.seconds
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import mmap
 import os
 import socket
 import struct
@@ -26,7 +27,7 @@ import time
 from collections.abc import Sequence
 
 from offload.errors import OffloadError, PeerError
-from offload.region.shm import close_fds, reserve
+from offload.region.shm import Mapping, close_fds, reserve
 
 _HEADER = struct.Struct("!II")  # magic, descriptor count
 _MAGIC = 0x0FF10AD0
@@ -59,6 +60,19 @@ def create_memfds(name: str, lengths: Sequence[int], threads: int) -> list[int]:
         close_fds(fds)
         raise
     return fds
+
+
+def memfd_mapping(name: str, nbytes: int, threads: int = 8) -> Mapping:
+    """One nameless mapping of ``nbytes`` (rounded up to the system page): host memory laid
+    out as the tier's, page-aligned.  For benchmarks and tests that stand in for a region: a
+    large ``torch.empty`` is only 64-byte aligned, and the copy kernel over such a buffer ran
+    at 0.87 / 0.82 of the link (store / load) on an H200 against 0.94 / 0.92 page-aligned."""
+    length = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    fds = create_memfds(name, [length], threads)
+    try:
+        return Mapping(fds, [length])
+    finally:
+        close_fds(fds)
 
 
 def check_sizes(fds: Sequence[int], lengths: Sequence[int], name: str) -> None:

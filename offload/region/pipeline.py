@@ -1,13 +1,11 @@
-"""Pinning pipelined with pre-fault: register a range as soon as its pages are populated.
+"""Pinning on its own thread, each range as soon as its pages are populated.
 
-Registration is serialised host-wide by the driver and runs at about the pre-fault rate, so
-doing it after pre-fault nearly doubles start-up.  A ``PinPipeline`` counts, for every
-registration range, the pre-fault pieces that overlap it; the worker that finishes a range's
-last piece queues it, and one pin thread registers queued ranges while later pieces populate.
-Ranges whose pages other processes populate (a replicated rank registers the whole node region
-but pre-faults only its shard) are ``held`` as well: they wait for `release`, which the region
-calls after the node's pre-fault exchange.  Built with no pieces and nothing held, every range
-is ready at once (pinning after a barrier).
+A ``PinPipeline`` counts, for every registration range, the pre-fault pieces that overlap it;
+the worker that finishes a range's last piece queues it, and one pin thread registers queued
+ranges while later pieces populate (the shared layout's slot-sized registrations).  Ranges
+registered after pre-fault instead — whole rows, or pages other processes populate — are
+``held``: they wait for `release`, which the region calls once pre-fault (and the node's
+exchange) is over.  Why which ranges go which way: ``host_region``'s docstring.
 """
 
 from __future__ import annotations
@@ -20,26 +18,6 @@ from collections.abc import Iterator, Sequence
 
 from offload.geometry import ByteRange
 from offload.region.pin import Pinner
-
-
-def split_rows(ranges: Sequence[ByteRange], row_stride: int, grain: int) -> list[ByteRange]:
-    """Cut row-aligned ranges into runs of whole rows of about ``grain`` bytes (at least one
-    row), so a range's pages are all populated soon after pre-fault reaches it instead of at
-    the very end.  Cuts fall on row boundaries, so no block ever spans two registrations;
-    ranges that are not row-aligned (one slot per row) are kept whole."""
-    rows_per = max(1, grain // row_stride)
-    out: list[ByteRange] = []
-    for r in ranges:
-        if r.offset % row_stride or r.length % row_stride:
-            out.append(r)
-            continue
-        step = rows_per * row_stride
-        out.extend(ByteRange(start, min(step, r.end - start))
-                   for start in range(r.offset, r.end, step))
-    return out
-
-
-PIN_THREADS = 1  # registration threads per process
 
 
 class PinPipeline:
@@ -67,10 +45,8 @@ class PinPipeline:
         for i, count in enumerate(self._remaining):
             if count == 0:
                 self._queue.put(i)
-        self._threads = [threading.Thread(target=self._run, name=f"offload-pin-{i}", daemon=True)
-                         for i in range(PIN_THREADS)]
-        for thread in self._threads:
-            thread.start()
+        self._thread = threading.Thread(target=self._run, name="offload-pin", daemon=True)
+        self._thread.start()
 
     def piece_done(self, piece: ByteRange) -> None:
         """Called by a pre-fault worker once ``piece`` is populated."""
@@ -94,7 +70,8 @@ class PinPipeline:
     def finish(self) -> None:
         """Wait until every range is registered (all pieces must be done) or raise the
         registration error.  Rolling back is the pinner owner's job."""
-        self._join()
+        self._queue.put(None)
+        self._thread.join()
         if self._error is not None:
             raise self._error
         pending = [r for r, n in zip(self._ranges, self._remaining, strict=True) if n]
@@ -105,14 +82,9 @@ class PinPipeline:
     def stop(self) -> None:
         """Abandon queued ranges and wait for the thread (error paths, close)."""
         self._stopped.set()
-        self._join()
-
-    def _join(self) -> None:
-        for _ in self._threads:
-            self._queue.put(None)
-        for thread in self._threads:
-            if thread is not threading.current_thread():
-                thread.join()
+        self._queue.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
     def _run(self) -> None:
         while (i := self._queue.get()) is not None:
@@ -123,8 +95,7 @@ class PinPipeline:
                 self._pinner.pin(self._ranges[i])
             except BaseException as exc:
                 self._error = exc
-            with self._lock:
-                self.busy_s += time.perf_counter() - start
+            self.busy_s += time.perf_counter() - start
 
     def _overlapping(self, piece: ByteRange) -> Iterator[int]:
         i = max(0, bisect.bisect_right(self._starts, piece.offset) - 1)
