@@ -20,7 +20,7 @@ import torch
 
 from offload.audit import Auditor
 from offload.config import TierConfig
-from offload.errors import OffloadError
+from offload.errors import OffloadError, one_line
 from offload.plan import Plan, RankDescriptor
 from offload.quorum import Quorum
 from offload.region.host_region import HostRegion
@@ -207,7 +207,7 @@ class RankActor:
                 # after the job was checked; hashes read the blocks in compute-stream order
                 self.auditor.record(self.kv_tensors, job.blocks, job.chunks, job.positions)
         except BaseException as exc:
-            copy.error = _one_line(exc)
+            copy.error = one_line(exc)
             copy.done = copy.done or not taken  # not the engine's: it completes (failed) now
             self._advance()
             raise
@@ -263,7 +263,7 @@ class RankActor:
                   getattr(self.engine, "name", "?"), exc)
         held = [seq for seq, copy in self._pending.items() if not copy.done]
         for seq in held:
-            self._pending[seq].error = f"the transfer engine failed: {_one_line(exc)}"
+            self._pending[seq].error = f"the transfer engine failed: {one_line(exc)}"
         return held
 
     def _advance(self) -> None:
@@ -345,8 +345,3 @@ class _Copy:
     bytes: int = 0
     seconds: float = 0.0
     error: str | None = None
-
-
-def _one_line(exc: BaseException) -> str:
-    first = str(exc).splitlines()[0] if str(exc) else ""
-    return first if isinstance(exc, OffloadError) else f"{type(exc).__name__}: {first}"

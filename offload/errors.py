@@ -14,3 +14,11 @@ class OffloadError(Exception):
 
 class PeerError(OffloadError):
     """Another rank failed or stopped answering; the message names the rank(s)."""
+
+
+def one_line(exc: BaseException) -> str:
+    """The first line of an error; non-user errors keep their type, which says what broke."""
+    lines = str(exc).strip().splitlines()
+    if isinstance(exc, OffloadError) and lines:
+        return lines[0]
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__

@@ -43,7 +43,7 @@ from offload.actor import CopyJob, RankActor
 from offload.audit import Auditor
 from offload.board import Board
 from offload.config import TierConfig
-from offload.errors import OffloadError, PeerError
+from offload.errors import OffloadError, PeerError, one_line
 from offload.manager import ChunkManager, PromoteJob
 from offload.plan import Plan, RankDescriptor, compute_plan
 from offload.quorum import Quorum, Words, default_store
@@ -492,6 +492,9 @@ def _tier_store(topology: Topology, config: TierConfig, store: dist.Store | None
     else:
         try:  # bounded by the tier's timeout without touching the store's own setting
             base.wait([key], datetime.timedelta(seconds=config.timeout_s))
+        except dist.DistNetworkError as exc:  # the store's host (rank 0's process) went away
+            raise PeerError(f"rank {topology.rank} lost the store while waiting for rank 0's "
+                            f"tier id ({one_line(exc)}); rank 0 died or closed") from None
         except dist.DistError:
             raise PeerError(f"rank {topology.rank} got no tier id from rank 0 within "
                             f"{config.timeout_s:g} s; rank 0 is not creating the tier") from None

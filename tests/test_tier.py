@@ -233,6 +233,30 @@ def test_a_killed_rank_is_named_by_the_decider_within_the_timeout() -> None:
     assert message.startswith("job 1: ranks [2] have not completed it")
 
 
+def test_a_store_host_dying_before_the_tier_id_is_named_at_once() -> None:
+    """Rank 0 (which hosts the job's store) dies between discovery and publishing the tier
+    id: rank 1 says so as soon as the store goes, not after the 60 s timeout."""
+    def body(rank: int) -> object:
+        import os
+
+        import offload.tier as tier_module
+        from offload import HostTier, PeerError
+
+        if rank == 0:
+            tier_module._tier_store = lambda *args: os._exit(3)  # type: ignore[assignment]
+        began = time.monotonic()
+        try:
+            HostTier.create(_hybrid_kv(rank, 8), TierConfig(
+                cpu_bytes_per_node=4 * MiB, blocks_per_chunk=4, tp=2, timeout_s=60))
+        except PeerError as exc:
+            return time.monotonic() - began, str(exc)
+        return None
+
+    out = run_group(body, 2, pg_timeout=10)
+    waited, message = out[1].value
+    assert waited < 20 and "lost the store while waiting for rank 0's tier id" in message
+
+
 def test_a_rank_whose_engine_raised_reports_the_job_failed_on_every_rank() -> None:
     def body(rank: int) -> object:
         from offload import CopyJob, HostTier, OffloadError

@@ -44,7 +44,7 @@ import torch
 
 from offload import cleanup
 from offload.config import TierConfig
-from offload.errors import OffloadError
+from offload.errors import OffloadError, one_line
 from offload.geometry import (
     ByteRange,
     RegionGeometry,
@@ -69,7 +69,7 @@ from offload.region.shm import (
     unlink_quiet,
 )
 from offload.region.space import check_space
-from offload.region.sync import NodeSync, one_line
+from offload.region.sync import NodeSync
 from offload.topology import Topology
 
 log = logging.getLogger(__name__)

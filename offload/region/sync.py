@@ -15,18 +15,10 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from offload.errors import OffloadError, PeerError
+from offload.errors import PeerError, one_line
 from offload.topology import Topology
 
 T = TypeVar("T")
-
-
-def one_line(exc: BaseException) -> str:
-    """The first line of an error; non-user errors keep their type, which says what broke."""
-    lines = str(exc).strip().splitlines()
-    if isinstance(exc, OffloadError) and lines:
-        return lines[0]
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 class NodeSync:
