@@ -19,10 +19,10 @@ def replica_body(rank: int, layout: str, shm_dir: str | None, backend: str = "gl
                  ) -> object:
     """Every world rank creates both groups (in order: `new_group` is collective), then a tier
     on its own: with gloo groups the first group's tier is up before the second's starts, whose
-    driver comes late (a follower that read the first tier's keys would join the wrong tier).
+    driver publishes its tier id a second late (after discovery, which its follower passes
+    with it): a follower that read the first tier's key would join the wrong tier.
     Both tiers store into the very same chunk indices with data distinct per world rank, wait
     for each other (so both hold their blocks at once), zero their KV and load back."""
-    import time
 
     import torch
     import torch.distributed as dist
@@ -39,7 +39,8 @@ def replica_body(rank: int, layout: str, shm_dir: str | None, backend: str = "gl
     staggered = backend == "gloo"  # twins of other backends are made by every process at once
     if staggered and mine == 1:
         dist.barrier()
-        time.sleep(1.0 if rank == GROUPS[1][0] else 0.0)
+        if rank == GROUPS[1][0]:
+            late_tier_id(1.0)
     tier = HostTier.create(kv, config, group=groups[mine])
     if staggered and mine == 0:
         dist.barrier()
@@ -55,6 +56,23 @@ def replica_body(rank: int, layout: str, shm_dir: str | None, backend: str = "gl
            [n.ranks for n in t.nodes], t.group is groups[mine], dist.get_backend(t.group))
     tier.close()
     return out
+
+
+def late_tier_id(seconds: float) -> None:
+    """Make this process's next tier id appear ``seconds`` late (it is drawn right before it
+    is published)."""
+    import time
+    import uuid
+
+    import offload.tier as tier_module
+
+    class LateUuid:
+        @staticmethod
+        def uuid4() -> uuid.UUID:
+            time.sleep(seconds)
+            return uuid.uuid4()
+
+    tier_module.uuid = LateUuid  # type: ignore[assignment]
 
 
 def check_replicas(out: Sequence[object]) -> list[object]:
