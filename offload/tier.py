@@ -369,22 +369,48 @@ class HostTier:
         promotion evicts, then reads its slot of each key's file into the key's new row; a key
         is readable once every rank verified its bytes.  Returns the job and the keys whose
         read failed on some rank (damaged or missing file): those are discarded on every rank
-        and are misses."""
+        and are misses.  SPMD programs use `collective_promote`."""
         manager = self.manager
         if manager is None:
-            raise OffloadError("promote is driven from rank 0, which owns the chunk manager")
+            raise OffloadError("promote is driven from rank 0, which owns the chunk manager; "
+                               "SPMD programs call collective_promote on every rank")
         job = manager.prepare_promote(keys)
         try:
             verified = self.call(fs_actions.promote, job.spills, job.chunks)
         except BaseException:
             manager.complete_promote(job.job_id, failed=[k for k, _ in job.chunks])
             raise
-        failed = [key for i, (key, _) in enumerate(job.chunks)
-                  if not all(rank[i] for rank in verified)]
+        failed = _unverified(job, verified)
         if failed:
             self.call(fs_actions.discard, failed)
         manager.complete_promote(job.job_id, failed)
         return job, failed
+
+    def collective_promote(self, job: PromoteJob) -> list[Hashable]:
+        """SPMD, every rank at the same point with the same ``job`` (rank 0's
+        `ChunkManager.prepare_promote`, sent with the engine's step broadcast): write out the
+        rows the promotion evicts, read this rank's slot of each key's file into its new row,
+        then agree with every rank (one all-gather over the tier's group) on which reads
+        verified.  Keys that failed anywhere are discarded on every rank and the manager
+        completes the promotion; returns them (the same list everywhere): misses.  Blocks for
+        the disk reads; a rank that raised makes every rank raise its error."""
+        try:
+            mine: list[bool] | str = fs_actions.promote(self.actor, job.spills, job.chunks)
+        except Exception as exc:
+            mine = one_line(exc)
+        everyone: list[Any] = [None] * self.topology.world_size
+        dist.all_gather_object(everyone, mine, group=self.topology.group)
+        errors = [(rank, e) for rank, e in enumerate(everyone) if isinstance(e, str)]
+        failed = ([k for k, _ in job.chunks] if errors else _unverified(job, everyone))
+        if failed:  # best effort after an error: the rank's own error is the one raised
+            with contextlib.suppress(Exception) if errors else contextlib.nullcontext():
+                fs_actions.discard(self.actor, failed)
+        if self.manager is not None:
+            self.manager.complete_promote(job.job_id, failed)
+        if errors:
+            rank, message = errors[0]
+            raise OffloadError(f"promotion {job.job_id} failed on rank {rank}: {message}")
+        return failed
 
     def call(self, fn: Any, *args: Any) -> list[Any]:
         """Rank 0: run ``fn(actor, *args)`` on every rank and gather the results."""
@@ -472,6 +498,11 @@ def control_group(group: Any, timeout_s: float) -> Any:
         if ranks == mine:
             twin = created
     return twin
+
+
+def _unverified(job: PromoteJob, verified: Sequence[Sequence[bool]]) -> list[Hashable]:
+    """The keys of ``job`` some rank could not read back (``verified[rank][i]`` is False)."""
+    return [key for i, (key, _) in enumerate(job.chunks) if not all(v[i] for v in verified)]
 
 
 def _tier_store(topology: Topology, config: TierConfig, store: dist.Store | None
