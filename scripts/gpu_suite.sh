@@ -4,7 +4,7 @@
 # completion latency and node start-up — and optionally the main job on CUDA in every layout.
 # Every step has a time limit so the whole call fits a lease; logs and JSON go to $OUT.
 #   OUT=/tmp/out STARTUP_BYTES=16GiB bash scripts/gpu_suite.sh
-# Knobs: SKIP_{TESTS,ENGINE,COMPLETION,STARTUP}=1, RUN_JOBS=1, TEST_WORKERS, *_LIMIT (seconds).
+# Knobs: SKIP_{TESTS,ENGINE,TIER,COMPLETION,STARTUP}=1, RUN_JOBS=1, TEST_WORKERS, *_LIMIT (seconds).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -29,6 +29,8 @@ echo "GPUs: $NGPU" > "$OUT/summary.txt"
 [ "${SKIP_ENGINE:-0}" = 1 ] || step bench_engine "${ENGINE_LIMIT:-120}" "$PY" \
     scripts/bench_engine.py --reps "${ENGINE_REPS:-5}" --backend hybrid,triton \
     --json "$OUT/engine.json" ${ENGINE_ARGS:-}
+[ "${SKIP_TIER:-0}" = 1 ] || step bench_tier "${TIER_LIMIT:-90}" "$PY" scripts/bench_tier.py \
+    --ranks "${TIER_RANKS:-$NGPU}" --reps "${ENGINE_REPS:-5}" --json "$OUT/tier.json"
 [ "${SKIP_COMPLETION:-0}" = 1 ] || step bench_completion "${COMPLETION_LIMIT:-60}" "$PY" \
     scripts/bench_completion.py --device cuda --ranks "${COMPLETION_RANKS:-2,4}" \
     --jobs "${COMPLETION_JOBS:-300}" --json "$OUT/completion.json"

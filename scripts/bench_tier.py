@@ -1,0 +1,210 @@
+"""Engine-shaped jobs through the public API: `HostTier.create`, `submit`, `finished`.
+
+What an engine sees (issue 9's figure of merit): every rank submits the same job — N blocks ×
+every KV tensor (``--layers`` × K/V, ``--page-bytes`` pages, whole chunks of random blocks) —
+and the decider (rank 0) spins on `finished()` until the job is decided on every rank; the
+other ranks `poll()` and learn the decider's marks from a broadcast, as an engine's step
+broadcast carries them.  Per job size and direction, median of ``--reps`` on rank 0:
+
+* GB/s      bytes one rank moves ÷ (its `submit` start → decided on every rank);
+* ratio     ÷ the link: one copy of a pinned buffer as large as the largest job (CUDA), or
+            one host-to-host copy (CPU), measured in the same run;
+* submit_us host time inside `submit`; decided_us the whole span.
+
+Each size's last store is loaded back into other blocks and compared byte for byte.  The tier's
+region is what an engine gets (nameless memfds, page-aligned, pinned on CUDA); rank ``r`` uses
+GPU ``r % count``.  ``--device cpu`` runs the host backend (CI's smoke test).
+
+    python3 scripts/bench_tier.py --ranks 2 --layers 80 --page-bytes 16KiB --blocks 16,128,1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np
+import torch
+
+from offload.sizes import format_size, parse_size
+
+
+def _rank_main(rank: int, args: argparse.Namespace, port: int, out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(args.ranks))
+    import torch.distributed as dist
+    from bench_engine import kv_tensors, link_rate, make_job  # this script's folder
+
+    from offload import CopyJob, HostTier, TierConfig
+
+    dist.init_process_group("gloo", rank=rank, world_size=args.ranks,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    bpc, page, tensors = args.bpc, args.page_bytes, 2 * args.layers
+    chunk_count = 2 * -(-max(args.blocks) // bpc)
+    num_blocks = chunk_count * bpc
+    kv = kv_tensors(args.layers, page, num_blocks, "separate", device)
+    row = args.ranks * bpc * page * tensors  # every rank's slot (private: rows per rank)
+    tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=chunk_count * row,
+                                          blocks_per_chunk=bpc, tp=args.ranks,
+                                          timeout_s=args.timeout, layout="private"))
+    assert tier.plan.chunk_count >= chunk_count, tier.plan.chunk_count
+    rng = np.random.default_rng(7)  # the same jobs on every rank
+    link = _link(tier, device, max(args.blocks) * page * tensors, link_rate)
+    rows: list[dict[str, Any]] = []
+    mark = None
+    job_id = 0
+
+    def one(direction: str, blocks: Any, chunks: Any, positions: Any) -> tuple[float, float]:
+        """Submit on every rank; rank 0 returns (submit s, submit → decided s)."""
+        nonlocal mark, job_id
+        box = [mark]
+        dist.broadcast_object_list(box, src=0)  # the engine's step broadcast, untimed
+        if rank != 0 and box[0] is not None:
+            tier.finished(box[0])
+        dist.barrier()
+        began = time.perf_counter()
+        tier.submit(CopyJob(job_id, direction, blocks, chunks, positions))
+        submitted = time.perf_counter() - began
+        if rank == 0:
+            while not any(r.job_id == job_id for r in tier.finished()):
+                pass
+            mark = tier.mark
+        else:
+            while tier.poll():
+                pass
+        job_id += 1
+        return submitted, time.perf_counter() - began
+
+    for n in args.blocks:
+        for direction in ("store", "load"):
+            jobs = [make_job(rng, n, num_blocks, chunk_count, bpc, "chunks")
+                    for _ in range(args.reps + 2)]
+            samples = [one(direction, *job) for job in jobs][2:]
+            span = statistics.median(s for _, s in samples)
+            rows.append({"blocks": n, "direction": direction, "bytes": n * page * tensors,
+                         "GBps": n * page * tensors / span / 1e9,
+                         "ratio": n * page * tensors / span / 1e9 / link[direction],
+                         "submit_us": statistics.median(s for s, _ in samples) * 1e6,
+                         "decided_us": span * 1e6})
+        rows[-1]["verified"] = rows[-2]["verified"] = _verify(one, kv, rng, n, num_blocks,
+                                                              chunk_count, bpc, make_job)
+    box = [mark]
+    dist.broadcast_object_list(box, src=0)
+    if rank != 0 and box[0] is not None:
+        tier.finished(box[0])
+    engine = tier.actor.engine.name if tier.actor.engine else "?"
+    tier.close()
+    if rank == 0:
+        out.put({"rows": rows, "link_GBps": link, "engine": engine, "device": str(device),
+                 "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"})
+    dist.destroy_process_group()
+
+
+def _link(tier: Any, device: torch.device, nbytes: int, link_rate: Any) -> dict[str, float]:
+    """The same run's baseline: one copy of ``nbytes`` between the tier's own (pinned) region
+    and the device, or host to host on CPU."""
+    host = tier.actor.region.tensor[:nbytes]
+    if device.type == "cuda":
+        gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        rate: dict[str, float] = link_rate(host, gpu, 5)
+        return rate
+    other = torch.empty(nbytes, dtype=torch.uint8)
+    other.copy_(host)  # first touch, untimed
+    samples = []
+    for _ in range(5):
+        began = time.perf_counter()
+        other.copy_(host)
+        samples.append(time.perf_counter() - began)
+    return dict.fromkeys(("store", "load"), nbytes / statistics.median(samples) / 1e9)
+
+
+def _verify(one: Any, kv: list[torch.Tensor], rng: np.random.Generator, n: int,
+            num_blocks: int, chunk_count: int, bpc: int, make_job: Any) -> bool:
+    blocks, chunks, positions = make_job(rng, n, num_blocks, chunk_count, bpc, "chunks")
+    one("store", blocks, chunks, positions)
+    saved = [t[torch.from_numpy(blocks).to(t.device)].clone() for t in kv]
+    other = rng.permutation(num_blocks)[:n]
+    one("load", other, chunks, positions)
+    if kv[0].is_cuda:
+        torch.cuda.synchronize(kv[0].device)
+    index = torch.from_numpy(other).to(kv[0].device)
+    return all(torch.equal(t[index], s) for t, s in zip(kv, saved, strict=True))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, args, port, out))
+             for r in range(args.ranks)]
+    for p in procs:
+        p.start()
+    result: dict[str, Any] = out.get(timeout=args.timeout)
+    for p in procs:
+        p.join(timeout=60)
+    if any(p.exitcode != 0 for p in procs):
+        raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+    return result
+
+
+def print_table(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    link = result["link_GBps"]
+    print(f"{args.ranks} rank(s), {2 * args.layers} tensors x {format_size(args.page_bytes)} pages,"
+          f" {result['engine']} engine on {result['name']}; link store {link['store']:.1f} / "
+          f"load {link['load']:.1f} GB/s")
+    print(f"{'blocks':>6} {'bytes':>10} {'dir':>5} {'GB/s':>6} {'ratio':>5} {'submit_us':>9} "
+          f"{'decided_us':>10} ok")
+    for row in result["rows"]:
+        print(f"{row['blocks']:>6} {format_size(row['bytes']):>10} {row['direction']:>5} "
+              f"{row['GBps']:6.1f} {row['ratio']:5.2f} {row['submit_us']:9.0f} "
+              f"{row['decided_us']:10.0f} {'y' if row['verified'] else 'NO'}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=1, help="ranks (one tier, tp = ranks)")
+    p.add_argument("--layers", type=int, default=80, help="layers; tensors = 2 x layers")
+    p.add_argument("--page-bytes", default="16KiB", help="bytes of one block in one tensor")
+    p.add_argument("--blocks", default="1,16,128,1024", help="job sizes in blocks")
+    p.add_argument("--bpc", type=int, default=16, help="blocks per chunk")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a rank fails")
+    p.add_argument("--json", metavar="PATH", help="write the rows there too")
+    args = p.parse_args(argv)
+    args.page_bytes = parse_size(args.page_bytes, "--page-bytes")
+    args.blocks = [int(b) for b in args.blocks.split(",")]
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), **result}, f, indent=1)
+    print_table(args, result)
+    return 0 if all(row["verified"] for row in result["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
