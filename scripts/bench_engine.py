@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import statistics
 import sys
 import time
@@ -38,6 +37,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from bench_ranks import run_ranks  # this script's folder
 
 from offload.region.nameless import memfd_mapping
 from offload.sizes import format_size, parse_size
@@ -277,23 +277,8 @@ class Rank:
         return out
 
 
-def _worker(rank: int, args: argparse.Namespace, barrier: Any, results: Any) -> None:
-    results.put(Rank(args, rank, barrier).run())
-
-
-def run_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
-    if args.ranks == 1:
-        return [Rank(args, 0, None).run()]
-    ctx = mp.get_context("spawn")
-    barrier, results = ctx.Barrier(args.ranks), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args, barrier, results))
-             for r in range(args.ranks)]
-    for p in procs:
-        p.start()
-    out = [results.get() for _ in procs]
-    for p in procs:
-        p.join()
-    return sorted(out, key=lambda r: r["rank"])
+def rank_result(rank: int, args: argparse.Namespace, barrier: Any) -> dict[str, Any]:
+    return Rank(args, rank, barrier).run()
 
 
 def print_table(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
@@ -356,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_engine: needs CUDA (no CUDA device visible); nothing measured",
               file=sys.stderr)
         return 2
-    results = run_ranks(args)
+    results = run_ranks(rank_result, args.ranks, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items()}, "results": results}, f,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from bench_ranks import run_ranks  # this script's folder
 
 from offload.region.nameless import memfd_mapping
 from offload.sizes import format_size, parse_size
@@ -213,24 +213,8 @@ def bench_rank(rank: int, args: argparse.Namespace, barrier: Any = None) -> Rank
     return result
 
 
-def _worker(rank: int, args: argparse.Namespace, barrier: Any, results: Any) -> None:
-    results.put(asdict(bench_rank(rank, args, barrier)))
-
-
-def run_ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """``--ranks`` processes at once, each on GPU ``rank % devices``."""
-    if args.ranks == 1:
-        return [asdict(bench_rank(0, args))]
-    ctx = mp.get_context("spawn")
-    barrier, results = ctx.Barrier(args.ranks), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args, barrier, results))
-             for r in range(args.ranks)]
-    for p in procs:
-        p.start()
-    out = [results.get() for _ in procs]
-    for p in procs:
-        p.join()
-    return sorted(out, key=lambda r: r["rank"])
+def rank_result(rank: int, args: argparse.Namespace, barrier: Any) -> dict[str, Any]:
+    return asdict(bench_rank(rank, args, barrier))
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
@@ -284,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_transfer: needs CUDA (no CUDA device visible); nothing measured",
               file=sys.stderr)
         return 2
-    results = run_ranks(args)
+    results = run_ranks(rank_result, args.ranks, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"total_bytes": args.total_bytes, "ranks": args.ranks,
