@@ -101,16 +101,15 @@ def region_geometry(plan: Plan, rank: int) -> RegionGeometry:
                           slot.slot_offset, slot.slot_bytes, plan.page_size)
 
 
-def uncovered(outer: list[ByteRange], inner: list[ByteRange]) -> list[ByteRange]:
-    """The ranges of ``inner`` that do not lie inside one range of the merged ``outer``."""
+def covers(outer: list[ByteRange], inner: list[ByteRange]) -> bool:
+    """Whether every range of ``inner`` lies inside one range of the merged ``outer``."""
     merged = merge_ranges(outer)
     starts = [r.offset for r in merged]
-    out = []
     for r in inner:
         i = bisect.bisect_right(starts, r.offset) - 1
         if i < 0 or merged[i].end < r.end:
-            out.append(r)
-    return out
+            return False
+    return True
 
 
 class HostRegion:
@@ -251,7 +250,7 @@ class HostRegion:
         self.stats.pin_plan_bytes = sum(r.length for r in registrations)
         pinner = self._pinner = Pinner(self.registrar, self.address)
         pipelined = (all(r.length < self.geometry.row_stride for r in registrations)
-                     and not uncovered(own, registrations))
+                     and covers(own, registrations))
         # Slot-sized registrations of pages this rank populates: each as soon as its pieces
         # are in.  Whole-row ranges (private, replicated, shared with wide slots): after
         # pre-fault (and the node's exchange), in as few calls as the cap allows.

@@ -26,10 +26,10 @@ from offload.sizes import format_size
 
 MADV_POPULATE_WRITE = 23
 MIN_PIECE = 2 << 20
-# Pieces are also the pipelined registration grain.  On an H200 host (2 ranks x 24 GiB private,
-# 16 threads each) 256 MiB pieces took 5.6-6.7 s against a 3.6 s floor while 64 / 32 / 16 / 8
-# MiB took 3.97 / 3.39 / 3.94 / 3.84 s: a long MADV_POPULATE_WRITE call stalls the concurrent
-# registrations of the same process (and they it) far more than many short ones.
+# Chosen while private regions still registered piece-sized runs during pre-fault: on an H200
+# host (2 ranks x 24 GiB, 16 threads each) 256 MiB pieces took 5.6-6.7 s, 64 / 32 / 16 / 8 MiB
+# 3.97 / 3.39 / 3.94 / 3.84 s.  Only shared slot registrations (pieces no longer than a slot)
+# overlap pre-fault now; 32 MiB pieces populated 24 GiB in 1.0-1.3 s per rank in those runs.
 MAX_PIECE = 32 << 20
 
 PopulateFn = Callable[[int, int], int]
