@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
 import torch
+from bench_engine import kv_tensors, link_rate, make_job  # this script's folder
 
 from offload.sizes import format_size, parse_size
 
@@ -44,7 +45,6 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, out: Any) -> None
                       WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(args.ranks))
     import torch.distributed as dist
-    from bench_engine import kv_tensors, link_rate, make_job  # this script's folder
 
     from offload import CopyJob, HostTier, TierConfig
 
@@ -64,7 +64,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, out: Any) -> None
                                           timeout_s=args.timeout, layout="private"))
     assert tier.plan.chunk_count >= chunk_count, tier.plan.chunk_count
     rng = np.random.default_rng(7)  # the same jobs on every rank
-    link = _link(tier, device, max(args.blocks) * page * tensors, link_rate)
+    link = _link(tier, device, max(args.blocks) * page * tensors)
     rows: list[dict[str, Any]] = []
     mark = None
     job_id = 0
@@ -102,7 +102,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, out: Any) -> None
                          "submit_us": statistics.median(s for s, _ in samples) * 1e6,
                          "decided_us": span * 1e6})
         rows[-1]["verified"] = rows[-2]["verified"] = _verify(one, kv, rng, n, num_blocks,
-                                                              chunk_count, bpc, make_job)
+                                                              chunk_count, bpc)
     box = [mark]
     dist.broadcast_object_list(box, src=0)
     if rank != 0 and box[0] is not None:
@@ -115,14 +115,13 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, out: Any) -> None
     dist.destroy_process_group()
 
 
-def _link(tier: Any, device: torch.device, nbytes: int, link_rate: Any) -> dict[str, float]:
+def _link(tier: Any, device: torch.device, nbytes: int) -> dict[str, float]:
     """The same run's baseline: one copy of ``nbytes`` between the tier's own (pinned) region
     and the device, or host to host on CPU."""
     host = tier.actor.region.tensor[:nbytes]
     if device.type == "cuda":
         gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        rate: dict[str, float] = link_rate(host, gpu, 5)
-        return rate
+        return link_rate(host, gpu, 5)
     other = torch.empty(nbytes, dtype=torch.uint8)
     other.copy_(host)  # first touch, untimed
     samples = []
@@ -134,7 +133,7 @@ def _link(tier: Any, device: torch.device, nbytes: int, link_rate: Any) -> dict[
 
 
 def _verify(one: Any, kv: list[torch.Tensor], rng: np.random.Generator, n: int,
-            num_blocks: int, chunk_count: int, bpc: int, make_job: Any) -> bool:
+            num_blocks: int, chunk_count: int, bpc: int) -> bool:
     blocks, chunks, positions = make_job(rng, n, num_blocks, chunk_count, bpc, "chunks")
     one("store", blocks, chunks, positions)
     saved = [t[torch.from_numpy(blocks).to(t.device)].clone() for t in kv]
