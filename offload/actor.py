@@ -90,6 +90,7 @@ class RankActor:
     outcomes: dict[int, tuple[bool, int, float]] = field(default_factory=dict)
     _next_seq: int = 0
     _completed: int = 0
+    _block_bytes: int = 0  # this rank's bytes per job entry (every tensor's page), once started
     last_event: torch.cuda.Event | None = None  # the last submitted copy's completion
 
     # ------------------------------------------------------------------ set-up
@@ -157,6 +158,7 @@ class RankActor:
         layout = SlotLayout.from_plan(plan, self.topology.rank)
         self.engine = make_engine(self.kv_tensors, region.tensor, region.address, layout,
                                   plan.chunk_count, region.pinned, self.backend)
+        self._block_bytes = sum(layout.page_bytes)  # per job entry, counted per submit
         self.timed("total", self.created_at)
         return self.engine.name
 
@@ -201,8 +203,7 @@ class RankActor:
                 self.last_event = engine.submit(seq, job.direction, blocks, chunks, positions,
                                                 after=after)
                 taken = True
-                copy.bytes = len(blocks) * sum(self._installed().slots[self.topology.rank]
-                                               .page_bytes)
+                copy.bytes = len(blocks) * self._block_bytes
             if self.auditor is not None and job.direction == "store":
                 # after the job was checked; hashes read the blocks in compute-stream order
                 self.auditor.record(self.kv_tensors, job.blocks, job.chunks, job.positions)

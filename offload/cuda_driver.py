@@ -8,7 +8,9 @@ and by host registration (`offload.region.pin`, which binds its context itself).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from functools import cache
+from typing import Any
 
 
 @cache
@@ -40,6 +42,16 @@ def check(result: int, what: str) -> None:
     require_libcuda().cuGetErrorString(result, ctypes.byref(text))
     message = text.value.decode() if text.value else "unknown error"
     raise RuntimeError(f"{what} failed: CUDA error {result} ({message})")
+
+
+def bound_function(name: str, *argtypes: Any) -> Callable[..., int]:
+    """Driver function ``name`` with its argument types fixed, for hot paths: a call converts
+    plain ints without building ctypes objects per call.  A fresh function object, so other
+    callers of the same entry point keep theirs; the caller checks the result."""
+    function = require_libcuda()[name]
+    function.argtypes = list(argtypes)
+    function.restype = ctypes.c_int
+    return function
 
 
 def driver_call(name: str, *args: object) -> None:

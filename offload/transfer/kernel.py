@@ -12,7 +12,9 @@ tensor and allocates nothing per job (the buffers grow only for a job larger tha
 Programs are persistent and bounded per direction (``DEFAULT_COPY_PROGRAMS``): each keeps
 ``STEP_BYTES`` in flight per step, enough programs cover PCIe latency, and few enough leave the
 SMs to concurrent compute.  Issuing a job skips Triton's Python launch path after the first one:
-the compiled kernel's launcher is called directly with the engine's stream.
+the compiled kernel is launched with ``cuLaunchKernel`` over a parameter block built once
+(`offload.transfer.launcher`), or, where that cannot be reproduced exactly, through the
+compiled kernel's own launcher.  The index upload is a pre-bound driver call as well.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from offload.cuda_driver import driver_call
+from offload.cuda_driver import bound_function, check
 from offload.transfer.base import Direction
 from offload.transfer.cuda import DEFAULT_COPY_PROGRAMS, StreamEngine
+from offload.transfer.launcher import BoundKernel, bind
 from offload.transfer.layout import Job, SlotLayout, common_alignment
 
 STEP_BYTES = 32 << 10  # per program and step in flight
@@ -130,6 +133,10 @@ class KernelCopier:
         self._device_index = torch.empty(0, dtype=self._index_type, device=device)
         self._slot = 0
         self._compiled: dict[bool, Any] = {}
+        self._bound: dict[bool, BoundKernel | None] = {}
+        self._upload = bound_function("cuMemcpyHtoDAsync_v2", ctypes.c_uint64, ctypes.c_void_p,
+                                      ctypes.c_size_t, ctypes.c_void_p)
+        self.launches = {"bound": 0, "triton": 0}  # which launch path each job took
 
     def _grow(self, n: int) -> None:
         """Room for ``n`` entries: new staging slots and device buffer, after every upload from
@@ -156,9 +163,8 @@ class KernelCopier:
         np.copyto(staged[:n], job.blocks, casting="unsafe")
         np.copyto(staged[n:2 * n], job.host_pages, casting="unsafe")
         stream = self._stream.cuda_stream
-        driver_call("cuMemcpyHtoDAsync_v2", ctypes.c_uint64(self._device_index.data_ptr()),
-                    ctypes.c_void_p(pinned.data_ptr()),
-                    ctypes.c_size_t(2 * n * pinned.element_size()), ctypes.c_void_p(stream))
+        check(self._upload(self._device_index.data_ptr(), pinned.data_ptr(),
+                           2 * n * pinned.element_size(), stream), "cuMemcpyHtoDAsync_v2")
         uploaded.record(self._stream)
         # the device buffer holds the first n entries of each row packed: [blocks | pages]
         items = n * self._num_tensors * self._pieces
@@ -166,27 +172,41 @@ class KernelCopier:
         self._run(direction == "load", grid, stream, n, items)
 
     def _run(self, load: bool, grid: int, stream: int, n: int, items: int) -> None:
-        """After the first launch of a direction compiled the kernel through Triton's normal
-        path, its launcher is called directly — the same call Triton's ``JITFunction.run``
-        ends with, minus binding and specialising the arguments again."""
+        """The first launch of a direction compiles the kernel through Triton's normal path;
+        later ones go through the `BoundKernel` made from it (``cuLaunchKernel``, the pointer
+        and the two sizes updated in place) or, where binding was refused or a size outgrew
+        the compiled integer type, the compiled kernel's own launcher."""
+        bound = self._bound.get(load)
+        if bound is not None and bound.fits(3, n) and bound.fits(4, items):
+            bound.set(2, self._device_index.data_ptr())
+            bound.set(3, n)
+            bound.set(4, items)
+            bound.launch(grid, stream)
+            self.launches["bound"] += 1
+            return
+        self.launches["triton"] += 1
         constants = (load, self._pieces, self._rows, self._tile, self._vec)
         compiled: Any = self._compiled.get(load)
         knobs = _triton_knobs()
+        args = (self._anchor.data_ptr(), self._table.data_ptr(), self._device_index.data_ptr(),
+                n, items, self._num_tensors, self._row_stride, self._bpc)
         if compiled is not None and knobs is not None:
-            args = (self._anchor.data_ptr(), self._table.data_ptr(),
-                    self._device_index.data_ptr(), n, items, self._num_tensors,
-                    self._row_stride, self._bpc, *constants)
             launcher = compiled.run
-            meta = compiled.launch_metadata((grid, 1, 1), stream, *args)
+            meta = compiled.launch_metadata((grid, 1, 1), stream, *args, *constants)
             launcher(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, meta,
-                     knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args)
+                     knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args,
+                     *constants)
             return
         with torch.cuda.stream(self._stream):
-            self._compiled[load] = _copy_pages[(grid,)](
+            compiled = _copy_pages[(grid,)](
                 self._anchor.view(_ELEMENTS[self._element]), self._table, self._device_index,
                 n, items, self._num_tensors, self._row_stride, self._bpc, LOAD=load,
                 PIECES=self._pieces, ROWS=self._rows, TILE=self._tile, VEC=self._vec,
                 num_warps=self._num_warps)
+        self._compiled[load] = compiled
+        hooks = () if knobs is None else (knobs.runtime.launch_enter_hook,
+                                          knobs.runtime.launch_exit_hook)
+        self._bound[load] = bind(compiled, args, hooks)
 
 
 @cache

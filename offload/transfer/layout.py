@@ -91,6 +91,8 @@ def as_index_array(values: object, what: str) -> IndexArray:
     """A 1-D integer array of a job (list, tuple, numpy array or CPU torch tensor), without a
     copy when it already is one.  A CUDA tensor is refused: reading it would hide a device
     synchronisation in ``submit``."""
+    if type(values) is np.ndarray and values.ndim == 1 and values.dtype.kind in "iu":
+        return values  # the engine's usual case, with no further checks
     if hasattr(values, "detach"):  # a torch tensor, kept free of a torch import here
         if getattr(values, "is_cuda", False):
             raise OffloadError(f"{what} is a CUDA tensor; pass job indices in host memory "

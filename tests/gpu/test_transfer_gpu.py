@@ -151,6 +151,30 @@ def test_many_jobs_in_flight_reuse_staging_and_stay_exact() -> None:
         assert engine.kernel._capacity == 1024  # grew twice, to the largest job rounded up
 
 
+@needs_triton
+@pytest.mark.parametrize("bound", [True, False])
+def test_jobs_after_the_first_launch_through_the_bound_kernel(bound: bool) -> None:
+    """After the first job of a direction compiled the kernel, every later one is launched with
+    ``cuLaunchKernel`` over the pre-bound parameter block (on this device's driver and Triton
+    it must bind), and moves the same bytes as Triton's own launcher (``bound=False``)."""
+    pages = [16 * KiB, 4 * KiB, 1000]
+    kv = kv_set(320, pages, "cuda")
+    layout = slot_layout(pages, 4)
+    with cuda_engine("triton", kv, 80) as (engine, kv, region):
+        rng = np.random.default_rng(11)
+        engine.submit(0, "store", *scattered_job(rng, 2, 320, 80, 4))
+        engine.submit(1, "load", *scattered_job(rng, 2, 320, 80, 4))
+        engine.wait_all()
+        kernel = engine.kernel
+        assert all(kernel._bound[load] is not None for load in (False, True))
+        if not bound:
+            kernel._bound = {False: None, True: None}
+        for size in (1, 7, 300):  # 300 grows the device index buffer: a new pointer
+            round_trip(engine, kv, region, layout, scattered_job(rng, size, 320, 80, 4))
+        assert kernel.launches == ({"bound": 6, "triton": 2} if bound
+                                   else {"bound": 0, "triton": 8})
+
+
 @pytest.mark.parametrize(("pinned", "expected"), [
     pytest.param(True, "hybrid", marks=[needs_triton, needs_batch]), (False, "per_block")])
 def test_auto_picks_by_pinning(pinned: bool, expected: str) -> None:
