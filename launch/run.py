@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shm-dir", default=None, metavar="DIR",
                    help="keep visible region files in DIR (an existing, writable tmpfs such as "
                         "/dev/shm); default: nameless regions the kernel frees with the job")
+    p.add_argument("--private-memory", default="anonymous", choices=("anonymous", "memfd"),
+                   help="what a nameless private region is made of: the rank's own memory with "
+                        "transparent huge pages requested (faster pre-fault and pinning) or a "
+                        "memfd (default: anonymous)")
     p.add_argument("--prefault-threads", type=int, default=8,
                    help="threads populating each rank's region")
     p.add_argument("--segment-bytes", default="1GiB", metavar="SIZE",
@@ -146,6 +150,7 @@ def config_from_args(args: argparse.Namespace, world: int) -> TierConfig:
         blocks_per_chunk=args.blocks_per_chunk, tp=tp, pp=args.pp, shm_dir=args.shm_dir,
         segment_threshold=2 * segment, min_segment_bytes=segment,
         prefault_threads=args.prefault_threads, timeout_s=args.timeout, fs_dir=args.fs_tier,
+        private_memory=args.private_memory,
         fs_bytes=None if args.fs_bytes is None else parse_size(args.fs_bytes, "--fs-bytes"))
 
 

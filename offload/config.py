@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from offload.errors import OffloadError
 
 LAYOUTS = ("private", "shared", "replicated")
+PRIVATE_MEMORY = ("anonymous", "memfd")
 GiB = 1 << 30
 MiB = 1 << 20
 FS_BYTES_FACTOR = 4  # default file tier budget: this many times the host budget
@@ -28,6 +29,15 @@ class TierConfig:
     exist, be writable and be memory-backed: checked here, before anything is created).
     ``max_registration_bytes`` caps one CUDA host registration (a single call of
     512 GiB fails on current drivers; 64 GiB is safe).
+
+    ``private_memory`` is what a nameless private region is made of: ``"anonymous"`` (the
+    default) is the process's own memory with transparent huge pages requested
+    (``MADV_HUGEPAGE``; the host's THP setting decides) and kept out of forked children
+    (``MADV_DONTFORK``, so a fork cannot turn pinned pages copy-on-write); ``"memfd"`` a
+    nameless shmem file as the node layouts use.  On an H200 host, 16 GiB in one process:
+    pre-fault 6.3-6.7 GiB/s and registration 49-50 GiB/s anonymous with huge pages, against
+    5.1-5.5 and 18-29 GiB/s for a memfd of 4 KiB pages (docs/BENCHMARKS.md).  Regions other
+    ranks map (shared, replicated) are always shmem files.
 
     ``fs_dir`` enables the file tier behind host memory (DESIGN.md section 6): chunks evicted
     from host memory are spilled to files under it and read back on a lookup that hits on disk.
@@ -51,6 +61,7 @@ class TierConfig:
     timeout_s: float = 300.0
     fs_dir: str | None = None
     fs_bytes: int | None = None
+    private_memory: str = "anonymous"
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -68,6 +79,9 @@ class TierConfig:
             if value < limit:
                 raise OffloadError(f"{_describe(name)} = {value} is below its minimum {limit}; "
                                    f"give at least {limit}")
+        if self.private_memory not in PRIVATE_MEMORY:
+            raise OffloadError(f"{_describe('private_memory')} = {self.private_memory!r} is "
+                               f"unknown; choose one of {', '.join(PRIVATE_MEMORY)}")
         if self.page_size & (self.page_size - 1):
             raise OffloadError(f"page_size = {self.page_size} is not a power of two; use 4096")
         if self.timeout_s <= 0:
@@ -105,7 +119,8 @@ class TierConfig:
 _FLAGS = {"cpu_bytes_per_node": "--cpu-bytes", "blocks_per_chunk": "--blocks-per-chunk",
           "tp": "--tp", "pp": "--pp", "prefault_threads": "--prefault-threads",
           "min_segment_bytes": "--segment-bytes", "segment_threshold": "--segment-bytes",
-          "timeout_s": "--timeout", "fs_dir": "--fs-tier", "fs_bytes": "--fs-bytes"}
+          "timeout_s": "--timeout", "fs_dir": "--fs-tier", "fs_bytes": "--fs-bytes",
+          "private_memory": "--private-memory"}
 
 
 def _describe(name: str) -> str:

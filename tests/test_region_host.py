@@ -7,6 +7,8 @@ shm directory (``--shm-dir``); each checks that nothing of its job is left after
 
 from __future__ import annotations
 
+import ctypes
+import faulthandler
 import os
 import signal
 import time
@@ -135,8 +137,9 @@ def errors(outcomes: list[Outcome]) -> list[str]:
 
 def test_private_region_is_nameless_or_unlinked_and_maps_every_segment(
         job: str, mode: dict[str, Any]) -> None:
-    region = single_rank_region("private", 3 * MiB, job_id=job, **mode)
+    region = single_rank_region("private", 3 * MiB, job_id=job, private_memory="memfd", **mode)
     try:
+        assert region.stats.memory == ("file" if mode else "memfd")
         assert region.stats.segments > 1 and job_files(job, mode.get("shm_dir", "/dev/shm")) == []
         memfds = memfd_mappings(job)
         assert memfds == ({f"/memfd:offload-{job}-r0-s{i}" for i in range(region.stats.segments)}
@@ -152,6 +155,51 @@ def test_private_region_is_nameless_or_unlinked_and_maps_every_segment(
         region.close()
     region.close()  # idempotent
     assert region.size == 0 and region.tensor.numel() == 0
+
+
+def vm_flags(address: int) -> set[str]:
+    """The ``VmFlags`` of the mapping that starts at ``address`` (``/proc/self/smaps``)."""
+    start = f"{address:x}-"
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            if "-" in line.split()[0] and not line.startswith("VmFlags"):
+                inside = line.startswith(start)
+            elif inside and line.startswith("VmFlags:"):
+                return set(line.split()[1:])
+    raise AssertionError(f"no mapping starts at {address:#x}")
+
+
+def test_private_region_by_default_is_anonymous_huge_page_memory_kept_from_forks(
+        job: str) -> None:
+    """No file at all (nothing in /dev/shm, no memfd), one mapping advised for transparent
+    huge pages ("hg") and not copied into forked children ("dc"); a forked child that reads
+    it dies instead of reading pages copy-on-write."""
+    region = single_rank_region("private", 3 * MiB, job_id=job)
+    try:
+        assert region.stats.memory == "anonymous" and region.stats.segments == 1
+        assert job_files(job) == [] and memfd_mappings(job) == set()
+        assert {"hg", "dc"} <= vm_flags(region.address)
+        assert resident_bytes(region.address, region.size) == region.size == \
+            region.geometry.total_bytes
+        fill_own_slot(region)
+        assert torch.equal(region.tensor, expected_region(region.plan, [0], region.size))
+        pid = os.fork()
+        if pid == 0:  # the child: the range is not mapped here
+            faulthandler.disable()  # dying is the expected outcome: no traceback
+            ctypes.string_at(region.address, 1)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV
+    finally:
+        region.close()
+    assert region.size == 0
+
+
+def test_an_unknown_private_memory_is_refused_in_one_line() -> None:
+    with pytest.raises(OffloadError, match=r"private_memory \(--private-memory\) = 'hugetlb' "
+                                           "is unknown; choose one of anonymous, memfd"):
+        TierConfig(cpu_bytes_per_node=MiB, private_memory="hugetlb")
 
 
 class ResidencyRegistrar(RecordingRegistrar):

@@ -38,8 +38,11 @@ def test_anything_but_a_plain_launch_keeps_tritons_launcher(field: dict[str, Any
 def test_a_profiler_hook_keeps_tritons_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(launcher, "param_sizes", lambda function: [8, 4])
     monkeypatch.setattr(launcher, "bound_function", lambda *a: None)
+    empty_chain, chain = SimpleNamespace(calls=[]), SimpleNamespace(calls=[print])
     assert bind(compiled(), [1, 2], hooks=(None, None)) is not None
-    assert bind(compiled(), [1, 2], hooks=(print, None)) is None
+    assert bind(compiled(), [1, 2], hooks=(empty_chain, empty_chain)) is not None  # Triton 3.5+
+    assert bind(compiled(), [1, 2], hooks=(print, None)) is None  # older Triton: a callable
+    assert bind(compiled(), [1, 2], hooks=(empty_chain, chain)) is None
 
 
 @pytest.mark.parametrize(("sizes", "ok"), [

@@ -7,8 +7,9 @@ them.  Before anything is created the node leader checks that the node's regions
 (and in ``shm_dir``): one node exchange for private regions (every rank creates its own, so the
 check must precede all of them), the first step of the protocol below for node regions.
 
-* ``private`` — the rank's own files: nameless, or unlinked right after creation; no hand-off,
-  nothing to leak even on SIGKILL.
+* ``private`` — the rank's own memory: anonymous by default (transparent huge pages requested,
+  kept out of forked children; `TierConfig.private_memory`), else its own files, nameless or
+  unlinked right after creation; no hand-off, nothing to leak even on SIGKILL.
 * ``shared`` / ``replicated``, nameless — the leader binds its hand-off socket, creates and
   reserves the memfds; node exchange; the leader hands the descriptors to each peer over the
   socket while the peers fetch them, and every rank maps them; node exchange.  Every rank then
@@ -92,6 +93,7 @@ class RegionStats:
     segments: int = 0
     prefault_fallback: bool = False
     pin_error: str | None = None
+    memory: str = ""  # "anonymous" (private default), "memfd" or "file" (--shm-dir)
     timings_s: dict[str, float] = field(default_factory=dict)
 
 
@@ -182,7 +184,11 @@ class HostRegion:
         else:
             sync.step("checking the node's memory", check if topology.is_leader else None)
             self._map_private(files)
-        self.stats.segments = len(segments)
+        if not self.stats.memory:  # anonymous is one mapping and no file
+            self.stats.memory = "memfd" if files.nameless else "file"
+            self.stats.segments = len(segments)
+        else:
+            self.stats.segments = 1
         self.stats.timings_s["create"] = time.perf_counter() - start
         self._prefault_and_pin(sync if node_layout else None, topology, config, segments,
                                progress)
@@ -195,6 +201,11 @@ class HostRegion:
         return sum(region_geometry(self.plan, r).total_bytes for r in topology.node.ranks)
 
     def _map_private(self, files: _Files) -> None:
+        if files.nameless and files.config.private_memory == "anonymous":
+            self._mapping = Mapping.anonymous(sum(files.lengths))
+            self.tensor = self._mapping.tensor
+            self.stats.memory = "anonymous"
+            return
         fds = files.create(self._paths, unlink=True)
         self._paths = []
         try:

@@ -32,7 +32,7 @@ import triton.language as tl
 from offload.cuda_driver import bound_function, check
 from offload.transfer.base import Direction
 from offload.transfer.cuda import DEFAULT_COPY_PROGRAMS, StreamEngine
-from offload.transfer.launcher import BoundKernel, bind
+from offload.transfer.launcher import BoundKernel, bind, hooks_active
 from offload.transfer.layout import Job, SlotLayout, common_alignment
 
 STEP_BYTES = 32 << 10  # per program and step in flight
@@ -177,7 +177,11 @@ class KernelCopier:
         and the two sizes updated in place) or, where binding was refused or a size outgrew
         the compiled integer type, the compiled kernel's own launcher."""
         bound = self._bound.get(load)
-        if bound is not None and bound.fits(3, n) and bound.fits(4, items):
+        knobs = _triton_knobs()
+        hooks = () if knobs is None else (knobs.runtime.launch_enter_hook,
+                                          knobs.runtime.launch_exit_hook)
+        if (bound is not None and bound.fits(3, n) and bound.fits(4, items)
+                and not hooks_active(hooks)):  # a profiler added later sees every launch
             bound.set(2, self._device_index.data_ptr())
             bound.set(3, n)
             bound.set(4, items)
@@ -187,7 +191,6 @@ class KernelCopier:
         self.launches["triton"] += 1
         constants = (load, self._pieces, self._rows, self._tile, self._vec)
         compiled: Any = self._compiled.get(load)
-        knobs = _triton_knobs()
         args = (self._anchor.data_ptr(), self._table.data_ptr(), self._device_index.data_ptr(),
                 n, items, self._num_tensors, self._row_stride, self._bpc)
         if compiled is not None and knobs is not None:
@@ -204,8 +207,6 @@ class KernelCopier:
                 PIECES=self._pieces, ROWS=self._rows, TILE=self._tile, VEC=self._vec,
                 num_warps=self._num_warps)
         self._compiled[load] = compiled
-        hooks = () if knobs is None else (knobs.runtime.launch_enter_hook,
-                                          knobs.runtime.launch_exit_hook)
         self._bound[load] = bind(compiled, args, hooks)
 
 

@@ -87,11 +87,17 @@ class BoundKernel:
                            stream, self._params, None), "cuLaunchKernel")
 
 
+def hooks_active(hooks: Sequence[object]) -> bool:
+    """Whether any of Triton's launch hooks would run: a callable (older Triton) or a
+    ``HookChain`` holding calls (Triton 3.5+, where the knob is a chain, empty by default)."""
+    return any(hook is not None and bool(getattr(hook, "calls", True)) for hook in hooks)
+
+
 def bind(compiled: Any, values: Sequence[int], hooks: Sequence[object] = ()) -> BoundKernel | None:
     """A `BoundKernel` for Triton's ``compiled`` kernel whose leading parameters take
     ``values`` (pointers and integers, in signature order, constexprs left out), or None
     where the launch cannot be reproduced exactly (module docstring)."""
-    if any(hook is not None for hook in hooks):
+    if hooks_active(hooks):
         return None  # a profiler is watching Triton's launches: keep them visible to it
     metadata = getattr(compiled, "metadata", None)
     init = getattr(compiled, "_init_handles", None)

@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.gpu,
 KiB, MiB = 1 << 10, 1 << 20
 
 
-def _round_trip(rank: int, layout: str, backend: str, gpus: int) -> tuple[object, ...]:
+def _round_trip(rank: int, layout: str, backend: str, gpus: int, memory: str = "memfd"
+                ) -> tuple[object, ...]:
     import torch
 
     from offload import HostTier
@@ -30,7 +31,7 @@ def _round_trip(rank: int, layout: str, backend: str, gpus: int) -> tuple[object
     original = [t.clone() for t in kv]
     config = TierConfig(cpu_bytes_per_node=24 * MiB, layout=layout, blocks_per_chunk=4, tp=2,
                         timeout_s=60, segment_threshold=2 * MiB, min_segment_bytes=1 * MiB,
-                        max_segments=8)
+                        max_segments=8, private_memory=memory)
     tier = HostTier.create(kv, config, backend=backend, audit=True)
     row = tier.actor.report()
     blocks = tuple(range(96))
@@ -41,17 +42,22 @@ def _round_trip(rank: int, layout: str, backend: str, gpus: int) -> tuple[object
     same = all(torch.equal(a, b) for a, b in zip(kv, original, strict=True))
     audit = tier.actor.auditor.to_json() if tier.actor.auditor else {}
     tier.close()
-    return same, row["segments"], row["pinned"], row["engine"], audit
+    return same, row["segments"], row["pinned"], row["engine"], audit, row["memory"]
 
 
-@pytest.mark.parametrize("layout", ["private", "shared"])
+@pytest.mark.parametrize(("layout", "memory"), [("private", "memfd"), ("private", "anonymous"),
+                                                 ("shared", "memfd")])
 @pytest.mark.parametrize("backend", ["auto", "copy_engine", "triton"])
-def test_multi_segment_regions_round_trip_pinned_with_audit(layout: str, backend: str) -> None:
+def test_multi_segment_regions_round_trip_pinned_with_audit(layout: str, memory: str,
+                                                            backend: str) -> None:
+    """Multi-file regions, and the private default (one anonymous huge-page mapping)."""
     gpus = torch.cuda.device_count()
-    out = run_group(_round_trip, 2, args=(layout, backend, gpus), timeout=180, pg_timeout=90)
+    out = run_group(_round_trip, 2, args=(layout, backend, gpus, memory), timeout=180,
+                    pg_timeout=90)
     assert all(o.ok for o in out), [o.error for o in out]
-    for same, segments, pinned, engine, audit in (o.value for o in out):
-        assert same and pinned and segments > 1
+    for same, segments, pinned, engine, audit, kind in (o.value for o in out):
+        assert same and pinned and kind == memory
+        assert segments > 1 if memory == "memfd" else segments == 1
         assert backend == "auto" or engine == backend
         assert audit["checked_blocks"] == 96 and audit["mismatched_blocks"] == 0
 
@@ -61,5 +67,5 @@ def test_multi_segment_regions_round_trip_pinned_with_audit(layout: str, backend
 def test_two_gpus_at_once(layout: str) -> None:
     out = run_group(_round_trip, 2, args=(layout, "auto", 2), timeout=180, pg_timeout=90)
     assert all(o.ok for o in out), [o.error for o in out]
-    for same, _, pinned, _, audit in (o.value for o in out):
+    for same, _, pinned, _, audit, _ in (o.value for o in out):
         assert same and pinned and audit["mismatched_blocks"] == 0
