@@ -65,6 +65,10 @@ def spmd_promote_body(rank: int, layout: str, fs_dir: str, damage: bool,
         if rank == 0:
             manager.complete_store(job.job_id, ok=True)  # type: ignore[union-attr]
     on_disk = decided(lambda: manager.residence(0))  # type: ignore[union-attr]
+    files = tier.actor.files
+    if damage and files is not None and files.tier is not None:
+        files.tier.flush()  # the spill is written (and renamed into place) before it is damaged
+    dist.barrier()
     if damage and tier.topology.is_leader:
         for path in glob.glob(os.path.join(fs_dir, "**", "*"), recursive=True):
             if os.path.isfile(path) and not path.endswith(".lock"):
