@@ -184,11 +184,6 @@ class HostRegion:
         else:
             sync.step("checking the node's memory", check if topology.is_leader else None)
             self._map_private(files)
-        if not self.stats.memory:  # anonymous is one mapping and no file
-            self.stats.memory = "memfd" if files.nameless else "file"
-            self.stats.segments = len(segments)
-        else:
-            self.stats.segments = 1
         self.stats.timings_s["create"] = time.perf_counter() - start
         self._prefault_and_pin(sync if node_layout else None, topology, config, segments,
                                progress)
@@ -204,12 +199,12 @@ class HostRegion:
         if files.nameless and files.config.private_memory == "anonymous":
             self._mapping = Mapping.anonymous(sum(files.lengths))
             self.tensor = self._mapping.tensor
-            self.stats.memory = "anonymous"
+            self.stats.memory, self.stats.segments = "anonymous", 1
             return
         fds = files.create(self._paths, unlink=True)
         self._paths = []
         try:
-            self._attach(fds, files.lengths)
+            self._attach(fds, files)
         finally:
             close_fds(fds)
 
@@ -235,7 +230,7 @@ class HostRegion:
             elif not leader:
                 fds.extend(open_segment(p, n) for p, n in zip(self._paths, files.lengths,
                                                               strict=True))
-            self._attach(fds, files.lengths)
+            self._attach(fds, files)
 
         try:
             sync.step("creating the node's region", create if leader else None)
@@ -248,9 +243,11 @@ class HostRegion:
             unlink_quiet(path)
         self._paths = []
 
-    def _attach(self, fds: list[int], lengths: list[int]) -> None:
-        self._mapping = Mapping(fds, lengths)
+    def _attach(self, fds: list[int], files: _Files) -> None:
+        self._mapping = Mapping(fds, files.lengths)
         self.tensor = self._mapping.tensor
+        self.stats.memory = "memfd" if files.nameless else "file"
+        self.stats.segments = len(fds)
 
     def _prefault_and_pin(self, sync: NodeSync | None, topology: Topology, config: TierConfig,
                           segments: list[ByteRange], progress: ProgressFn | None) -> None:

@@ -246,13 +246,11 @@ class Mapping:
             raise _os_error(f"mmap of {format_size(size)} of anonymous memory")
         self = cls.__new__(cls)
         self.address, self.size = base, size
-        try:
-            for advice in (MADV_DONTFORK, MADV_HUGEPAGE):
-                if libc.madvise(base, size, advice) != 0 and advice == MADV_DONTFORK:
-                    raise _os_error("madvise(MADV_DONTFORK)")  # THP may be compiled out: fine
-        except BaseException:
+        if libc.madvise(base, size, MADV_DONTFORK) != 0:
+            error = _os_error("madvise(MADV_DONTFORK)")
             self.close()
-            raise
+            raise error
+        libc.madvise(base, size, MADV_HUGEPAGE)  # fails where THP is compiled out: 4 KiB pages
         self.tensor = tensor_at(base, size)
         return self
 
