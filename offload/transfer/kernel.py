@@ -151,6 +151,9 @@ class KernelCopier:
         with torch.cuda.stream(self._stream):  # freed in this stream's order when replaced
             self._device_index = torch.empty(2 * self._capacity, dtype=self._index_type,
                                              device=self._stream.device)
+        for bound in self._bound.values():  # bound launches read the new buffer from now on
+            if bound is not None:
+                bound.set(2, self._device_index.data_ptr())
 
     def launch(self, direction: Direction, job: Job) -> None:
         n = len(job)
@@ -173,16 +176,16 @@ class KernelCopier:
 
     def _run(self, load: bool, grid: int, stream: int, n: int, items: int) -> None:
         """The first launch of a direction compiles the kernel through Triton's normal path;
-        later ones go through the `BoundKernel` made from it (``cuLaunchKernel``, the pointer
-        and the two sizes updated in place) or, where binding was refused or a size outgrew
-        the compiled integer type, the compiled kernel's own launcher."""
+        later ones go through the `BoundKernel` made from it (``cuLaunchKernel``, the two
+        sizes updated in place; `_grow` updates the index buffer's pointer) or, where binding
+        was refused or a size outgrew the compiled integer type, the compiled kernel's own
+        launcher."""
         bound = self._bound.get(load)
         knobs = _triton_knobs()
         hooks = () if knobs is None else (knobs.runtime.launch_enter_hook,
                                           knobs.runtime.launch_exit_hook)
         if (bound is not None and bound.fits(3, n) and bound.fits(4, items)
                 and not hooks_active(hooks)):  # a profiler added later sees every launch
-            bound.set(2, self._device_index.data_ptr())
             bound.set(3, n)
             bound.set(4, items)
             bound.launch(grid, stream)
