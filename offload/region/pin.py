@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from offload.cuda_driver import check, require_libcuda
+from offload.cuda_driver import bound_function, check, require_libcuda
 from offload.geometry import ByteRange
 from offload.sizes import format_size
 
@@ -68,31 +68,31 @@ class CudaRegistrar:
     def __init__(self, device: torch.device) -> None:
         torch.cuda.init()
         index = device.index if device.index is not None else torch.cuda.current_device()
-        self._cuda = require_libcuda()
-        check(self._cuda.cuInit(0), "cuInit")
+        cuda = require_libcuda()
+        check(cuda.cuInit(0), "cuInit")
         dev = ctypes.c_int()
-        check(self._cuda.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
+        check(cuda.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
         self._context = ctypes.c_void_p()
         # Retained for the process's life, like the runtime's own reference to it.
-        check(self._cuda.cuDevicePrimaryCtxRetain(ctypes.byref(self._context), dev),
+        check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(self._context), dev),
                     "cuDevicePrimaryCtxRetain")
-        self._cuda.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
-                                                    ctypes.c_uint]
-        self._cuda.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
-        self._cuda.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+        self._register = bound_function("cuMemHostRegister_v2", ctypes.c_void_p,
+                                        ctypes.c_size_t, ctypes.c_uint)
+        self._unregister = bound_function("cuMemHostUnregister", ctypes.c_void_p)
+        self._set_current = bound_function("cuCtxSetCurrent", ctypes.c_void_p)
 
     def register(self, address: int, length: int) -> None:
         self._bind()
         flags = CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP
-        check(self._cuda.cuMemHostRegister_v2(address, length, flags),
+        check(self._register(address, length, flags),
                     f"cuMemHostRegister of {length} B ({format_size(length)}) at {address:#x}")
 
     def unregister(self, address: int) -> None:
         self._bind()
-        check(self._cuda.cuMemHostUnregister(address), f"cuMemHostUnregister at {address:#x}")
+        check(self._unregister(address), f"cuMemHostUnregister at {address:#x}")
 
     def _bind(self) -> None:
-        check(self._cuda.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
+        check(self._set_current(self._context), "cuCtxSetCurrent")
 
 
 class Pinner:
