@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import faulthandler
 import os
+import resource
 import signal
 import time
 import uuid
@@ -186,7 +187,8 @@ def test_private_region_by_default_is_anonymous_huge_page_memory_kept_from_forks
         assert torch.equal(region.tensor, expected_region(region.plan, [0], region.size))
         pid = os.fork()
         if pid == 0:  # the child: the range is not mapped here
-            faulthandler.disable()  # dying is the expected outcome: no traceback
+            faulthandler.disable()  # dying is the expected outcome: no traceback, no core
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
             ctypes.string_at(region.address, 1)
             os._exit(0)
         _, status = os.waitpid(pid, 0)

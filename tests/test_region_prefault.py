@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import mmap
+import os
 import re
 from collections.abc import Iterator
 
@@ -11,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from offload.errors import OffloadError
 from offload.geometry import ByteRange
+from offload.region import nameless, shm
 from offload.region import prefault as pf
-from offload.region import shm
 from offload.region.nameless import create_memfds
 
 MiB = 1 << 20
@@ -112,13 +114,54 @@ def test_einval_falls_back_to_touching_pages_and_keeps_data(mapping: shm.Mapping
     assert 1 <= len(calls) <= 2  # after the first EINVAL the kernel is not asked again
 
 
+@pytest.mark.parametrize("err", ["ENOMEM", "EFAULT"])
+def test_running_out_of_memory_while_populating_is_one_clear_error(
+        mapping: shm.Mapping, err: str) -> None:
+    """Memfds are not reserved where the kernel populates (create_memfds): the pre-fault is
+    where a host, cgroup or mount without room shows, as ENOMEM or EFAULT (a page that
+    would SIGBUS)."""
+    def no_room(address: int, length: int) -> int:
+        return int(getattr(errno, err))
+
+    with pytest.raises(OffloadError, match=rf"^pre-faulting 2.00 MiB at 0x[0-9a-f]+ ran out of "
+                                           rf"memory \({err}\): .*; lower --cpu-bytes or free "
+                                           "memory$"):
+        pf.prefault(mapping.address, pieces_of(mapping), threads=2, populate=no_room)
+
+
 def test_other_errors_propagate_with_their_errno(mapping: shm.Mapping) -> None:
     def broken(address: int, length: int) -> int:
-        return errno.EFAULT
+        return errno.EPERM
 
     with pytest.raises(OSError) as info:
         pf.prefault(mapping.address, pieces_of(mapping), threads=2, populate=broken)
-    assert info.value.errno == errno.EFAULT
+    assert info.value.errno == errno.EPERM
+
+
+def allocated(fds: list[int]) -> int:
+    return sum(os.fstat(fd).st_blocks * 512 for fd in fds)
+
+
+def test_memfds_are_reserved_only_where_the_kernel_cannot_populate(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With MADV_POPULATE_WRITE the files stay sparse until the pre-fault allocates them (one
+    pass, every local rank in parallel); without it they are reserved whole at creation."""
+    assert shm.populate_supported()  # Linux >= 5.14: CI and the device
+    fds = create_memfds("sparse", [MiB, MiB], 2)
+    try:
+        assert allocated(fds) == 0
+        m = shm.Mapping(fds, [MiB, MiB])
+        pf.prefault(m.address, [ByteRange(0, 2 * MiB)], threads=2)
+        assert allocated(fds) == 2 * MiB
+        m.close()
+    finally:
+        shm.close_fds(fds)
+    monkeypatch.setattr(nameless, "populate_supported", lambda: False)
+    fds = create_memfds("reserved", [MiB, MiB], 2)
+    try:
+        assert allocated(fds) == 2 * MiB
+    finally:
+        shm.close_fds(fds)
 
 
 def test_progress_logger_reports_rate_and_eta(caplog: pytest.LogCaptureFixture) -> None:
