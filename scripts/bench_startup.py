@@ -8,10 +8,10 @@ One run, one table.  For a budget B per node and N ranks on this host:
   registers all of it (what a first implementation does);
 * **pin_memory** — every rank allocates its share with ``torch.empty(..., pin_memory=True)``
   (PyTorch's caching host allocator rounds each request up to a power of two);
-* **floor** — one process creating 16 files of B/16 bytes of the same kind as ours (memfds,
-  populated and thereby allocated with ``MADV_POPULATE_WRITE`` from 16 threads; or files in
-  ``--shm-dir``, reserved with ``posix_fallocate`` from 16 threads first), nothing else: how fast
-  this host can make B bytes resident, without pinning.
+* **floor** — one process creating 16 files of B/16 bytes of the same kind as ours (memfds, or
+  files in ``--shm-dir``; ``posix_fallocate`` from 16 threads allocates their shmem pages) and
+  populating them with ``MADV_POPULATE_WRITE`` from 16 threads, nothing else: how fast this host
+  can make B bytes resident, without pinning.
 
 Node start-up = from the moment every rank starts (barrier) until the last rank is ready.
 Resident bytes are the growth of used memory (``MemTotal - MemFree``) while the variant holds

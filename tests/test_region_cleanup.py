@@ -46,7 +46,7 @@ _SIGTERM_CHILD = """
 import os, sys, threading, time
 from offload import cleanup
 from offload.region import host_region as hr
-from offload.region.shm import madvise_populate
+from offload.region.prefault import madvise_populate
 from tests.test_region_host import single_rank_region
 
 TIER, SHM_DIR, STEP = sys.argv[1], sys.argv[2] or None, 256 << 10

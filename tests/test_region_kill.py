@@ -1,14 +1,13 @@
 """A node-wide SIGKILL during set-up: nameless regions leave nothing, named files stay.
 
 A 2-rank ``--layout shared`` main job (real torchrun) builds a 1 GiB node region with one
-pre-fault thread, so set-up takes a moment; every process of the job is SIGKILLed at once when
-every rank has mapped the region, or while its memory is being populated (nameless regions are
-allocated by the pre-fault; named files are reserved by the leader first), as the OOM killer, a
-container stop or ``kill -9`` of the whole job would.  Nobody runs any cleanup.  Then the memory
-must be gone (``Shmem`` in /proc/meminfo back near where it started: other tests run in
-parallel, so the tolerance is a quarter of the budget) and no file of the job may be left in
-/dev/shm.  The same kill with ``--shm-dir`` documents why regions are nameless: the files and
-their memory stay until someone removes them.
+pre-fault thread, so set-up takes a moment; every process of the job is SIGKILLed at once while
+the region is being reserved (or, second case, pre-faulted), as the OOM killer, a container stop
+or ``kill -9`` of the whole job would.  Nobody runs any cleanup.  Then the memory must be gone
+(``Shmem`` in /proc/meminfo back near where it started: other tests run in parallel, so the
+tolerance is a quarter of the budget) and no file of the job may be left in /dev/shm.  The same
+kill with ``--shm-dir`` documents why regions are nameless: the files and their memory stay
+until someone removes them.
 """
 
 from __future__ import annotations
@@ -94,12 +93,10 @@ def alive(pid: int) -> bool:
 
 
 def kill_job_during_setup(shm_dir: str | None, where: str, log: Path,
-                          sigterm_one: bool = False) -> tuple[str, int]:
-    """Start the job and SIGKILL all of it at ``where`` (or SIGTERM one rank that holds the
-    region then and let torchrun stop the rest); return the tier id and how much Shmem had
-    grown by then.  ``where``: ``reserving`` (the leader holds the files and has reserved half
-    of them: named files), ``mapped`` (every worker maps the region) or ``populating`` (mapped,
-    and half of it allocated by the pre-fault: nameless regions)."""
+                          sigterm_leader: bool = False) -> tuple[str, int]:
+    """Start the job and SIGKILL all of it at ``where`` (or SIGTERM only the rank that holds
+    the region then and let torchrun stop the rest); return the tier id and how much Shmem had
+    grown by then."""
     start = shmem()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
            "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
@@ -117,14 +114,14 @@ def kill_job_during_setup(shm_dir: str | None, where: str, log: Path,
         tier = None
         while time.monotonic() < deadline and proc.poll() is None:
             pids = [proc.pid, *descendants(proc.pid)]
-            tier, holders = region_tier(pids, shm_dir,
-                                        "mapped" if where == "populating" else where)
+            tier, holders = region_tier(pids, shm_dir, where)
             if tier and (where == "mapped" or reserved(shm_dir, tier, start) >= BUDGET // 2):
                 break
             time.sleep(0.005)
         grown = shmem() - start
-        if sigterm_one and tier is not None:
-            os.kill(min(holders), signal.SIGTERM)
+        if sigterm_leader and tier is not None:
+            assert len(holders) == 1
+            os.kill(holders.pop(), signal.SIGTERM)
             proc.wait(90)
     finally:
         for pid in [proc.pid, *descendants(proc.pid)]:  # the whole job, at once
@@ -161,31 +158,27 @@ def settle(baseline: int, limit: int) -> int:
     return extra
 
 
-@pytest.mark.parametrize("where", ["mapped", "populating"])
+@pytest.mark.parametrize("where", ["reserving", "mapped"])
 def test_a_node_wide_sigkill_during_setup_leaves_nothing(where: str, tmp_path: Path) -> None:
     baseline = shmem()
     tier, grown = kill_job_during_setup(None, where, tmp_path / "job.log")
-    if where == "populating":
-        assert grown >= BUDGET // 2  # the kill really caught the region in memory
+    assert grown >= BUDGET // 2  # the kill really caught the region in memory
     extra = settle(baseline, BUDGET // 4)
     assert extra < BUDGET // 4, f"{extra} B of shared memory still held after the kill"
     assert [n for n in os.listdir("/dev/shm") if tier in n] == []
 
 
 @pytest.mark.parametrize("named", [False, True])
-def test_sigterm_of_a_rank_mid_allocation_leaves_nothing(named: bool, shm_dir: str,
-                                                        tmp_path: Path) -> None:
-    """SIGTERM (what torchrun and container stops send) to a rank while the region's memory is
-    being allocated -- the leader reserving named files, or a rank pre-faulting a nameless
-    region -- runs the handlers: named files are unlinked at once, the allocation unwinds, the
-    job fails; nothing stays.  (The rank's own
+def test_sigterm_of_the_leader_mid_reservation_leaves_nothing(named: bool, shm_dir: str,
+                                                             tmp_path: Path) -> None:
+    """SIGTERM (what torchrun and container stops send) runs the handlers: named files are
+    unlinked at once, the reservation unwinds, the job fails; nothing stays.  (The rank's own
     exit status, 143, is checked in test_region_cleanup: torchrun reports the SIGTERM it sends
     the unwinding rank once its peer has failed, not the rank's status.)"""
     baseline = shmem()
     log = tmp_path / "job.log"
-    tier, grown = kill_job_during_setup(shm_dir if named else None,
-                                        "reserving" if named else "populating", log,
-                                        sigterm_one=True)
+    tier, grown = kill_job_during_setup(shm_dir if named else None, "reserving", log,
+                                        sigterm_leader=True)
     assert grown >= BUDGET // 2
     assert "ChildFailedError" in log.read_text()
     assert not has_our_traceback(log.read_text())  # no traceback of ours: a clean unwind

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import mmap
-import os
 import re
 from collections.abc import Iterator
 
@@ -14,8 +13,8 @@ import torch
 
 from offload.errors import OffloadError
 from offload.geometry import ByteRange
-from offload.region import nameless, shm
 from offload.region import prefault as pf
+from offload.region import shm
 from offload.region.nameless import create_memfds
 
 MiB = 1 << 20
@@ -117,9 +116,8 @@ def test_einval_falls_back_to_touching_pages_and_keeps_data(mapping: shm.Mapping
 @pytest.mark.parametrize("err", ["ENOMEM", "EFAULT"])
 def test_running_out_of_memory_while_populating_is_one_clear_error(
         mapping: shm.Mapping, err: str) -> None:
-    """Memfds are not reserved where the kernel populates (create_memfds): the pre-fault is
-    where a host, cgroup or mount without room shows, as ENOMEM or EFAULT (a page that
-    would SIGBUS)."""
+    """Private anonymous regions are not reserved: their pre-fault is where a host or cgroup
+    without room shows, as ENOMEM (or EFAULT, a page that would SIGBUS)."""
     def no_room(address: int, length: int) -> int:
         return int(getattr(errno, err))
 
@@ -136,32 +134,6 @@ def test_other_errors_propagate_with_their_errno(mapping: shm.Mapping) -> None:
     with pytest.raises(OSError) as info:
         pf.prefault(mapping.address, pieces_of(mapping), threads=2, populate=broken)
     assert info.value.errno == errno.EPERM
-
-
-def allocated(fds: list[int]) -> int:
-    return sum(os.fstat(fd).st_blocks * 512 for fd in fds)
-
-
-def test_memfds_are_reserved_only_where_the_kernel_cannot_populate(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """With MADV_POPULATE_WRITE the files stay sparse until the pre-fault allocates them (one
-    pass, every local rank in parallel); without it they are reserved whole at creation."""
-    assert shm.populate_supported()  # Linux >= 5.14: CI and the device
-    fds = create_memfds("sparse", [MiB, MiB], 2)
-    try:
-        assert allocated(fds) == 0
-        m = shm.Mapping(fds, [MiB, MiB])
-        pf.prefault(m.address, [ByteRange(0, 2 * MiB)], threads=2)
-        assert allocated(fds) == 2 * MiB
-        m.close()
-    finally:
-        shm.close_fds(fds)
-    monkeypatch.setattr(nameless, "populate_supported", lambda: False)
-    fds = create_memfds("reserved", [MiB, MiB], 2)
-    try:
-        assert allocated(fds) == 2 * MiB
-    finally:
-        shm.close_fds(fds)
 
 
 def test_progress_logger_reports_rate_and_eta(caplog: pytest.LogCaptureFixture) -> None:

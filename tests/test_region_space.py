@@ -10,7 +10,7 @@ import pytest
 
 from offload.config import TierConfig
 from offload.errors import OffloadError
-from offload.region import nameless, space
+from offload.region import space
 from offload.region.nameless import create_memfds
 
 MiB = 1 << 20
@@ -117,13 +117,11 @@ def test_a_cgroup_namespace_walks_up_from_the_deepest_visible_directory(tmp_path
 
 
 def test_out_of_memory_at_reservation_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A cgroup that runs out while memfds are reserved (kernels without MADV_POPULATE_WRITE)
-    answers ENOMEM (injected here)."""
+    """A cgroup that runs out while memfds are reserved answers ENOMEM (injected here)."""
     def no_memory(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.ENOMEM, "Cannot allocate memory")
 
     monkeypatch.setattr(os, "posix_fallocate", no_memory)
-    monkeypatch.setattr(nameless, "populate_supported", lambda: False)  # reserved: old kernel
     before = set(os.listdir("/proc/self/fd"))
     with pytest.raises(OffloadError, match="reserving 1048576 B .*Cannot allocate memory; "
                                            "lower --cpu-bytes, free memory"):

@@ -10,8 +10,8 @@ check must precede all of them), the first step of the protocol below for node r
 * ``private`` — the rank's own memory: anonymous by default (transparent huge pages requested,
   kept out of forked children; `TierConfig.private_memory`), else its own files, nameless or
   unlinked right after creation; no hand-off, nothing to leak even on SIGKILL.
-* ``shared`` / ``replicated``, nameless — the leader binds its hand-off socket and creates the
-  memfds (sparse: the pre-faults allocate them, see ``nameless.create_memfds``); node exchange; the leader hands the descriptors to each peer over the
+* ``shared`` / ``replicated``, nameless — the leader binds its hand-off socket, creates and
+  reserves the memfds; node exchange; the leader hands the descriptors to each peer over the
   socket while the peers fetch them, and every rank maps them; node exchange.  Every rank then
   closes its descriptors: only the mappings hold the memory.
 * ``shared`` / ``replicated``, named — the leader creates the files; node exchange; the others
@@ -370,7 +370,7 @@ class _Files:
         return segment_paths(self.config.shm_dir, self.tier_id, self.tag, len(self.lengths))
 
     def create(self, paths: list[str], unlink: bool = False) -> list[int]:
-        """Create the files (named ones reserved); return their descriptors."""
+        """Create and reserve the files; return their descriptors."""
         threads = self.config.prefault_threads
         if self.nameless:
             return create_memfds(f"{self.tier_id}-{self.tag}", self.lengths, threads)

@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 
 from offload.errors import OffloadError, PeerError
-from offload.region.shm import Mapping, close_fds, populate_supported, reserve
+from offload.region.shm import Mapping, close_fds, reserve
 
 _HEADER = struct.Struct("!II")  # magic, descriptor count
 _MAGIC = 0x0FF10AD0
@@ -49,20 +49,13 @@ def create_memfd(name: str, length: int) -> int:
 
 
 def create_memfds(name: str, lengths: Sequence[int], threads: int) -> list[int]:
-    """One sealed memfd per segment (``offload-<name>-s<i>`` in ``/proc/<pid>/fd``); on any
-    failure every one of them is closed, which frees it.
-
-    They are reserved (in parallel) only where the kernel lacks MADV_POPULATE_WRITE: the
-    pre-fault then touches pages, and a page the memory cannot hold would be a SIGBUS.  With
-    it, the pre-fault allocates the pages and reports running out as an error, and a
-    reservation would only make the node leader allocate alone, in a pass of its own, what
-    every local rank's pre-fault then allocates and maps in one pass, in parallel."""
+    """One sealed memfd per segment (``offload-<name>-s<i>`` in ``/proc/<pid>/fd``), reserved
+    in parallel; on any failure every one of them is closed, which frees it."""
     fds: list[int] = []
     try:
         for i, length in enumerate(lengths):
             fds.append(create_memfd(f"{name}-s{i}", length))
-        if not populate_supported():
-            reserve(fds, lengths, threads)
+        reserve(fds, lengths, threads)
     except BaseException:
         close_fds(fds)
         raise

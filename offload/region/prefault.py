@@ -11,6 +11,7 @@ without the GIL and without a Python loop per page.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import errno
 import logging
 import mmap
@@ -21,9 +22,10 @@ from dataclasses import dataclass
 
 from offload.errors import OffloadError
 from offload.geometry import ByteRange, interleave_by_segment, split_work
-from offload.region.shm import madvise_populate, tensor_at
+from offload.region.shm import libc, tensor_at
 from offload.sizes import format_size
 
+MADV_POPULATE_WRITE = 23
 MIN_PIECE = 2 << 20
 # Chosen while private regions still registered piece-sized runs during pre-fault: on an H200
 # host (2 ranks x 24 GiB, 16 threads each) 256 MiB pieces took 5.6-6.7 s, 64 / 32 / 16 / 8 MiB
@@ -35,6 +37,13 @@ PopulateFn = Callable[[int, int], int]
 """``populate(address, length) -> errno`` (0 on success): the seam tests replace."""
 ProgressFn = Callable[[int, int, float], None]
 """``progress(bytes_done, bytes_total, elapsed_s)``."""
+
+
+def madvise_populate(address: int, length: int) -> int:
+    """MADV_POPULATE_WRITE through libc; returns 0 or the errno."""
+    if libc.madvise(address, length, MADV_POPULATE_WRITE) == 0:
+        return 0
+    return ctypes.get_errno()
 
 
 def touch_pages(address: int, length: int) -> None:
@@ -83,8 +92,8 @@ class _Populator:
             if err in (errno.ENOMEM, errno.EFAULT):  # EFAULT: the page would SIGBUS
                 raise OffloadError(
                     f"pre-faulting {format_size(piece.length)} at {address:#x} ran out of "
-                    f"memory ({errno.errorcode[err]}): the host, its cgroup or the --shm-dir "
-                    "mount has no room left for the region; lower --cpu-bytes or free memory")
+                    f"memory ({errno.errorcode[err]}): the host or its cgroup has no room left "
+                    "for the region; lower --cpu-bytes or free memory")
             if err != errno.EINVAL:
                 raise OSError(err, f"madvise(MADV_POPULATE_WRITE) of {piece.length} B at "
                                    f"{address:#x} failed: {errno.errorcode.get(err, err)}")

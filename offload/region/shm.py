@@ -3,10 +3,8 @@
 A region is one or several shmem files (one file serialises page-cache insertion, so large
 regions are split): nameless memfds by default (``nameless``), or, with ``--shm-dir``, named
 files created ``O_CREAT|O_EXCL|O_NOFOLLOW`` with mode 0600 so another user can neither pre-plant
-nor read them; joiners verify what they open.  Running out of memory must be a clear error, not a
-SIGBUS at first touch: named files are reserved up front (``posix_fallocate``: their mount is
-shared with other users, and the space is claimed before any peer opens them); memfds only where
-the pre-fault cannot report it itself (``nameless``).
+nor read them; joiners verify what they open.  Either kind is reserved up front so running out
+of memory is a clear error instead of a SIGBUS later.
 
 The files are mapped ``MAP_SHARED|MAP_FIXED`` back to back into one anonymous ``PROT_NONE``
 reservation so the region stays a single address range (one registration or one copy may cross
@@ -20,7 +18,6 @@ import concurrent.futures
 import contextlib
 import ctypes
 import errno
-import functools
 import mmap
 import os
 import re
@@ -47,7 +44,6 @@ MAP_FIXED = 0x10
 MAP_NORESERVE = 0x4000
 MADV_DONTFORK = 10
 MADV_HUGEPAGE = 14
-MADV_POPULATE_WRITE = 23
 MAP_FAILED = ctypes.c_void_p(-1).value
 FILE_MODE = 0o600
 _TIER_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -92,28 +88,6 @@ def create_segments(paths: Sequence[str], lengths: Sequence[int], threads: int =
             unlink_quiet(path)
         raise
     return fds
-
-
-def madvise_populate(address: int, length: int) -> int:
-    """MADV_POPULATE_WRITE through libc (allocate and map every page of the range, GIL
-    released); returns 0 or the errno."""
-    if libc.madvise(address, length, MADV_POPULATE_WRITE) == 0:
-        return 0
-    return ctypes.get_errno()
-
-
-@functools.cache
-def populate_supported() -> bool:
-    """Whether this kernel has MADV_POPULATE_WRITE (EINVAL before Linux 5.14), probed once on
-    one page of anonymous memory."""
-    page = libc.mmap(None, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_WRITE,
-                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
-    if page in (None, MAP_FAILED):
-        raise _os_error("mmap of one probe page")
-    try:
-        return madvise_populate(page, mmap.PAGESIZE) != errno.EINVAL
-    finally:
-        libc.munmap(page, mmap.PAGESIZE)
 
 
 def reserve(fds: Sequence[int], lengths: Sequence[int], threads: int) -> None:
