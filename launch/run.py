@@ -318,4 +318,4 @@ def _init_group(timeout_s: float) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cleanup.exit_after(main)

@@ -16,6 +16,9 @@ interrupt.
 
 Python runs signal handlers between bytecodes of the main thread, so a main thread blocked
 inside a collective runs them only once that call returns or times out.
+
+Entry points end through `exit_after`, which skips interpreter finalization (why: its
+docstring).
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +101,38 @@ def _handler(signum: int, previous: Any) -> Callable[[int, FrameType | None], No
         raise SystemExit(128 + signum)
 
     return handle
+
+
+def exit_after(main: Callable[[], int | None]) -> NoReturn:
+    """Run an entry point's ``main``, then end the process with its status through
+    ``os._exit`` once every unlinker and closer has run and the logs and standard streams are
+    flushed.  ``SystemExit`` (argparse, ``--help``, our signal handlers' ``128 + signum``)
+    gives the status like a normal exit would; any other exception propagates as usual.
+
+    Why not a normal exit: during interpreter finalization a gloo worker thread that drops the
+    last reference to a finished collective's tensors must take the GIL, and Python stops such
+    a thread with a forced unwind through torch's noexcept destructor, so the process aborts
+    ("terminate called without an active exception") after the job has succeeded.  Caught here
+    at the end of launch/prefix_reload.py on a loaded 2-core host, about one run in ten: gdb shows
+    ``~AsyncAllgatherWork`` in ``ProcessGroupGloo::runLoop`` → ``decref_pyobject`` →
+    ``take_gil`` → ``pthread_exit`` while the main thread is in ``Py_FinalizeEx``; upstream
+    pytorch/pytorch#190489, which ``destroy_process_group`` does not avoid.  Skipping
+    finalization leaves nothing to race; the kernel reclaims mappings, memfds, sockets and CUDA
+    state with the process."""
+    status: object
+    try:
+        status = main()
+    except SystemExit as exc:
+        status = exc.code
+    run_all()
+    if status is not None and not isinstance(status, int):
+        print(status, file=sys.stderr)  # what Python prints for SystemExit("message")
+        status = 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status or 0)
 
 
 atexit.register(run_all)

@@ -23,6 +23,8 @@ from typing import Any
 
 import cloudpickle
 
+from offload import cleanup
+
 
 @dataclass
 class Outcome:
@@ -79,6 +81,9 @@ def _child(payload: bytes, rank: int, env: dict[str, str], results: Any, pg_time
         dist.destroy_process_group()
     except Exception:
         pass
+    results.close()
+    results.join_thread()
+    cleanup.exit_after(lambda: 0)  # no interpreter finalization to race gloo's threads
 
 
 def run_group(fn: Callable[..., Any], world: int, *, args: Sequence[Any] = (),

@@ -107,3 +107,39 @@ def test_sigterm_mid_prefault_closes_the_real_region_and_exits_143(shm_dir_or_no
     assert 0 < populated < 64 << 20  # interrupted mid-pre-fault
     assert (mapped, fds) == (0, 0)  # unmapped and closed by the cleanup, not by exit
     assert {n for n in shm_entries() - before if tier in n} == set()
+
+
+_EXIT_CHILD = """
+import atexit, logging, sys
+from offload import cleanup
+atexit.register(lambda: print("finalized", flush=True))
+cleanup.register(lambda: print("closed"))
+logging.basicConfig(stream=sys.stderr, format="%(message)s")
+
+def main():
+    print("result", end=" ")  # buffered in a pipe: exit_after must flush it
+    logging.getLogger("child").warning("logged")
+    how = sys.argv[1]
+    if how == "return":
+        return 3
+    if how == "none":
+        return None
+    raise SystemExit(int(how) if how.isdigit() else how)
+
+cleanup.exit_after(main)
+"""
+
+
+@pytest.mark.parametrize(("how", "status", "stderr"), [
+    ("return", 3, "logged\n"), ("none", 0, "logged\n"), ("143", 143, "logged\n"),
+    ("bad input", 1, "logged\nbad input\n")])
+def test_exit_after_runs_the_closers_flushes_and_skips_finalization(
+        how: str, status: int, stderr: str) -> None:
+    """The entry points' exit: main's status (returned or through SystemExit, as Python would
+    give it), closers run, buffered output and logs flushed, and no interpreter finalization
+    (an atexit callback of someone else's never runs: nothing can race gloo's threads)."""
+    proc = subprocess.run([sys.executable, "-c", _EXIT_CHILD, how], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == status
+    assert proc.stdout == "result closed\n"
+    assert proc.stderr == stderr
