@@ -24,7 +24,6 @@ from offload.config import TierConfig
 from offload.errors import OffloadError
 from offload.plan import Plan, RankDescriptor, compute_plan
 from offload.region import HostRegion, RecordingRegistrar
-from offload.region.host_region import reserve_threads
 from offload.region.pin import Registrar
 from offload.topology import NodeInfo, Topology
 from tests.harness import Outcome, run_group, shm_entries
@@ -532,17 +531,3 @@ def test_a_symlink_at_a_region_path_is_refused(job: str, shm_dir: str) -> None:
         assert os.path.islink(link)  # left alone: it is not ours
     finally:
         os.unlink(link)
-
-
-def test_the_leader_reserves_with_the_nodes_idle_threads_one_per_file(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The node's peers wait while the leader reserves, so it may use their pre-fault threads
-    too; more than one thread per file would queue on the file's lock, more than the CPUs
-    on each other."""
-    monkeypatch.setattr(os, "cpu_count", lambda: 64)
-    assert [reserve_threads(8, ranks, 32) for ranks in (1, 2, 4, 8)] == [8, 16, 32, 32]
-    assert reserve_threads(8, 4, 1) == 1
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    assert reserve_threads(8, 4, 32) == 2
-    monkeypatch.setattr(os, "cpu_count", lambda: None)
-    assert reserve_threads(8, 4, 32) == 1

@@ -37,7 +37,6 @@ from __future__ import annotations
 import bisect
 import logging
 import mmap
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -202,7 +201,7 @@ class HostRegion:
             self.tensor = self._mapping.tensor
             self.stats.memory, self.stats.segments = "anonymous", 1
             return
-        fds = files.create(self._paths, files.config.prefault_threads, unlink=True)
+        fds = files.create(self._paths, unlink=True)
         self._paths = []
         try:
             self._attach(fds, files)
@@ -219,9 +218,7 @@ class HostRegion:
             check()
             if files.nameless:  # bound before the exchange that tells peers to connect
                 offer.append(FdOffer(files.socket, peers))
-            threads = reserve_threads(files.config.prefault_threads, peers + 1,
-                                      len(files.lengths))
-            fds.extend(files.create(self._paths, threads))
+            fds.extend(files.create(self._paths))
 
         def hand_over_and_map() -> None:
             if files.nameless and leader:
@@ -372,20 +369,12 @@ class _Files:
             return []
         return segment_paths(self.config.shm_dir, self.tier_id, self.tag, len(self.lengths))
 
-    def create(self, paths: list[str], threads: int, unlink: bool = False) -> list[int]:
-        """Create and reserve the files with ``threads`` threads; return their descriptors."""
+    def create(self, paths: list[str], unlink: bool = False) -> list[int]:
+        """Create and reserve the files; return their descriptors."""
+        threads = self.config.prefault_threads
         if self.nameless:
             return create_memfds(f"{self.tier_id}-{self.tag}", self.lengths, threads)
         return create_segments(paths, self.lengths, threads, unlink=unlink)
-
-
-def reserve_threads(prefault_threads: int, local_ranks: int, files: int) -> int:
-    """Threads for the node leader's reservation of a node region: the node's whole pre-fault
-    budget (its peers wait for this step, so their threads are idle), at most one per file
-    (``fallocate`` holds the file's lock for the whole call) and per CPU.  Session 4 reserved
-    with the leader's own ``prefault_threads`` only: 16 threads over 32 files took 0.84-0.99 s
-    at 48 GiB and 2.3-2.5 s at 128 GiB, ahead of every pre-fault."""
-    return max(1, min(prefault_threads * local_ranks, files, os.cpu_count() or 1))
 
 
 def _logged(fn: Callable[..., object], *args: object) -> None:
