@@ -49,7 +49,7 @@ def _rank_main(rank: int, world: int, port: int, jobs: int, device: str, driven:
     import torch
     import torch.distributed as dist
 
-    from offload import CopyJob, HostTier, TierConfig
+    from offload import CopyJob, HostTier, TierConfig, cleanup
 
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
@@ -126,6 +126,9 @@ def _rank_main(rank: int, world: int, port: int, jobs: int, device: str, driven:
                  "blocks": blocks,
                  "device": device})
     dist.destroy_process_group()
+    out.close()
+    out.join_thread()
+    cleanup.exit_after(lambda: 0)  # no interpreter finalization to race gloo's threads
 
 
 def measure(world: int, jobs: int, device: str, driven: bool = False, blocks: int = 1

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from offload import cleanup
 from offload.config import TierConfig
 from offload.geometry import ByteRange, RegionGeometry, segment_ranges
 from offload.region.nameless import create_memfds
@@ -168,6 +169,9 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable[..., dict[str, Any
     queue.put((rank, fn(rank, world, *extra)))
     dist.barrier()
     dist.destroy_process_group()
+    queue.close()
+    queue.join_thread()
+    cleanup.exit_after(lambda: 0)  # no interpreter finalization to race gloo's threads
 
 
 def run_variant(world: int, fn: Callable[..., dict[str, Any]], *extra: Any) -> dict[str, Any]:

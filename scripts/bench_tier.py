@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from bench_engine import kv_tensors, link_rate, make_job  # this script's folder
 
+from offload import cleanup
 from offload.sizes import format_size, parse_size
 
 
@@ -113,6 +114,9 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, out: Any) -> None
         out.put({"rows": rows, "link_GBps": link, "engine": engine, "device": str(device),
                  "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"})
     dist.destroy_process_group()
+    out.close()
+    out.join_thread()
+    cleanup.exit_after(lambda: 0)  # no interpreter finalization to race gloo's threads
 
 
 def _link(tier: Any, device: torch.device, nbytes: int) -> dict[str, float]:
