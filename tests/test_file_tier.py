@@ -117,37 +117,6 @@ def test_put_get_round_trip_and_report(tier_dir: str, warnings_seen: list[str]) 
     assert warnings_seen == []
 
 
-def test_each_file_is_synced_and_the_directory_once_at_close(
-        tier_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A file is fdatasync'ed before its rename (its bytes are on disk before its name
-    appears); the directory, whose fsync cost more than the file's own per spill, is synced
-    once when the tier closes, making every name written durable at once."""
-    calls: list[tuple[str, bool]] = []
-    real_fsync, real_fdatasync = os.fsync, os.fdatasync
-
-    def is_dir(fd: int) -> bool:
-        return os.path.isdir(f"/proc/self/fd/{fd}")
-
-    def fsync(fd: int) -> None:
-        calls.append(("fsync", is_dir(fd)))
-        real_fsync(fd)
-
-    def fdatasync(fd: int) -> None:
-        calls.append(("fdatasync", is_dir(fd)))
-        real_fdatasync(fd)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "fdatasync", fdatasync)
-    tier = _tier(tier_dir)
-    spills = [tier.put(("sync", i), _row(i)) for i in range(3)]
-    assert all(s.stored.result(30) for s in spills)
-    assert calls == [("fdatasync", False)] * 3
-    tier.close()
-    assert calls == [("fdatasync", False)] * 3 + [("fsync", True)]
-    with _tier(tier_dir) as again:  # and the files are there for a restart
-        assert all(again.contains(("sync", i)) for i in range(3))
-
-
 def test_get_right_after_put_waits_for_the_spill(tier_dir: str) -> None:
     """A read of a key whose spill is still running is served after it, not missed."""
     with _tier(tier_dir) as tier:

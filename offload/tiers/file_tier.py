@@ -3,11 +3,7 @@
 What it guarantees (DESIGN.md section 6, "File tier"):
 
 * **Never wrong bytes.**  A file becomes visible only by ``rename`` after its bytes are on disk
-  (written under a temporary name, ``fdatasync``, rename).  Names are made durable once, by an
-  ``fsync`` of the directory at `close`, not per file: a crash may lose the names of the last
-  files written (those chunks are misses after a restart, as for a cache they may be), never
-  show one whose bytes are not on disk, and the per-file directory ``fsync`` cost ~5.7 ms per
-  file, more than the ``fdatasync`` (DESIGN.md section 6).  Every
+  (written under a temporary name, ``fdatasync``, rename, ``fsync`` of the directory).  Every
   file carries a header (format version, geometry fingerprint, key, payload length) and two
   crc32c checksums (payload and header); a read verifies all of them, so a damaged, short,
   truncated, renamed or foreign file is a *miss* (counted in ``corrupt``, the file removed).
@@ -337,12 +333,7 @@ class FileTier:
                 return
             self._closed = True
         self._pool.shutdown()
-        try:
-            os.fsync(self._dir_fd)  # the names of every file written, durable at once
-        except OSError as exc:
-            log.warning("file tier %s: fsync of the directory failed: %s", self.directory, exc)
-        finally:
-            os.close(self._dir_fd)
+        os.close(self._dir_fd)
 
     def __enter__(self) -> FileTier:
         return self
@@ -390,6 +381,7 @@ class FileTier:
             os.close(fd)
             fd = -1
             os.rename(tmp, name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+            os.fsync(self._dir_fd)
             ok = True
         except OSError as exc:
             self._write_failed(name, exc)
