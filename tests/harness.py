@@ -52,6 +52,13 @@ def run_on_free_port(command: Callable[[str], list[str]], attempts: int = 3,
     raise AssertionError("unreachable")
 
 
+def tail(proc: subprocess.CompletedProcess[str], chars: int = 3000) -> str:
+    """A failed command's last output, stdout too: a job that printed its result and then died
+    (at exit, say) shows that it had finished, which stderr alone hides."""
+    return (f"exit {proc.returncode}\n--- stdout (end) ---\n{proc.stdout[-chars // 2:]}\n"
+            f"--- stderr (end) ---\n{proc.stderr[-chars:]}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.harness import tail
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -19,7 +21,7 @@ def test_bench_tier_runs_and_verifies_on_cpu(tmp_path: Path) -> None:
          "--page-bytes", "4KiB", "--blocks", "1,16", "--reps", "3", "--device", "cpu",
          "--timeout", "60", "--json", str(out)],
         capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 0, tail(proc, 2000)
     report = json.loads(out.read_text())
     rows = report["rows"]
     assert [(r["blocks"], r["direction"]) for r in rows] == [

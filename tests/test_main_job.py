@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import free_port, has_our_traceback, run_on_free_port
+from tests.harness import free_port, has_our_traceback, run_on_free_port, tail
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,7 +44,7 @@ def test_tp2_pp2_report_matches_the_plan_formula(tmp_path: Path, shm_dir: str) -
     proc = torchrun(4, "--tp", "2", "--pp", "2", "--cpu-bytes", "64MiB",
                     "--report-json", str(report_path), "--timeline", str(tmp_path / "t.png"),
                     shm_dir=shm_dir)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, tail(proc)
     report = json.loads(report_path.read_text())
     assert (report["world_size"], report["tp"], report["pp"]) == (4, 2, 2)
     assert len(report["nodes"]) == 1 and report["nodes"][0]["leader_rank"] == 0
@@ -71,7 +71,7 @@ def test_dp2_gives_each_replica_its_own_verified_tier(tmp_path: Path, shm_dir: s
     report_path = tmp_path / "r.json"
     proc = torchrun(4, "--dp", "2", "--tp", "2", "--layout", "shared", "--cpu-bytes", "64MiB",
                     "--report-json", str(report_path), shm_dir=shm_dir)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, tail(proc)
     report = json.loads(report_path.read_text())
     assert (report["world_size"], report["dp"], report["tp"], report["pp"]) == (4, 2, 2, 1)
     replicas = report["replicas"]
@@ -95,7 +95,7 @@ def test_node_layouts_with_eviction_verify(layout: str, tmp_path: Path, shm_dir:
     # 40 chunks of work for a tier of 16 (shared) / 32 (replicated) chunks: eviction happens
     proc = torchrun(2, "--layout", layout, "--cpu-bytes", "32MiB", "--num-gpu-blocks", "640",
                     "--report-json", str(report_path), shm_dir=shm_dir)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, tail(proc)
     transfer = json.loads(report_path.read_text())["transfer"]
     assert transfer["verified"] and transfer["evictions"] > 0
     assert transfer["loaded_bytes"] < transfer["stored_bytes"] * (2 if layout == "shared" else 4)
@@ -105,7 +105,7 @@ def test_heterogeneous_stages_share_one_chunk_count(tmp_path: Path) -> None:
     report_path = tmp_path / "r.json"
     proc = torchrun(2, "--tp", "1", "--pp", "2", "--stage-kv-bytes", "64KiB,16KiB",
                     "--cpu-bytes", "16MiB", "--report-json", str(report_path))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, tail(proc)
     plan = json.loads(report_path.read_text())["plan"]
     assert plan["slot_bytes"] == {"0": 16 * 64 * 1024, "1": 16 * 16 * 1024}
     assert plan["chunk_count"] == (16 << 20) // (16 * 80 * 1024)
@@ -120,7 +120,7 @@ def test_replicated_pipeline_stages_verify_with_their_own_slots(tp: int, tmp_pat
     proc = torchrun(2 * tp, "--layout", "replicated", "--tp", str(tp), "--pp", "2",
                     "--stage-kv-bytes", "64KiB,16KiB", "--cpu-bytes", "16MiB",
                     "--report-json", str(report_path), shm_dir=shm_dir)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, tail(proc)
     report = json.loads(report_path.read_text())
     plan, transfer = report["plan"], report["transfer"]
     slots = [16 * 64 * 1024, 16 * 16 * 1024]  # stage 0, stage 1

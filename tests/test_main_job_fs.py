@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import tail
 from tests.test_main_job import our_errors, our_tracebacks, torchrun
 
 # 2 ranks x 256 KiB slots: a 512 KiB row, 8 chunks of host memory; 16 chunks per round
@@ -34,7 +35,7 @@ def _run(fs_dir: Path, tmp_path: Path, *args: str, name: str = "r.json"
     report_path = tmp_path / name
     proc = torchrun(2, *GEOMETRY, "--fs-tier", str(fs_dir), "--report-json", str(report_path),
                     *args, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, tail(proc, 4000)
     return json.loads(report_path.read_text()), proc.stdout
 
 

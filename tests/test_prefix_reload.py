@@ -25,7 +25,7 @@ from launch.prefix_reload import (
     to_pages,
 )
 from offload.errors import OffloadError
-from tests.harness import run_on_free_port
+from tests.harness import run_on_free_port, tail
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
@@ -104,7 +104,7 @@ def test_every_reload_continues_exactly_like_the_never_offloaded_cache(
     report_path = tmp_path / "r.json"
     proc = torchrun(2, "--layout", layout, *SMALL, "--report-json", str(report_path),
                     shm_dir=shm_dir)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, tail(proc)
     report = json.loads(report_path.read_text())
     assert report["reloads"] == report["matched"] == 6 and report["mismatched"] == 0
     assert report["restored_tokens"] == 3 * (21 + 40)
@@ -144,7 +144,7 @@ def test_kv_as_views_of_one_tensor_per_layer(tmp_path: Path, shm_dir: str) -> No
     report_path = tmp_path / "r.json"
     proc = torchrun(2, *SMALL, "--kv-views", "--report-json", str(report_path),
                     shm_dir=shm_dir)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, tail(proc)
     report = json.loads(report_path.read_text())
     assert report["matched"] == report["reloads"] == 6 and report["kv_views"]
 

@@ -7,7 +7,7 @@ import re
 import sys
 from pathlib import Path
 
-from tests.harness import run_on_free_port
+from tests.harness import run_on_free_port, tail
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,4 +26,4 @@ def test_library_example_runs(tmp_path: Path, shm_dir: str) -> None:
                       port, str(script)],
         cwd=tmp_path, timeout=120,
         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, tail(proc)
