@@ -30,6 +30,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable
 from types import FrameType
 from typing import Any, NoReturn
@@ -107,7 +108,8 @@ def exit_after(main: Callable[[], int | None]) -> NoReturn:
     """Run an entry point's ``main``, then end the process with its status through
     ``os._exit`` once every unlinker and closer has run and the logs and standard streams are
     flushed.  ``SystemExit`` (argparse, ``--help``, our signal handlers' ``128 + signum``)
-    gives the status like a normal exit would; any other exception propagates as usual.
+    gives the status like a normal exit would; any other exception prints its traceback and
+    gives 1, as Python would.
 
     Why not a normal exit: during interpreter finalization a gloo worker thread that drops the
     last reference to a finished collective's tensors must take the GIL, and Python stops such
@@ -124,6 +126,9 @@ def exit_after(main: Callable[[], int | None]) -> NoReturn:
         status = main()
     except SystemExit as exc:
         status = exc.code
+    except BaseException:
+        traceback.print_exc()
+        status = 1
     run_all()
     if status is not None and not isinstance(status, int):
         print(status, file=sys.stderr)  # what Python prints for SystemExit("message")

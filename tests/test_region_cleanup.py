@@ -124,6 +124,8 @@ def main():
         return 3
     if how == "none":
         return None
+    if how == "raise":
+        raise RuntimeError("boom")
     raise SystemExit(int(how) if how.isdigit() else how)
 
 cleanup.exit_after(main)
@@ -132,7 +134,7 @@ cleanup.exit_after(main)
 
 @pytest.mark.parametrize(("how", "status", "stderr"), [
     ("return", 3, "logged\n"), ("none", 0, "logged\n"), ("143", 143, "logged\n"),
-    ("bad input", 1, "logged\nbad input\n")])
+    ("bad input", 1, "logged\nbad input\n"), ("raise", 1, "logged\nTraceback")])
 def test_exit_after_runs_the_closers_flushes_and_skips_finalization(
         how: str, status: int, stderr: str) -> None:
     """The entry points' exit: main's status (returned or through SystemExit, as Python would
@@ -142,4 +144,8 @@ def test_exit_after_runs_the_closers_flushes_and_skips_finalization(
                           text=True, timeout=60)
     assert proc.returncode == status
     assert proc.stdout == "result closed\n"
-    assert proc.stderr == stderr
+    assert proc.stderr.startswith(stderr)
+    if how == "raise":
+        assert proc.stderr.endswith("RuntimeError: boom\n")
+    else:
+        assert proc.stderr == stderr
