@@ -116,7 +116,7 @@ def exit_after(main: Callable[[], int | None]) -> NoReturn:
     a thread with a forced unwind through torch's noexcept destructor, so the process aborts
     ("terminate called without an active exception") after the job has succeeded.  Caught here
     at the end of launch/prefix_reload.py on a loaded 2-core host (one job in 31 run in loops;
-    in two of every three full test-suite runs of sessions 3-5, which start four): gdb shows
+    about every other full test-suite run of sessions 3 and 4, which start four): gdb shows
     ``~AsyncAllgatherWork`` in ``ProcessGroupGloo::runLoop`` → ``decref_pyobject`` →
     ``take_gil`` → ``pthread_exit`` while the main thread is in ``Py_FinalizeEx``; upstream
     pytorch/pytorch#190489, which ``destroy_process_group`` does not avoid.  Skipping
