@@ -130,15 +130,22 @@ def exit_after(main: Callable[[], int | None]) -> NoReturn:
     except BaseException:
         traceback.print_exc()
         status = 1
-    run_all()
     if status is not None and not isinstance(status, int):
         print(status, file=sys.stderr)  # what Python prints for SystemExit("message")
         status = 1
+    exit_now(status or 0)
+
+
+def exit_now(status: int = 0) -> NoReturn:
+    """End the process with ``status`` after every unlinker and closer has run and the logs and
+    standard streams are flushed, without interpreter finalization (`exit_after` says why): for
+    processes whose work is done, such as spawned ranks."""
+    run_all()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    os._exit(status or 0)
+    os._exit(status)
 
 
 atexit.register(run_all)

@@ -128,7 +128,7 @@ def _rank_main(rank: int, world: int, port: int, jobs: int, device: str, driven:
     dist.destroy_process_group()
     out.close()
     out.join_thread()
-    cleanup.exit_after(lambda: 0)  # no interpreter finalization to race gloo's threads
+    cleanup.exit_now(0)  # no interpreter finalization to race gloo's threads
 
 
 def measure(world: int, jobs: int, device: str, driven: bool = False, blocks: int = 1

@@ -171,7 +171,7 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable[..., dict[str, Any
     dist.destroy_process_group()
     queue.close()
     queue.join_thread()
-    cleanup.exit_after(lambda: 0)  # no interpreter finalization to race gloo's threads
+    cleanup.exit_now(0)  # no interpreter finalization to race gloo's threads
 
 
 def run_variant(world: int, fn: Callable[..., dict[str, Any]], *extra: Any) -> dict[str, Any]:
