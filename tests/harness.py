@@ -65,8 +65,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _child(payload: bytes, rank: int, env: dict[str, str], results: Any, pg_timeout: float
-           ) -> None:
+def _child(payload: bytes, rank: int, env: dict[str, str], results: Any, pg_timeout: float,
+           released: Any, linger_s: float) -> None:
     os.environ.update(env)
     import torch.distributed as dist
 
@@ -83,14 +83,16 @@ def _child(payload: bytes, rank: int, env: dict[str, str], results: Any, pg_time
         results.close()
         results.join_thread()
         os._exit(1)
-    try:  # rank 0 hosts the store: keep it up until every rank is done with it
+    try:
         dist.barrier()
         dist.destroy_process_group()
     except Exception:
         pass
     results.close()
     results.join_thread()
-    cleanup.exit_after(lambda: 0)  # no interpreter finalization to race gloo's threads
+    if rank == 0:  # it hosts the store: up until every rank reported (the barrier fails early
+        released.wait(linger_s)  # when a test killed ranks, and the others may still poll)
+    cleanup.exit_now(0)  # no interpreter finalization to race gloo's threads
 
 
 def run_group(fn: Callable[..., Any], world: int, *, args: Sequence[Any] = (),
@@ -99,7 +101,7 @@ def run_group(fn: Callable[..., Any], world: int, *, args: Sequence[Any] = (),
               ) -> list[Outcome]:
     """Run ``fn(rank, *args)`` on ``world`` gloo ranks; ``nodes[r]`` is rank r's node id."""
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results, released = ctx.Queue(), ctx.Event()
     port = free_port()
     payload = cloudpickle.dumps((fn, tuple(args)))
     node_of = list(nodes) if nodes is not None else ["node0"] * world
@@ -113,7 +115,8 @@ def run_group(fn: Callable[..., Any], world: int, *, args: Sequence[Any] = (),
             "OFFLOAD_NODE_ID": node_of[rank],
             **(extra_env or {}),
         }
-        p = ctx.Process(target=_child, args=(payload, rank, env, results, pg_timeout))
+        p = ctx.Process(target=_child,
+                        args=(payload, rank, env, results, pg_timeout, released, timeout))
         p.start()
         procs.append(p)
     outcomes = {r: Outcome(r, None) for r in range(world)}
@@ -132,8 +135,10 @@ def run_group(fn: Callable[..., Any], world: int, *, args: Sequence[Any] = (),
 
     reported: set[int] = set()
     while len(reported) < world and datetime.datetime.now() < deadline:
-        if not take(0.2) and not any(p.is_alive() for p in procs):
-            break
+        if not take(0.2) and not any(p.is_alive() for r, p in enumerate(procs)
+                                     if r not in reported):
+            break  # (rank 0 stays alive for the store until `released`)
+    released.set()
     for p in procs:
         p.join(timeout=max(0.1, (deadline - datetime.datetime.now()).total_seconds()))
         if p.is_alive():
