@@ -158,7 +158,11 @@ def test_job_arrays_accept_lists_numpy_and_tensors() -> None:
     assert len(check_job(LAYOUT, [], [], [], num_blocks=1, chunk_count=1)) == 0
 
 
-@pytest.mark.parametrize("scratch_limit", [1 << 22, 0])  # scatter/gather, then the sort
+PATHS = {"marks": {"DENSE_FRACTION": 1 << 30}, "scatter": {"DENSE_FRACTION": 0},
+         "sort": {"SCRATCH_LIMIT": 0}}  # class settings that force each way of checking
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(("field", "job", "message"), [
     ("host_pages", ([0, 1, 2], [1, 2, 1], [3, 0, 3]),
      "entries 0 and 2 of the job both write chunk 1 position 3; two copies to one destination"),
@@ -166,9 +170,10 @@ def test_job_arrays_accept_lists_numpy_and_tensors() -> None:
      "entries 0 and 2 of the job both write GPU block 5"),
 ])
 def test_a_destination_written_twice_is_refused(field: str, job: tuple[list[int], ...],
-                                                message: str, scratch_limit: int,
+                                                message: str, path: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(UniqueDestinations, "SCRATCH_LIMIT", scratch_limit)
+    for name, value in PATHS[path].items():
+        monkeypatch.setattr(UniqueDestinations, name, value)
 
     def unique(name: str) -> UniqueDestinations:
         return UniqueDestinations(name, 64 if name == "blocks" else 12, 4)
@@ -183,16 +188,26 @@ def test_a_destination_written_twice_is_refused(field: str, job: tuple[list[int]
         check_job(LAYOUT, *job, num_blocks=64, chunk_count=3, unique=check)
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 15), max_size=12), st.booleans())
-def test_unique_destinations_matches_a_set(dest: list[int], sorted_path: bool) -> None:
-    check = UniqueDestinations("blocks", 0 if sorted_path else 16, 4)
-    job = Job(np.array(dest, dtype=np.int64), np.zeros(len(dest), dtype=np.int64))
-    if len(set(dest)) == len(dest):
-        check.check(job)
-    else:
-        with pytest.raises(OffloadError, match="of the job both write GPU block"):
-            check.check(job)
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 15), max_size=12), min_size=1, max_size=3),
+       st.sampled_from(sorted(PATHS)))
+def test_unique_destinations_matches_a_set(jobs: list[list[int]], path: str) -> None:
+    """Every way agrees with a set, also on a reused checker (stale marks and scratch), and
+    names the same entries: the first two writing the lowest repeated destination."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in PATHS[path].items():
+            patch.setattr(UniqueDestinations, name, value)
+        check = UniqueDestinations("blocks", 16, 4)
+        for dest in jobs:
+            job = Job(np.array(dest, dtype=np.int64), np.zeros(len(dest), dtype=np.int64))
+            if len(set(dest)) == len(dest):
+                check.check(job)
+            else:
+                value = min(d for d in dest if dest.count(d) > 1)
+                first, second = [i for i, d in enumerate(dest) if d == value][:2]
+                with pytest.raises(OffloadError, match=f"entries {first} and {second} of the "
+                                   f"job both write GPU block {value};"):
+                    check.check(job)
 
 
 def _outcome(job: tuple[object, ...], field: str | None) -> tuple[list[int], list[int]] | str:
