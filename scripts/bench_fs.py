@@ -4,10 +4,12 @@ Writes ``--bytes`` of page-aligned host rows (``--row-bytes`` each, random bytes
 `FileTier` with ``--threads`` I/O threads (one file per row: header + row in one ``pwritev``,
 ``fdatasync``, rename, directory ``fsync``), then reads them all back into host rows (headers and
 crc32c checked).  The baseline moves the same bytes with ``--threads`` parallel ``dd`` streams:
-``dd if=/dev/zero oflag=direct conv=fsync bs=ROW`` to one file each, then ``dd iflag=direct``
-back to /dev/null.  The tier's figures count payload bytes, like dd's.  Order per repetition: dd
-write, tier write, dd read, tier read; the best of ``--reps`` is reported, with every
-repetition in the JSON.  DESIGN.md section 8's target: tier ≥ 0.9 × dd.
+``dd if=ROWS skip=FIRST oflag=direct conv=fsync bs=ROW`` to one file each, where ROWS is the
+host rows' own memfd (through ``/proc/PID/fd``: the very bytes the tier writes, not zeros,
+which a virtual disk may store cheaply), then ``dd iflag=direct`` back to /dev/null.  The
+tier's figures count payload bytes, like dd's.  Order per repetition: dd write, tier write, dd
+read, tier read; the best of ``--reps`` is reported, with every repetition in the JSON.
+DESIGN.md section 8's target: tier ≥ 0.9 × dd.
 
     python scripts/bench_fs.py --dir /tmp --bytes 1GiB --row-bytes 16MiB --threads 8 --json o.json
 """
@@ -38,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     if rows < args.threads or args.row_bytes % 4096:
         sys.exit(f"--bytes {args.bytes} must hold at least --threads {args.threads} rows of "
                  f"--row-bytes {args.row_bytes} (a multiple of 4096)")
-    host = mmap.mmap(-1, rows * args.row_bytes)
+    source = os.memfd_create("bench-fs-rows", os.MFD_CLOEXEC)  # dd reads the rows from it
+    os.ftruncate(source, rows * args.row_bytes)
+    host = mmap.mmap(source, rows * args.row_bytes)
     np.frombuffer(host, dtype=np.uint64)[:] = np.random.default_rng(0).integers(
         0, 2**63, size=len(host) // 8, dtype=np.uint64)
     views = [memoryview(host)[i * args.row_bytes:(i + 1) * args.row_bytes] for i in range(rows)]
@@ -47,9 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     reps: list[dict[str, Any]] = []
     try:
         for rep in range(args.reps):
-            reps.append(_one_rep(work, rep, views, expected, args))
+            reps.append(_one_rep(work, rep, views, expected, source, args))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        os.close(source)
     result = _summary(args, rows, reps)
     _print(result)
     if args.json:
@@ -58,12 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if result["verified"] else 1
 
 
-def _one_rep(work: str, rep: int, views: list[memoryview], expected: list[int],
+def _one_rep(work: str, rep: int, views: list[memoryview], expected: list[int], source: int,
              args: argparse.Namespace) -> dict[str, Any]:
     payload = len(views) * args.row_bytes
     dd_dir = os.path.join(work, f"dd{rep}")
     os.mkdir(dd_dir)
-    dd_write = _dd(dd_dir, len(views), args, write=True)
+    dd_write = _dd(dd_dir, len(views), args, source=source)
     tier_root = os.path.join(work, f"tier{rep}")
     os.mkdir(tier_root)
     with FileTier(tier_root, len(views) * (args.row_bytes + 4096), {"bench": rep},
@@ -72,7 +77,7 @@ def _one_rep(work: str, rep: int, views: list[memoryview], expected: list[int],
         spills = [tier.put(i, view) for i, view in enumerate(views)]
         stored = all(s.stored.result() for s in spills)
         tier_write = time.perf_counter() - start
-        dd_read = _dd(dd_dir, len(views), args, write=False)
+        dd_read = _dd(dd_dir, len(views), args)
         for view in views:
             view[:64] = bytes(64)  # spoil every row: the read must bring the bytes back
         start = time.perf_counter()
@@ -89,15 +94,20 @@ def _one_rep(work: str, rep: int, views: list[memoryview], expected: list[int],
             "verified": verified, "fs_tier": report}
 
 
-def _dd(directory: str, rows: int, args: argparse.Namespace, write: bool) -> float:
-    """Seconds for ``--threads`` dd streams to move ``rows`` rows together."""
+def _dd(directory: str, rows: int, args: argparse.Namespace, source: int | None = None
+        ) -> float:
+    """Seconds for ``--threads`` dd streams to move ``rows`` rows together: with ``source``
+    (the rows' memfd) stream ``i`` writes its share of the rows to its own file, else it reads
+    that file back."""
     counts = [rows // args.threads + (i < rows % args.threads) for i in range(args.threads)]
+    firsts = [sum(counts[:i]) for i in range(args.threads)]
     commands = []
-    for i, count in enumerate(counts):
+    for i, (first, count) in enumerate(zip(firsts, counts, strict=True)):
         path = os.path.join(directory, f"stream{i}")
-        if write:
-            commands.append(["dd", "if=/dev/zero", f"of={path}", f"bs={args.row_bytes}",
-                             f"count={count}", "oflag=direct", "conv=fsync", "status=none"])
+        if source is not None:
+            commands.append(["dd", f"if=/proc/{os.getpid()}/fd/{source}", f"skip={first}",
+                             f"of={path}", f"bs={args.row_bytes}", f"count={count}",
+                             "oflag=direct", "conv=fsync", "status=none"])
         else:
             commands.append(["dd", f"if={path}", "of=/dev/null", f"bs={args.row_bytes}",
                              f"count={count}", "iflag=direct", "status=none"])
