@@ -2,8 +2,13 @@
 
 Every rank submits the same 1-block store (jobs alternate between two blocks), then the decider
 (rank 0) spins on `finished()` until the job comes back; the other ranks `poll()` and pass the
-decider's mark to `finished(mark)` the way an engine's step broadcast would.  A gloo barrier
-before each job (outside the timed span) keeps the ranks in step.  The timed span is rank 0's
+decider's mark to `finished(mark)` the way an engine's step broadcast would.  A barrier before
+each job (outside the timed span) keeps the ranks in step: ``--barrier gloo`` (the default) is
+`dist.barrier`, in which every rank sleeps, so each job starts on a CPU that just woke up (on a
+VM, an idle vCPU is descheduled by the host: tens of microseconds to wake, caches cold);
+``--barrier spin`` is a shared-memory counter every rank spins on (yielding), the way an
+engine's busy step loop meets its next submit (vLLM's workers spin on a shared-memory
+broadcast queue).  The timed span is rank 0's
 `submit` start to the moment it holds the decision (``submit_median_us``: the part spent inside
 `submit`, which on CPU tensors includes the copy itself).  The ranks leave the barrier up to
 hundreds of microseconds apart, so ``from_last_us`` also times each job from the *last* rank's
@@ -41,8 +46,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _spin_barrier(arrived: Any, rank: int, generation: int) -> None:
+    """Every rank marks ``generation`` in its own slot of ``arrived`` (shared memory), then
+    spins (yielding the core, ranks may outnumber cores) until every slot has it."""
+    arrived[rank] = generation
+    while min(arrived) < generation:
+        os.sched_yield()
+
+
 def _rank_main(rank: int, world: int, port: int, jobs: int, device: str, driven: bool,
-               blocks: int, out: Any) -> None:
+               blocks: int, arrived: Any, out: Any) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "RANK": str(rank), "WORLD_SIZE": str(world),
                        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
@@ -82,7 +95,10 @@ def _rank_main(rank: int, world: int, port: int, jobs: int, device: str, driven:
         mark = box[0]
         if engine_loop and rank != 0 and mark is not None:
             tier.finished(mark)
-        dist.barrier()
+        if arrived is None:
+            dist.barrier()
+        else:
+            _spin_barrier(arrived, rank, i + 1)
         began = time.perf_counter()
         tier.submit(job(i))
         submits.append(time.perf_counter() - began)
@@ -124,6 +140,7 @@ def _rank_main(rank: int, world: int, port: int, jobs: int, device: str, driven:
                                   if from_last else None),
                  "path": "run" if driven else "finished" if engine_loop else "done",
                  "blocks": blocks,
+                 "barrier": "gloo" if arrived is None else "spin",
                  "device": device})
     dist.destroy_process_group()
     out.close()
@@ -131,13 +148,14 @@ def _rank_main(rank: int, world: int, port: int, jobs: int, device: str, driven:
     cleanup.exit_now(0)  # no interpreter finalization to race gloo's threads
 
 
-def measure(world: int, jobs: int, device: str, driven: bool = False, blocks: int = 1
-            ) -> dict[str, Any]:
+def measure(world: int, jobs: int, device: str, driven: bool = False, blocks: int = 1,
+            barrier: str = "gloo") -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
+    arrived = ctx.RawArray("q", world) if barrier == "spin" else None
     procs = [ctx.Process(target=_rank_main,
-                         args=(r, world, port, jobs, device, driven, blocks, out))
+                         args=(r, world, port, jobs, device, driven, blocks, arrived, out))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -158,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="time rank 0's run(job) (RPC broadcast + quorum) instead")
     parser.add_argument("--blocks", type=int, choices=(0, 1), default=1,
                         help="blocks per job; 0 times the completion path alone (no copy)")
+    parser.add_argument("--barrier", choices=("gloo", "spin"), default="gloo",
+                        help="how ranks meet before each job: sleeping in dist.barrier, or "
+                             "spinning on shared memory like a busy engine loop")
     parser.add_argument("--json", help="write the rows here too")
     args = parser.parse_args(argv)
     import torch
@@ -167,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
     for world in (int(w) for w in args.ranks.split(",")):
-        row = measure(world, args.jobs, device, args.driven, args.blocks)
+        row = measure(world, args.jobs, device, args.driven, args.blocks, args.barrier)
         print(json.dumps(row), flush=True)
         rows.append(row)
     if args.json:
