@@ -15,6 +15,7 @@ from offload.config import TierConfig
 from offload.errors import OffloadError
 from offload.plan import RankDescriptor, compute_plan
 from offload.transfer import Job, SlotLayout, check_job, page_addresses
+from offload.transfer import layout as layout_module
 from offload.transfer.layout import (
     SMALL_JOB,
     UniqueDestinations,
@@ -222,16 +223,19 @@ def _outcome(job: tuple[object, ...], field: str | None) -> tuple[list[int], lis
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.integers(-2, 66), st.integers(-1, 4), st.integers(-1, 5)),
                 max_size=20),
-       st.sampled_from([None, "blocks", "host_pages"]), st.booleans())
-def test_short_list_jobs_take_the_python_path_with_the_same_outcome(
-        triples: list[tuple[int, int, int]], field: str | None, as_tuples: bool) -> None:
-    """Lists and tuples of up to SMALL_JOB ints are checked in Python; the result and every
-    error must be those of the numpy path (arrays)."""
+       st.sampled_from([None, "blocks", "host_pages"]),
+       st.sampled_from(["lists", "tuples", "arrays"]))
+def test_short_jobs_take_the_python_path_with_the_same_outcome(
+        triples: list[tuple[int, int, int]], field: str | None, kind: str) -> None:
+    """Lists, tuples and arrays of up to SMALL_JOB ints are checked in Python; the result and
+    every error must be those of the numpy path (forced with SMALL_JOB = 0)."""
     columns = [[t[i] for t in triples] for i in range(3)]
-    fast = tuple(tuple(c) if as_tuples else c for c in columns)
-    arrays = tuple(np.array(c, dtype=np.int64) for c in columns)
+    fast = tuple(tuple(c) if kind == "tuples" else np.array(c, dtype=np.int32)
+                 if kind == "arrays" else c for c in columns)
     outcome = _outcome(fast, field)
-    assert outcome == _outcome(arrays, field)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(layout_module, "SMALL_JOB", 0)
+        assert outcome == _outcome(tuple(np.array(c, dtype=np.int64) for c in columns), field)
     distinct = all(len(set(c)) == len(c) for c in (columns[0], outcome[1])) \
         if not isinstance(outcome, str) else False
     taken = _small_job(LAYOUT, *fast, num_blocks=64, chunk_count=3)

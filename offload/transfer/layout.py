@@ -143,12 +143,17 @@ _SEQUENCES = (list, tuple)
 
 def _small_job(layout: SlotLayout, gpu_blocks: object, chunk_ids: object, positions: object,
                num_blocks: int, chunk_count: int) -> Job | None:
-    """The job if it is short, given as lists or tuples of in-range ints and writes every
-    destination once; else None, and the numpy path checks it (and words any error)."""
-    if not (type(gpu_blocks) in _SEQUENCES and type(chunk_ids) in _SEQUENCES
-            and type(positions) in _SEQUENCES):
+    """The job if it is short (lists, tuples or 1-D numpy arrays of at most ``SMALL_JOB``
+    in-range ints) and writes every destination once; else None, and the numpy path checks it
+    (and words any error).  Short arrays come here too: three ``tolist`` calls and a loop cost
+    less than the numpy path's ~15 whole-array calls (CI machine's CPU, same run: 1 entry 7.4
+    against 17.2 µs, 4 entries 10.2 against 21.4; at 16 entries the two are within noise)."""
+    columns = (gpu_blocks, chunk_ids, positions)
+    if all(type(c) is np.ndarray and c.ndim == 1 and c.size <= SMALL_JOB for c in columns):
+        columns = tuple(cast(np.ndarray, c).tolist() for c in columns)
+    elif not all(type(c) in _SEQUENCES for c in columns):
         return None
-    blocks, chunks, slots = cast("tuple[Sequence[int], ...]", (gpu_blocks, chunk_ids, positions))
+    blocks, chunks, slots = cast("tuple[Sequence[int], ...]", columns)
     n = len(blocks)
     if n > SMALL_JOB or len(chunks) != n or len(slots) != n:
         return None
