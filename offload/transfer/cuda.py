@@ -29,9 +29,19 @@ from offload.transfer.layout import Job, SlotLayout
 DEFAULT_COPY_PROGRAMS: dict[Direction, int] = {"load": 32, "store": 8}
 
 
+class Lease:
+    """Something a job holds until the engine found it complete; `release` hands it back
+    (`offload.transfer.kernel.StagingSlot`).  Other objects `_launch` returns are only kept
+    alive until then."""
+
+    def release(self) -> None:
+        """The job's copy is complete: nothing on the GPU reads this any more."""
+
+
 class StreamEngine(EngineBase):
     """Orders jobs after ``after`` and tracks them with events; ``_launch`` enqueues the bytes
-    on ``self._stream`` and may return objects that must live until the job is done."""
+    on ``self._stream`` and may return objects that must live until the job is done (a
+    `Lease` is released then)."""
 
     def __init__(self, kv_tensors: Sequence[torch.Tensor], region: torch.Tensor,
                  layout: SlotLayout, chunk_count: int, priority: int = 0) -> None:
@@ -80,13 +90,20 @@ class StreamEngine(EngineBase):
     def poll(self) -> list[int]:
         finished = []
         while self._pending and self._pending[0][1].query():
-            finished.append(self._pending.popleft()[0])
+            job_id, _, keep = self._pending.popleft()
+            if isinstance(keep, Lease):
+                keep.release()
+            finished.append(job_id)
         return finished
 
     def wait_all(self) -> list[int]:
         if self._pending:
             self._pending[-1][1].synchronize()
-        finished = [job_id for job_id, _, _ in self._pending]
+        finished = []
+        for job_id, _, keep in self._pending:
+            if isinstance(keep, Lease):
+                keep.release()
+            finished.append(job_id)
         self._pending.clear()
         return finished
 

@@ -63,8 +63,7 @@ class HybridEngine(StreamEngine):
         starts = chunk_starts(job, bpc) if self.chunk_runs else None
         if starts is None:
             self.routes["kernel"] += 1
-            self.kernel.launch(direction, job)
-            return None
+            return self.kernel.launch(direction, job)
         self.routes["copy_engine"] += 1
         first_block, chunk = starts
         kv = self._kv_bases[:, None] + first_block[None, :] * self._block_strides[:, None]

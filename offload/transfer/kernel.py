@@ -7,7 +7,8 @@ Per job only two index arrays travel — GPU block ids and host pages (chunk × 
 position), int32 where they fit — written into a reused pinned staging slot and copied with one
 asynchronous upload into a reused device buffer.  The kernel maps work item ``w`` to (entry,
 tensor, piece of page) and derives both addresses, so the host does no work per page or per
-tensor and allocates nothing per job (the buffers grow only for a job larger than any before).
+tensor and allocates nothing per job (the buffers grow only for a job larger than any before,
+and a staging slot is added only while every slot is still held by a job in flight).
 
 Programs are persistent and bounded per direction (``DEFAULT_COPY_PROGRAMS``): each keeps
 ``STEP_BYTES`` in flight per step, enough programs cover PCIe latency, and few enough leave the
@@ -31,7 +32,7 @@ import triton.language as tl
 
 from offload.cuda_driver import bound_function, check
 from offload.transfer.base import Direction
-from offload.transfer.cuda import DEFAULT_COPY_PROGRAMS, StreamEngine
+from offload.transfer.cuda import DEFAULT_COPY_PROGRAMS, Lease, StreamEngine
 from offload.transfer.launcher import BoundKernel, bind, hooks_active
 from offload.transfer.layout import Job, SlotLayout, common_alignment
 
@@ -43,7 +44,7 @@ NUM_WARPS = 4
 # pieces (64 KiB, 1 MiB) fell to 14.8 GB/s with it, against 46.7 with 8: 8 until that is
 # understood; ``max_word=16`` keeps the option.
 MAX_WORD = 8
-STAGING_SLOTS = 4  # pinned staging buffers in rotation, each reused once its upload ran
+STAGING_SLOTS = 4  # pinned staging buffers made at first; more only while all are in flight
 _ELEMENTS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _SCALARS = ("n", "items", "num_tensors", "row_stride", "bpc")
 
@@ -93,9 +94,25 @@ def _ceil_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+class StagingSlot(Lease):
+    """One pinned buffer of job indices, held by its job from `KernelCopier.launch` until the
+    engine found the job complete (so its upload ran) and called `release`: the slot then
+    goes back to its copier's free list.  Replaces an event record and query per job."""
+
+    def __init__(self, owner: KernelCopier, capacity: int, index_type: torch.dtype) -> None:
+        self.pinned = torch.empty(2 * capacity, dtype=index_type, pin_memory=True)
+        self.staged = self.pinned.numpy()
+        self.capacity = capacity
+        self._owner = owner
+
+    def release(self) -> None:
+        self._owner._free_slot(self)
+
+
 class KernelCopier:
-    """The per-engine state of the kernel: the uploaded table, the staging ring, the device
-    index buffer and the compiled launchers.  ``launch`` enqueues one job on ``stream``."""
+    """The per-engine state of the kernel: the uploaded table, the staging slots, the device
+    index buffer and the compiled launchers.  ``launch`` enqueues one job on ``stream`` and
+    returns the `StagingSlot` the job holds until it completes."""
 
     def __init__(self, kv_bases: Sequence[int], block_strides: Sequence[int],
                  layout: SlotLayout, region_address: int, num_blocks: int, chunk_count: int,
@@ -129,9 +146,9 @@ class KernelCopier:
         fits = max(num_blocks, chunk_count * layout.blocks_per_chunk) < 2**31
         self._index_type = torch.int32 if fits else torch.int64
         self._capacity = 0
-        self._staging: list[tuple[torch.Tensor, np.ndarray, torch.cuda.Event]] = []
+        self._free: list[StagingSlot] = []  # slots of the current capacity no job holds
+        self.slots_made = 0
         self._device_index = torch.empty(0, dtype=self._index_type, device=device)
-        self._slot = 0
         self._compiled: dict[bool, Any] = {}
         self._bound: dict[bool, BoundKernel | None] = {}
         self._upload = bound_function("cuMemcpyHtoDAsync_v2", ctypes.c_uint64, ctypes.c_void_p,
@@ -139,15 +156,11 @@ class KernelCopier:
         self.launches = {"bound": 0, "triton": 0}  # which launch path each job took
 
     def _grow(self, n: int) -> None:
-        """Room for ``n`` entries: new staging slots and device buffer, after every upload from
-        the old slots ran (rare: only a job larger than all before)."""
-        for _, _, uploaded in self._staging:
-            uploaded.synchronize()
+        """Room for ``n`` entries: a larger device buffer and fresh staging slots (rare: only a
+        job larger than all before).  Free slots of the old size are dropped (their uploads
+        ran: their jobs completed); held ones are dropped when their jobs release them."""
         self._capacity = _ceil_pow2(max(n, 256))
-        self._staging = []
-        for _ in range(STAGING_SLOTS):
-            pinned = torch.empty(2 * self._capacity, dtype=self._index_type, pin_memory=True)
-            self._staging.append((pinned, pinned.numpy(), torch.cuda.Event()))
+        self._free = [self._new_slot() for _ in range(STAGING_SLOTS)]
         with torch.cuda.stream(self._stream):  # freed in this stream's order when replaced
             self._device_index = torch.empty(2 * self._capacity, dtype=self._index_type,
                                              device=self._stream.device)
@@ -155,24 +168,29 @@ class KernelCopier:
             if bound is not None:
                 bound.set(2, self._device_index.data_ptr())
 
-    def launch(self, direction: Direction, job: Job) -> None:
+    def _new_slot(self) -> StagingSlot:
+        self.slots_made += 1
+        return StagingSlot(self, self._capacity, self._index_type)
+
+    def _free_slot(self, slot: StagingSlot) -> None:
+        if slot.capacity == self._capacity:
+            self._free.append(slot)
+
+    def launch(self, direction: Direction, job: Job) -> StagingSlot:
         n = len(job)
         if n > self._capacity:
             self._grow(n)
-        pinned, staged, uploaded = self._staging[self._slot]
-        self._slot = (self._slot + 1) % STAGING_SLOTS
-        if not uploaded.query():  # its previous upload is still queued: rarely waits
-            uploaded.synchronize()
-        np.copyto(staged[:n], job.blocks, casting="unsafe")
-        np.copyto(staged[n:2 * n], job.host_pages, casting="unsafe")
+        slot = self._free.pop() if self._free else self._new_slot()  # never waits
+        np.copyto(slot.staged[:n], job.blocks, casting="unsafe")
+        np.copyto(slot.staged[n:2 * n], job.host_pages, casting="unsafe")
         stream = self._stream.cuda_stream
-        check(self._upload(self._device_index.data_ptr(), pinned.data_ptr(),
-                           2 * n * pinned.element_size(), stream), "cuMemcpyHtoDAsync_v2")
-        uploaded.record(self._stream)
+        check(self._upload(self._device_index.data_ptr(), slot.pinned.data_ptr(),
+                           2 * n * slot.pinned.element_size(), stream), "cuMemcpyHtoDAsync_v2")
         # the device buffer holds the first n entries of each row packed: [blocks | pages]
         items = n * self._num_tensors * self._pieces
         grid = max(1, min(self._programs[direction], -(-items // self._rows)))
         self._run(direction == "load", grid, stream, n, items)
+        return slot
 
     def _run(self, load: bool, grid: int, stream: int, n: int, items: int) -> None:
         """The first launch of a direction compiles the kernel through Triton's normal path;
@@ -238,8 +256,8 @@ class TritonEngine(StreamEngine):
         super().__init__(kv_tensors, region, layout, chunk_count, priority)
         self.kernel = kernel_copier(self, programs, num_warps, step_bytes, max_word, tile_bytes)
 
-    def _launch(self, direction: Direction, job: Job) -> None:
-        self.kernel.launch(direction, job)
+    def _launch(self, direction: Direction, job: Job) -> StagingSlot:
+        return self.kernel.launch(direction, job)
 
 
 def kernel_copier(engine: StreamEngine, programs: Mapping[Direction, int] | None = None,

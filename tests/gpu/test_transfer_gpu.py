@@ -111,10 +111,10 @@ def test_engine_layouts_many_tensors_both_directions(backend: str,
 
 @needs_triton
 def test_many_jobs_in_flight_reuse_staging_and_stay_exact() -> None:
-    """Jobs queued behind a sleeping compute stream: the first ones sit in distinct staging
-    slots with their uploads pending (submit does not wait); later ones reuse slots and grow
-    the buffers twice (those submits wait for the pending uploads, by design).  Every job must
-    move the indices it was submitted with, in order."""
+    """Jobs queued behind a sleeping compute stream: each holds its own staging slot until it
+    completes (submit never waits; more slots are made while all are held) and two of them
+    grow the buffers.  Every job must move the indices it was submitted with, in order, and
+    the second pass reuses the slots the first one released."""
     from offload.transfer.kernel import STAGING_SLOTS
 
     sizes = [3, 9, 1, 300, 20, 600, 40, 5, 40, 6]
@@ -134,13 +134,14 @@ def test_many_jobs_in_flight_reuse_staging_and_stay_exact() -> None:
         for job in jobs:
             expected = expected_region(expected, kv, layout, job)
         original = [t.clone() for t in kv]
+        made = []
         for direction in ("store", "load"):
             torch.cuda._sleep(SLEEP_CYCLES)
             for job_id, job in enumerate(jobs):
                 engine.submit(job_id, direction, *job)
-                if job_id == 2:
-                    assert engine.poll() == []  # three jobs staged, none run yet
+            assert engine.poll() == []  # every job staged behind the sleep, none waited
             assert engine.wait_all() == list(range(len(jobs)))
+            made.append(engine.kernel.slots_made)
             if direction == "store":
                 assert torch.equal(region, expected)
                 for t in kv:
@@ -149,6 +150,24 @@ def test_many_jobs_in_flight_reuse_staging_and_stay_exact() -> None:
         assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                    for a, b in zip(kv, original, strict=True))
         assert engine.kernel._capacity == 1024  # grew twice, to the largest job rounded up
+        # the store pass released 5 slots of 1024 entries (jobs 5-9; the 4 the last growth
+        # made went to jobs 5-8); the load pass holds 10 at once: 5 reused, 5 made
+        assert made[1] - made[0] == 5
+
+
+@needs_triton
+def test_back_to_back_jobs_reuse_the_same_staging_slots() -> None:
+    """A job's slot is free again once the engine found the job complete: jobs that complete
+    one after another never make a slot beyond the first ones."""
+    from offload.transfer.kernel import STAGING_SLOTS
+
+    kv = kv_set(64, [4 * KiB], "cuda")
+    with cuda_engine("triton", kv, 16) as (engine, kv, region):
+        rng = np.random.default_rng(3)
+        for job_id in range(20):
+            round_trip(engine, kv, region, slot_layout([4 * KiB], 4),
+                       scattered_job(rng, 1 + job_id % 7, 64, 16, 4))
+        assert engine.kernel.slots_made == STAGING_SLOTS
 
 
 @needs_triton
