@@ -90,22 +90,22 @@ class StreamEngine(EngineBase):
     def poll(self) -> list[int]:
         finished = []
         while self._pending and self._pending[0][1].query():
-            job_id, _, keep = self._pending.popleft()
-            if isinstance(keep, Lease):
-                keep.release()
-            finished.append(job_id)
+            finished.append(_retire(*self._pending.popleft()))
         return finished
 
     def wait_all(self) -> list[int]:
         if self._pending:
             self._pending[-1][1].synchronize()
-        finished = []
-        for job_id, _, keep in self._pending:
-            if isinstance(keep, Lease):
-                keep.release()
-            finished.append(job_id)
+        finished = [_retire(*entry) for entry in self._pending]
         self._pending.clear()
         return finished
+
+
+def _retire(job_id: int, done: torch.cuda.Event, keep: object) -> int:
+    """A completed job: release what it held (a `Lease`); return its id."""
+    if isinstance(keep, Lease):
+        keep.release()
+    return job_id
 
 
 class PerBlockEngine(StreamEngine):
