@@ -39,7 +39,9 @@ def check(result: int, what: str) -> None:
     if result == 0:
         return
     text = ctypes.c_char_p()
-    require_libcuda().cuGetErrorString(result, ctypes.byref(text))
+    lib = libcuda()
+    if lib is not None:
+        lib.cuGetErrorString(result, ctypes.byref(text))
     message = text.value.decode() if text.value else "unknown error"
     raise RuntimeError(f"{what} failed: CUDA error {result} ({message})")
 

@@ -49,6 +49,7 @@ class StreamEngine(EngineBase):
         self._device = self._geometry.device
         self._stream = torch.cuda.Stream(self._device, priority=priority)
         self._ordered = torch.cuda.Event()  # re-recorded per job: the caller's stream point
+        self._ordered.record(self._stream)  # created now: native launches use its handle
         self._caller: tuple[int, torch.cuda.Stream] | None = None  # (raw handle, stream)
         self._pending: deque[tuple[int, torch.cuda.Event, object]] = deque()
 
@@ -59,30 +60,43 @@ class StreamEngine(EngineBase):
     def _issue(self, job_id: int, direction: Direction, job: Job, after: After
                ) -> torch.cuda.Event:
         stream = self._stream
-        if after is None:
-            self._ordered.record(self._current_stream())
-            stream.wait_event(self._ordered)
-        elif isinstance(after, torch.cuda.Event):
-            stream.wait_event(after)
-        elif isinstance(after, torch.cuda.Stream):
-            stream.wait_stream(after)
+        keep: object = None
+        if after is None:  # the default: after the caller's current stream
+            caller = torch._C._cuda_getCurrentRawStream(self._device.index)
+            if len(job):
+                keep = self._launch_after(caller, direction, job)
+            else:
+                self._wait_for(caller)
         else:
-            raise OffloadError(f"job {job_id}: after={after!r} is neither a torch.cuda.Event "
-                               "nor a torch.cuda.Stream; pass one of them or None")
-        keep = self._launch(direction, job) if len(job) else None
+            if isinstance(after, torch.cuda.Event):
+                stream.wait_event(after)
+            elif isinstance(after, torch.cuda.Stream):
+                stream.wait_stream(after)
+            else:
+                raise OffloadError(f"job {job_id}: after={after!r} is neither a torch.cuda."
+                                   "Event nor a torch.cuda.Stream; pass one of them or None")
+            if len(job):
+                keep = self._launch(direction, job)
         done = torch.cuda.Event()
         done.record(stream)
         self._pending.append((job_id, done, keep))
         return done
 
-    def _current_stream(self) -> torch.cuda.Stream:
-        """The caller's current stream; the stream object is rebuilt only when the raw handle
-        changes (``torch.cuda.current_stream`` builds a new one per call, which costs more
-        than the rest of a small job's launch on a cold CPU)."""
-        raw = torch._C._cuda_getCurrentRawStream(self._device.index)
-        if self._caller is None or self._caller[0] != raw:
-            self._caller = (raw, torch.cuda.current_stream(self._device))
-        return self._caller[1]
+    def _wait_for(self, caller: int) -> None:
+        """Order the copy stream after the caller's current stream (raw handle ``caller``).
+        The stream object is rebuilt only when the handle changes (``torch.cuda.
+        current_stream`` builds a new one per call, which costs more than the rest of a small
+        job's launch on a cold CPU)."""
+        if self._caller is None or self._caller[0] != caller:
+            self._caller = (caller, torch.cuda.current_stream(self._device))
+        self._ordered.record(self._caller[1])
+        self._stream.wait_event(self._ordered)
+
+    def _launch_after(self, caller: int, direction: Direction, job: Job) -> object:
+        """Order after the raw stream ``caller``, then `_launch`; the kernel backends do both
+        in one native call where they can (`offload.transfer.native`)."""
+        self._wait_for(caller)
+        return self._launch(direction, job)
 
     def _launch(self, direction: Direction, job: Job) -> object:
         raise NotImplementedError

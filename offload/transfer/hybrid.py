@@ -56,15 +56,26 @@ class HybridEngine(StreamEngine):
         self.routes = {"kernel": 0, "copy_engine": 0}
 
     def _launch(self, direction: Direction, job: Job) -> object:
-        if self.page_runs:
-            self.routes["copy_engine"] += 1
-            return self.batch.launch_runs(*page_copies(self, direction, job))
-        bpc = self._layout.blocks_per_chunk
-        starts = chunk_starts(job, bpc) if self.chunk_runs else None
-        if starts is None:
-            self.routes["kernel"] += 1
-            return self.kernel.launch(direction, job)
+        return self._route(direction, job, None)
+
+    def _launch_after(self, caller: int, direction: Direction, job: Job) -> object:
+        return self._route(direction, job, caller)
+
+    def _route(self, direction: Direction, job: Job, caller: int | None) -> object:
+        """Run ``job`` on the kernel or the copy engines, after the raw stream ``caller``
+        when given (the kernel orders itself, natively where it can)."""
+        starts = None
+        if not self.page_runs:
+            bpc = self._layout.blocks_per_chunk
+            starts = chunk_starts(job, bpc) if self.chunk_runs else None
+            if starts is None:
+                self.routes["kernel"] += 1
+                return self.kernel.launch(direction, job, caller)
+        if caller is not None:
+            self._wait_for(caller)
         self.routes["copy_engine"] += 1
+        if starts is None:
+            return self.batch.launch_runs(*page_copies(self, direction, job))
         first_block, chunk = starts
         kv = self._kv_bases[:, None] + first_block[None, :] * self._block_strides[:, None]
         host = self._host_bases + chunk[None, :] * self._layout.row_stride

@@ -21,7 +21,7 @@ compiled kernel's own launcher.  The index upload is a pre-bound driver call as 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import cache
 from typing import Any
 
@@ -35,6 +35,7 @@ from offload.transfer.base import Direction
 from offload.transfer.cuda import DEFAULT_COPY_PROGRAMS, Lease, StreamEngine
 from offload.transfer.launcher import BoundKernel, bind, hooks_active
 from offload.transfer.layout import Job, SlotLayout, common_alignment
+from offload.transfer.native import NativeIssuer, driver_entry_points, library
 
 STEP_BYTES = 32 << 10  # per program and step in flight
 MAX_TILE_BYTES = 16 << 10  # one work item: a page, or a 16 KiB piece of a larger one
@@ -102,6 +103,8 @@ class StagingSlot(Lease):
     def __init__(self, owner: KernelCopier, capacity: int, index_type: torch.dtype) -> None:
         self.pinned = torch.empty(2 * capacity, dtype=index_type, pin_memory=True)
         self.staged = self.pinned.numpy()
+        self.address = self.pinned.data_ptr()
+        self.item_bytes = self.pinned.element_size()
         self.capacity = capacity
         self._owner = owner
 
@@ -112,15 +115,21 @@ class StagingSlot(Lease):
 class KernelCopier:
     """The per-engine state of the kernel: the uploaded table, the staging slots, the device
     index buffer and the compiled launchers.  ``launch`` enqueues one job on ``stream`` and
-    returns the `StagingSlot` the job holds until it completes."""
+    returns the `StagingSlot` the job holds until it completes.  A job that must first wait
+    for the caller's stream is ordered by ``ordered`` (an event, re-recorded on that stream)
+    in the native call, else by ``wait_for`` (the engine's Python ordering)."""
 
     def __init__(self, kv_bases: Sequence[int], block_strides: Sequence[int],
                  layout: SlotLayout, region_address: int, num_blocks: int, chunk_count: int,
-                 stream: torch.cuda.Stream, programs: Mapping[Direction, int] | None = None,
+                 stream: torch.cuda.Stream, ordered: torch.cuda.Event,
+                 wait_for: Callable[[int], None],
+                 programs: Mapping[Direction, int] | None = None,
                  num_warps: int = NUM_WARPS, step_bytes: int = STEP_BYTES,
                  max_word: int = MAX_WORD, tile_bytes: int = MAX_TILE_BYTES) -> None:
         device = stream.device
         self._stream = stream
+        self._ordered = ordered
+        self._wait_for = wait_for
         self._anchor = torch.empty(32, dtype=torch.uint8, device=device)
         anchor = self._anchor.data_ptr()
         host_bases = [region_address + o for o in layout.host_page_offsets().tolist()]
@@ -151,9 +160,10 @@ class KernelCopier:
         self._device_index = torch.empty(0, dtype=self._index_type, device=device)
         self._compiled: dict[bool, Any] = {}
         self._bound: dict[bool, BoundKernel | None] = {}
+        self._native: dict[bool, NativeIssuer] = {}
         self._upload = bound_function("cuMemcpyHtoDAsync_v2", ctypes.c_uint64, ctypes.c_void_p,
                                       ctypes.c_size_t, ctypes.c_void_p)
-        self.launches = {"bound": 0, "triton": 0}  # which launch path each job took
+        self.launches = {"native": 0, "bound": 0, "triton": 0}  # each job's launch path
 
     def _grow(self, n: int) -> None:
         """Room for ``n`` entries: a larger device buffer and fresh staging slots (rare: only a
@@ -167,6 +177,8 @@ class KernelCopier:
         for bound in self._bound.values():  # bound launches read the new buffer from now on
             if bound is not None:
                 bound.set(2, self._device_index.data_ptr())
+        for native in self._native.values():
+            native.set_device_index(self._device_index.data_ptr())
 
     def _new_slot(self) -> StagingSlot:
         self.slots_made += 1
@@ -176,28 +188,47 @@ class KernelCopier:
         if slot.capacity == self._capacity:
             self._free.append(slot)
 
-    def launch(self, direction: Direction, job: Job) -> StagingSlot:
+    def launch(self, direction: Direction, job: Job, caller: int | None = None
+               ) -> StagingSlot:
+        """Enqueue ``job``, first ordered after the raw stream ``caller`` when given."""
         n = len(job)
         if n > self._capacity:
             self._grow(n)
         slot = self._free.pop() if self._free else self._new_slot()  # never waits
         np.copyto(slot.staged[:n], job.blocks, casting="unsafe")
         np.copyto(slot.staged[n:2 * n], job.host_pages, casting="unsafe")
-        stream = self._stream.cuda_stream
-        check(self._upload(self._device_index.data_ptr(), slot.pinned.data_ptr(),
-                           2 * n * slot.pinned.element_size(), stream), "cuMemcpyHtoDAsync_v2")
         # the device buffer holds the first n entries of each row packed: [blocks | pages]
         items = n * self._num_tensors * self._pieces
         grid = max(1, min(self._programs[direction], -(-items // self._rows)))
-        self._run(direction == "load", grid, stream, n, items)
+        load = direction == "load"
+        native = self._native.get(load)
+        if (native is not None and not self._hooked()
+                and native.issue(caller is not None, caller or 0, slot.address,
+                                 2 * n * slot.item_bytes, n, items, grid)):
+            self.launches["native"] += 1
+            return slot
+        if caller is not None:
+            self._wait_for(caller)
+        stream = self._stream.cuda_stream
+        check(self._upload(self._device_index.data_ptr(), slot.address,
+                           2 * n * slot.item_bytes, stream), "cuMemcpyHtoDAsync_v2")
+        self._run(load, grid, stream, n, items)
         return slot
+
+    @staticmethod
+    def _hooked() -> bool:
+        """Whether a profiler installed Triton launch hooks: every launch then goes through
+        Triton's launcher, where they run."""
+        knobs = _triton_knobs()
+        return knobs is not None and hooks_active((knobs.runtime.launch_enter_hook,
+                                                   knobs.runtime.launch_exit_hook))
 
     def _run(self, load: bool, grid: int, stream: int, n: int, items: int) -> None:
         """The first launch of a direction compiles the kernel through Triton's normal path;
-        later ones go through the `BoundKernel` made from it (``cuLaunchKernel``, the two
-        sizes updated in place; `_grow` updates the index buffer's pointer) or, where binding
-        was refused or a size outgrew the compiled integer type, the compiled kernel's own
-        launcher."""
+        later ones go through the native issue call (`launch`) or the `BoundKernel` made
+        from it (``cuLaunchKernel``, the two sizes updated in place; `_grow` updates the index
+        buffer's pointer) or, where binding was refused or a size outgrew the compiled integer
+        type, the compiled kernel's own launcher."""
         bound = self._bound.get(load)
         knobs = _triton_knobs()
         hooks = () if knobs is None else (knobs.runtime.launch_enter_hook,
@@ -228,7 +259,12 @@ class KernelCopier:
                 PIECES=self._pieces, ROWS=self._rows, TILE=self._tile, VEC=self._vec,
                 num_warps=self._num_warps)
         self._compiled[load] = compiled
-        self._bound[load] = bind(compiled, args, hooks)
+        bound = self._bound[load] = bind(compiled, args, hooks)
+        lib, entry_points = library(), driver_entry_points()
+        if bound is not None and lib is not None and entry_points is not None:
+            self._native[load] = NativeIssuer(
+                lib, entry_points, bound, 3, self._stream.cuda_stream,
+                self._ordered.cuda_event, self._device_index.data_ptr())
 
 
 @cache
@@ -259,6 +295,9 @@ class TritonEngine(StreamEngine):
     def _launch(self, direction: Direction, job: Job) -> StagingSlot:
         return self.kernel.launch(direction, job)
 
+    def _launch_after(self, caller: int, direction: Direction, job: Job) -> StagingSlot:
+        return self.kernel.launch(direction, job, caller)
+
 
 def kernel_copier(engine: StreamEngine, programs: Mapping[Direction, int] | None = None,
                   num_warps: int = NUM_WARPS, step_bytes: int = STEP_BYTES,
@@ -266,5 +305,6 @@ def kernel_copier(engine: StreamEngine, programs: Mapping[Direction, int] | None
     """The kernel over ``engine``'s tensors, region and stream."""
     return KernelCopier(engine._kv_bases.tolist(), engine._block_strides.tolist(),
                         engine.layout, engine._region.data_ptr(), engine._geometry.num_blocks,
-                        engine._chunk_count, engine.stream, programs, num_warps, step_bytes,
-                        max_word, tile_bytes)
+                        engine._chunk_count, engine.stream, engine._ordered,
+                        engine._wait_for, programs, num_warps, step_bytes, max_word,
+                        tile_bytes)

@@ -70,7 +70,8 @@ class BoundKernel:
         self._params = (ctypes.c_void_p * len(sizes))(
             *[ctypes.cast(ctypes.byref(c), ctypes.c_void_p) for c in self._cells])
         self._function = ctypes.c_void_p(function)
-        self._threads, self._shared = threads, shared
+        self.function, self.threads, self.shared = function, threads, shared
+        self.params_address = ctypes.addressof(self._params)
         self._launch = bound_function("cuLaunchKernel", ctypes.c_void_p, *[ctypes.c_uint] * 7,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
 
@@ -79,11 +80,16 @@ class BoundKernel:
         take a value Triton would have compiled as int64)."""
         return -self._limits[index] <= value < self._limits[index]
 
+    def cell(self, index: int) -> tuple[int, int]:
+        """Address and byte size of parameter ``index``'s cell (for a native launcher that
+        writes it in place, `offload.transfer.native`)."""
+        return ctypes.addressof(self._cells[index]), ctypes.sizeof(self._cells[index])
+
     def set(self, index: int, value: int) -> None:
         self._cells[index].value = value
 
     def launch(self, grid: int, stream: int) -> None:
-        check(self._launch(self._function, grid, 1, 1, self._threads, 1, 1, self._shared,
+        check(self._launch(self._function, grid, 1, 1, self.threads, 1, 1, self.shared,
                            stream, self._params, None), "cuLaunchKernel")
 
 

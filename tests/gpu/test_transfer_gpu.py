@@ -171,11 +171,12 @@ def test_back_to_back_jobs_reuse_the_same_staging_slots() -> None:
 
 
 @needs_triton
-@pytest.mark.parametrize("bound", [True, False])
-def test_jobs_after_the_first_launch_through_the_bound_kernel(bound: bool) -> None:
-    """After the first job of a direction compiled the kernel, every later one is launched with
-    ``cuLaunchKernel`` over the pre-bound parameter block (on this device's driver and Triton
-    it must bind), and moves the same bytes as Triton's own launcher (``bound=False``)."""
+@pytest.mark.parametrize("path", ["native", "bound", "triton"])
+def test_jobs_after_the_first_launch_skip_tritons_launcher(path: str) -> None:
+    """After the first job of a direction compiled the kernel, every later one is issued in one
+    native call (ordering, upload, ``cuLaunchKernel``; on this device's driver, Triton and
+    compiler it must build and bind), or, without it, launched with ``cuLaunchKernel`` over the
+    pre-bound parameter block; all three paths move the same bytes as Triton's own launcher."""
     pages = [16 * KiB, 4 * KiB, 1000]
     kv = kv_set(320, pages, "cuda")
     layout = slot_layout(pages, 4)
@@ -186,12 +187,36 @@ def test_jobs_after_the_first_launch_through_the_bound_kernel(bound: bool) -> No
         engine.wait_all()
         kernel = engine.kernel
         assert all(kernel._bound[load] is not None for load in (False, True))
-        if not bound:
+        assert set(kernel._native) == {False, True}
+        if path != "native":
+            kernel._native = {}
+        if path == "triton":
             kernel._bound = {False: None, True: None}
         for size in (1, 7, 300):  # 300 grows the device index buffer: a new pointer
             round_trip(engine, kv, region, layout, scattered_job(rng, size, 320, 80, 4))
-        assert kernel.launches == ({"bound": 6, "triton": 2} if bound
-                                   else {"bound": 0, "triton": 8})
+        expected = {"native": 0, "bound": 0, "triton": 2}
+        expected[path] += 6
+        assert kernel.launches == expected
+
+
+@needs_triton
+def test_native_issue_orders_after_the_callers_stream() -> None:
+    """Jobs issued natively wait for the caller's current stream, whether it is the legacy
+    default stream (raw handle 0) or a side stream made current."""
+    with cuda_engine("triton", kv_set(8, [16 * KiB], "cuda"), 2) as (engine, kv, region):
+        engine.submit(-2, "store", [0], [1], [0])  # both directions compiled: later jobs are
+        engine.submit(-1, "load", [7], [1], [0])   # issued natively
+        engine.wait_all()
+        start = slot_layout([16 * KiB], 4).slot_offset
+        for job_id, stream in enumerate((None, torch.cuda.Stream())):
+            value = 0x30 + job_id
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                _slow_write(kv[0], 2, value)
+                engine.submit(job_id, "store", [2], [0], [job_id])
+            engine.wait_all()
+            page = region[start + job_id * 16 * KiB:start + (job_id + 1) * 16 * KiB]
+            assert (page == value).all()
+        assert engine.kernel.launches["native"] == 2
 
 
 @pytest.mark.parametrize(("pinned", "expected"), [

@@ -1,0 +1,154 @@
+"""A kernel job's whole issue in one native call: ordering, index upload and launch.
+
+On the lent H200 VMs a 1-block job's `submit` spent ~60 µs in the engine's Python (docs/
+BENCHMARKS.md, session 6): the kernel launch 44 µs of which ``cuLaunchKernel`` itself 19, two event
+calls and a stream wait 3 µs each, the rest converting ctypes arguments and setting parameter
+cells between five driver calls.  ``issue.c`` makes those calls from C — record the ordering
+event on the caller's stream, make the copy stream wait for it, upload the staged indices, set
+the two sizes in the kernel's parameter block, ``cuLaunchKernel`` — after one ctypes call over a
+context built once per kernel (`IssueContext`).
+
+The C file is compiled on first use with the host's C compiler into a cache directory (the way
+Triton builds its own launchers, so a host that runs the Triton backend has one), loaded with
+ctypes, and needs no CUDA headers: the driver's entry points are handed over as function
+pointers, which also lets the tests drive it with stand-ins on hosts without CUDA.  Where no
+compiler works, or ``OFFLOAD_NATIVE=0``, `library` returns None and the kernel keeps its Python
+launch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from offload.cuda_driver import check, libcuda
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("issue.c")
+STEPS = ("", "size check", "cuEventRecord", "cuStreamWaitEvent", "cuMemcpyHtoDAsync_v2",
+         "cuLaunchKernel")  # issue.c's failed_step, by value
+DRIVER_ENTRY_POINTS = ("cuEventRecord", "cuStreamWaitEvent", "cuMemcpyHtoDAsync_v2",
+                       "cuLaunchKernel")
+
+
+class IssueContext(ctypes.Structure):
+    """``struct offload_issue`` of issue.c, field by field."""
+
+    _fields_ = [("event_record", ctypes.c_void_p), ("stream_wait_event", ctypes.c_void_p),
+                ("memcpy_htod_async", ctypes.c_void_p), ("launch_kernel", ctypes.c_void_p),
+                ("function", ctypes.c_void_p), ("params", ctypes.c_void_p),
+                ("count_cell", ctypes.c_void_p), ("items_cell", ctypes.c_void_p),
+                ("count_size", ctypes.c_int32), ("items_size", ctypes.c_int32),
+                ("threads", ctypes.c_uint32), ("shared_bytes", ctypes.c_uint32),
+                ("stream", ctypes.c_void_p), ("ordered", ctypes.c_void_p),
+                ("device_index", ctypes.c_uint64), ("failed_step", ctypes.c_int32)]
+
+
+def cache_dir() -> Path:
+    """``OFFLOAD_CACHE_DIR``, else ``$XDG_CACHE_HOME/offload``, else ``~/.cache/offload``."""
+    if os.environ.get("OFFLOAD_CACHE_DIR"):
+        return Path(os.environ["OFFLOAD_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "offload"
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build(source: Path, directory: Path, cc: str) -> Path:
+    """Compile ``source`` into a shared library in ``directory``, named by a hash of the source
+    and the compiler, unless it is already there.  Ranks of one host may build at once: each
+    writes its own temporary file and renames it into place (atomic; the last one wins, all
+    identical)."""
+    text = source.read_bytes()
+    key = hashlib.sha256(text + cc.encode()).hexdigest()[:16]
+    target = directory / f"{source.stem}-{key}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=directory)
+    os.close(fd)
+    try:
+        result = subprocess.run([cc, "-O2", "-std=c11", "-shared", "-fPIC", "-o", partial,
+                                 str(source)], capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise RuntimeError(f"{cc} failed on {source.name}: {result.stderr.strip()[:400]}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The compiled ``issue.c`` (built once per host and source), or None where it cannot be
+    built or ``OFFLOAD_NATIVE=0``; the reason is logged once."""
+    if os.environ.get("OFFLOAD_NATIVE", "1") == "0":
+        return None
+    cc = compiler()
+    if cc is None:
+        log.info("no C compiler (cc, gcc or $CC): kernel jobs keep the Python launch path")
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(SOURCE, cache_dir(), cc)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("could not build the native issue path (%s); kernel jobs keep the "
+                    "Python launch path", exc)
+        return None
+    lib.offload_issue.argtypes = [ctypes.POINTER(IssueContext), ctypes.c_int32,
+                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64,
+                                  ctypes.c_int64, ctypes.c_int64, ctypes.c_uint32]
+    lib.offload_issue.restype = ctypes.c_int
+    return lib
+
+
+def driver_entry_points() -> tuple[int, ...] | None:
+    """Addresses of the four driver functions issue.c calls, or None without a driver."""
+    lib = libcuda()
+    if lib is None or not all(hasattr(lib, name) for name in DRIVER_ENTRY_POINTS):
+        return None
+    return tuple(int(ctypes.cast(lib[name], ctypes.c_void_p).value or 0)
+                 for name in DRIVER_ENTRY_POINTS)
+
+
+class NativeIssuer:
+    """`issue` runs issue.c's ``offload_issue`` over one kernel's context.  ``kernel`` is the
+    `offload.transfer.launcher.BoundKernel` whose parameter block it launches with (its n and
+    items cells are parameters ``count_index`` and ``count_index + 1``); ``keep`` holds the
+    objects whose memory the context points into."""
+
+    def __init__(self, lib: ctypes.CDLL, entry_points: tuple[int, ...], kernel: Any,
+                 count_index: int, stream: int, ordered_event: int, device_index: int) -> None:
+        count_cell, count_size = kernel.cell(count_index)
+        items_cell, items_size = kernel.cell(count_index + 1)
+        self.context = IssueContext(*entry_points, kernel.function, kernel.params_address,
+                                    count_cell, items_cell, count_size, items_size,
+                                    kernel.threads, kernel.shared, stream, ordered_event,
+                                    device_index, 0)
+        self._pointer = ctypes.pointer(self.context)
+        self._issue = lib.offload_issue
+        self._kernel = kernel
+
+    def set_device_index(self, address: int) -> None:
+        self.context.device_index = address
+
+    def issue(self, order: bool, caller: int, staging: int, nbytes: int, count: int,
+              items: int, grid: int) -> bool:
+        """Issue one job; False (nothing issued) when ``count`` or ``items`` overflows the
+        kernel's compiled integer types.  A failed driver call raises with its name."""
+        result = self._issue(self._pointer, order, caller, staging, nbytes, count, items, grid)
+        if result == -1:
+            return False
+        check(result, STEPS[self.context.failed_step])  # raises unless result is 0
+        return True
