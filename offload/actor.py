@@ -296,7 +296,7 @@ class RankActor:
             "region_bytes": stats.region_bytes, "prefault_bytes": stats.prefault_bytes,
             "pinned_bytes": stats.pinned_bytes, "pin_plan_bytes": stats.pin_plan_bytes,
             "registrations": stats.registrations, "segments": stats.segments,
-            "memory": stats.memory,
+            "memory": stats.memory, "shmem_huge": stats.shmem_huge,
             "pinned": region.pinned,
             "engine": self.engine.name if self.engine else None,
             "audit": self.auditor.to_json() if self.auditor else None,

@@ -24,6 +24,7 @@ from offload.config import TierConfig
 from offload.errors import OffloadError
 from offload.plan import Plan, RankDescriptor, compute_plan
 from offload.region import HostRegion, RecordingRegistrar
+from offload.region.hugepages import shmem_huge_mode
 from offload.region.pin import Registrar
 from offload.topology import NodeInfo, Topology
 from tests.harness import Outcome, run_group, shm_entries
@@ -247,7 +248,7 @@ def _shared_body(rank: int, job_id: str, mode: dict[str, Any]) -> dict[str, Any]
         same = torch.equal(region.tensor, expected_region(plan, [0, 1], region.size))
         slot = plan.slots[rank]
         return {"created": bool(created), "left": left, "same": same, "memfds": memfds,
-                "segments": region.stats.segments,
+                "segments": region.stats.segments, "shmem_huge": region.stats.shmem_huge,
                 "registered": sorted((a - region.address, n)
                                      for a, n in registrar.registered.items()),
                 "slot": (slot.slot_offset, slot.slot_bytes, plan.row_stride(rank),
@@ -268,6 +269,7 @@ def test_shared_one_creator_and_each_rank_lands_in_its_slot(job: str,
     assert [v["created"] for v in values] == [True, False]
     for v in values:
         assert v["left"] == [] and v["same"] and v["segments"] > 1
+        assert v["shmem_huge"] == (None if mode else shmem_huge_mode())  # reported for memfds
         # nameless: both ranks map the leader's memfds (handed over, not opened by name)
         assert v["memfds"] == ([] if mode else [f"/memfd:offload-{job}-L0-s{i}"
                                                 for i in range(v["segments"])])

@@ -55,6 +55,7 @@ from offload.geometry import (
     segment_ranges,
 )
 from offload.plan import Plan
+from offload.region.hugepages import shmem_huge_mode, small_page_hint
 from offload.region.nameless import FdOffer, check_sizes, create_memfds, fetch_fds, socket_name
 from offload.region.pin import Pinner, Registrar
 from offload.region.pipeline import PinPipeline
@@ -94,6 +95,7 @@ class RegionStats:
     prefault_fallback: bool = False
     pin_error: str | None = None
     memory: str = ""  # "anonymous" (private default), "memfd" or "file" (--shm-dir)
+    shmem_huge: str | None = None  # memfd regions: the host's shmem_enabled mode (hugepages)
     timings_s: dict[str, float] = field(default_factory=dict)
 
 
@@ -185,6 +187,11 @@ class HostRegion:
             sync.step("checking the node's memory", check if topology.is_leader else None)
             self._map_private(files)
         self.stats.timings_s["create"] = time.perf_counter() - start
+        if self.stats.memory == "memfd":
+            self.stats.shmem_huge = shmem_huge_mode()
+            hint = small_page_hint(self.stats.shmem_huge)
+            if hint and topology.is_leader:
+                log.info("rank %d: %s", topology.rank, hint)
         self._prefault_and_pin(sync if node_layout else None, topology, config, segments,
                                progress)
 
