@@ -46,7 +46,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _spin_barrier(arrived: Any, rank: int, generation: int) -> None:
+def spin_barrier(arrived: Any, rank: int, generation: int) -> None:
     """Every rank marks ``generation`` in its own slot of ``arrived`` (shared memory), then
     spins (yielding the core, ranks may outnumber cores) until every slot has it."""
     arrived[rank] = generation
@@ -98,7 +98,7 @@ def _rank_main(rank: int, world: int, port: int, jobs: int, device: str, driven:
         if arrived is None:
             dist.barrier()
         else:
-            _spin_barrier(arrived, rank, i + 1)
+            spin_barrier(arrived, rank, i + 1)
         began = time.perf_counter()
         tier.submit(job(i))
         submits.append(time.perf_counter() - began)

@@ -11,6 +11,11 @@ broadcast carries them.  Per job size and direction, median of ``--reps`` on ran
             one host-to-host copy (CPU), measured in the same run;
 * submit_us host time inside `submit`; decided_us the whole span.
 
+The ranks meet before each job (untimed) in ``--barrier gloo`` (`dist.barrier`, where every rank
+sleeps, so each `submit` starts on a CPU that just woke up) or ``--barrier spin`` (a
+shared-memory counter they spin on, as a busy engine's workers wait for the next step: vLLM's
+spin on a shared-memory broadcast queue).  The first is the cold case, the second the hot one.
+
 Each size's last store is loaded back into other blocks and compared byte for byte.  The tier's
 region is what an engine gets (nameless memfds, page-aligned, pinned on CUDA); rank ``r`` uses
 GPU ``r % count``.  ``--device cpu`` runs the host backend (CI's smoke test).
@@ -35,13 +40,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
 import torch
-from bench_engine import kv_tensors, link_rate, make_job  # this script's folder
+from bench_completion import spin_barrier  # this script's folder
+from bench_engine import kv_tensors, link_rate, make_job
 
 from offload import cleanup
 from offload.sizes import format_size, parse_size
 
 
-def _rank_main(rank: int, args: argparse.Namespace, port: int, out: Any) -> None:
+def _rank_main(rank: int, args: argparse.Namespace, port: int, arrived: Any, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(args.ranks))
@@ -77,7 +83,10 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, out: Any) -> None
         dist.broadcast_object_list(box, src=0)  # the engine's step broadcast, untimed
         if rank != 0 and box[0] is not None:
             tier.finished(box[0])
-        dist.barrier()
+        if arrived is None:
+            dist.barrier()
+        else:
+            spin_barrier(arrived, rank, job_id + 1)
         began = time.perf_counter()
         tier.submit(CopyJob(job_id, direction, blocks, chunks, positions))
         submitted = time.perf_counter() - began
@@ -155,7 +164,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, args, port, out))
+    arrived = ctx.RawArray("q", args.ranks) if args.barrier == "spin" else None
+    procs = [ctx.Process(target=_rank_main, args=(r, args, port, arrived, out))
              for r in range(args.ranks)]
     for p in procs:
         p.start()
@@ -170,8 +180,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def print_table(args: argparse.Namespace, result: dict[str, Any]) -> None:
     link = result["link_GBps"]
     print(f"{args.ranks} rank(s), {2 * args.layers} tensors x {format_size(args.page_bytes)} pages,"
-          f" {result['engine']} engine on {result['name']}; link store {link['store']:.1f} / "
-          f"load {link['load']:.1f} GB/s")
+          f" {result['engine']} engine on {result['name']}, {args.barrier} barrier; link store "
+          f"{link['store']:.1f} / load {link['load']:.1f} GB/s")
     print(f"{'blocks':>6} {'bytes':>10} {'dir':>5} {'GB/s':>6} {'ratio':>5} {'submit_us':>9} "
           f"{'decided_us':>10} ok")
     for row in result["rows"]:
@@ -190,6 +200,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a rank fails")
+    p.add_argument("--barrier", choices=("gloo", "spin"), default="gloo",
+                   help="how ranks meet before each job: sleeping in dist.barrier, or spinning "
+                        "on shared memory like a busy engine loop")
     p.add_argument("--json", metavar="PATH", help="write the rows there too")
     args = p.parse_args(argv)
     args.page_bytes = parse_size(args.page_bytes, "--page-bytes")

@@ -6,7 +6,8 @@
 # every step $OUT gets them as one archive (gpu_suite.tgz) plus summary.txt: two files, which a
 # lease that brings back only a few files keeps, and a call cut short keeps the finished steps'.
 #   OUT=/tmp/out STARTUP_BYTES=16GiB bash scripts/gpu_suite.sh
-# Knobs: SKIP_{TESTS,ENGINE,TIER,COMPLETION,STARTUP}=1, RUN_JOBS=1, TEST_WORKERS, *_LIMIT (seconds).
+# Knobs: SKIP_{TESTS,ENGINE,TIER,COMPLETION,STARTUP}=1, RUN_JOBS=1, TEST_WORKERS, *_LIMIT (seconds),
+# ENGINE_ARGS / TIER_ARGS (extra arguments, e.g. TIER_ARGS="--barrier spin").
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -34,7 +35,7 @@ echo "GPUs: $NGPU" > "$OUT/summary.txt"
     scripts/bench_engine.py --reps "${ENGINE_REPS:-5}" --backend hybrid,triton \
     --json "$LOGS/engine.json" ${ENGINE_ARGS:-}
 [ "${SKIP_TIER:-0}" = 1 ] || step bench_tier "${TIER_LIMIT:-90}" "$PY" scripts/bench_tier.py \
-    --ranks "${TIER_RANKS:-$NGPU}" --reps "${ENGINE_REPS:-5}" --json "$LOGS/tier.json"
+    --ranks "${TIER_RANKS:-$NGPU}" --reps "${ENGINE_REPS:-5}" --json "$LOGS/tier.json" ${TIER_ARGS:-}
 [ "${SKIP_COMPLETION:-0}" = 1 ] || step bench_completion "${COMPLETION_LIMIT:-60}" "$PY" \
     scripts/bench_completion.py --device cuda --ranks "${COMPLETION_RANKS:-2,4}" \
     --jobs "${COMPLETION_JOBS:-300}" --json "$LOGS/completion.json"
