@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import logging
 import os
 import resource
 import signal
@@ -24,7 +25,7 @@ from offload.config import TierConfig
 from offload.errors import OffloadError
 from offload.plan import Plan, RankDescriptor, compute_plan
 from offload.region import HostRegion, RecordingRegistrar
-from offload.region.hugepages import shmem_huge_mode
+from offload.region.hugepages import shmem_huge_mode, small_page_hint
 from offload.region.pin import Registrar
 from offload.topology import NodeInfo, Topology
 from tests.harness import Outcome, run_group, shm_entries
@@ -157,6 +158,22 @@ def test_private_region_is_nameless_or_unlinked_and_maps_every_segment(
         region.close()
     region.close()  # idempotent
     assert region.size == 0 and region.tensor.numel() == 0
+
+
+def test_memfd_regions_report_the_shmem_mode_and_the_leader_logs_the_fix(
+        job: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A memfd region reports the host's ``shmem_enabled`` mode; where that gives 4 KiB pages
+    the node leader (here the only rank) logs how to get huge pages, once.  Anonymous memory
+    reports no mode."""
+    caplog.set_level(logging.INFO, logger="offload")
+    for memory in ("memfd", "anonymous"):
+        region = single_rank_region("private", 3 * MiB, job_id=job, private_memory=memory)
+        region.close()
+        mode = shmem_huge_mode() if memory == "memfd" else None
+        assert region.stats.shmem_huge == mode
+    hint = small_page_hint(shmem_huge_mode())
+    logged = [r.getMessage() for r in caplog.records if "shmem_enabled" in r.getMessage()]
+    assert logged == ([f"rank 0: {hint}"] if hint else [])
 
 
 def vm_flags(address: int) -> set[str]:

@@ -59,6 +59,16 @@ class StreamEngine(EngineBase):
 
     def _issue(self, job_id: int, direction: Direction, job: Job, after: After
                ) -> torch.cuda.Event:
+        """Issue on the engine's device: the driver calls of the launch paths act on the
+        current context, so a caller whose current device is another GPU gets it switched
+        for the call (one device query per job otherwise)."""
+        if torch.cuda.current_device() != self._device.index:
+            with torch.cuda.device(self._device):
+                return self._issue_here(job_id, direction, job, after)
+        return self._issue_here(job_id, direction, job, after)
+
+    def _issue_here(self, job_id: int, direction: Direction, job: Job, after: After
+                    ) -> torch.cuda.Event:
         stream = self._stream
         keep: object = None
         if after is None:  # the default: after the caller's current stream

@@ -219,6 +219,22 @@ def test_native_issue_orders_after_the_callers_stream() -> None:
         assert engine.kernel.launches["native"] == 2
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_engine_on_another_gpu_than_the_current_one(backend: str) -> None:
+    """KV tensors on GPU 1 while GPU 0 is current: every job (the first, compiled, and the later
+    native or bound ones) is issued on GPU 1 and moves the right bytes; GPU 0 stays current."""
+    pages = [16 * KiB, 4 * KiB]
+    kv = kv_set(64, pages, "cuda:1")
+    layout = slot_layout(pages, 4)
+    torch.cuda.set_device(0)
+    with cuda_engine(backend, kv, 16) as (engine, kv, region):
+        rng = np.random.default_rng(5)
+        for size in (3, 1, 9):
+            round_trip(engine, kv, region, layout, scattered_job(rng, size, 64, 16, 4))
+            assert torch.cuda.current_device() == 0
+
+
 @pytest.mark.parametrize(("pinned", "expected"), [
     pytest.param(True, "hybrid", marks=[needs_triton, needs_batch]), (False, "per_block")])
 def test_auto_picks_by_pinning(pinned: bool, expected: str) -> None:
