@@ -47,14 +47,16 @@ def _replica_lines(report: dict[str, Any]) -> list[str]:
         f"{format_size(plan['cpu_bytes_per_node'])}/node, rows "
         + ", ".join(f"{n}={format_size(b)}" for n, b in plan["row_bytes"].items()),
     ]
-    header = ["rank", "node", "lr", "tp", "pp", "slot", "region", "prefault", "pinned"]
+    header = ["rank", "node", "lr", "tp", "pp", "slot", "memory", "region", "prefault",
+              "pinned"]
     header += [f"{p}_s" for p in _PHASES]
     rows = [header]
     for r in report["ranks"]:
         t = r["timings_s"]
         rows.append([str(r["rank"]), str(r["node_id"]), str(r["local_rank"]), str(r["tp_rank"]),
-                     str(r["pp_rank"]), str(r["slot"]), format_size(r["region_bytes"]),
-                     format_size(r["prefault_bytes"]), format_size(r["pinned_bytes"])]
+                     str(r["pp_rank"]), str(r["slot"]), memory_label(r),
+                     format_size(r["region_bytes"]), format_size(r["prefault_bytes"]),
+                     format_size(r["pinned_bytes"])]
                     + [f"{t.get(p, 0.0):.3f}" for p in _PHASES])
     lines += _align(rows)
     transfer = report.get("transfer")
@@ -79,6 +81,13 @@ def _replica_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"audit: {audit['checked_blocks']} blocks hashed on load, "
                      f"{audit['mismatched_blocks']} mismatched")
     return lines
+
+
+def memory_label(rank: dict[str, Any]) -> str:
+    """What the rank's region is made of: ``anonymous``, ``file`` or ``memfd``, the last with
+    the host's shmem huge-page mode (``memfd/never`` means 4 KiB pages)."""
+    mode = rank.get("shmem_huge")
+    return f"{rank['memory']}/{mode}" if mode else str(rank["memory"])
 
 
 def _align(rows: Sequence[Sequence[str]]) -> list[str]:

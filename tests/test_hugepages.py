@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from offload.region.hugepages import SHMEM_ENABLED, shmem_huge_mode, small_page_hint
+from offload.report import memory_label
 
 LINE = "always within_size advise never deny force"
 
@@ -39,3 +40,9 @@ def test_the_hint_names_the_mode_and_the_fix_only_where_pages_are_small(
 
 def test_this_host_reports_a_known_mode_or_none() -> None:
     assert shmem_huge_mode() in {*LINE.split(), None}
+
+
+def test_the_table_labels_memfd_regions_with_the_mode() -> None:
+    assert memory_label({"memory": "memfd", "shmem_huge": "never"}) == "memfd/never"
+    assert memory_label({"memory": "memfd", "shmem_huge": None}) == "memfd"
+    assert memory_label({"memory": "anonymous", "shmem_huge": None}) == "anonymous"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from offload.region.hugepages import shmem_huge_mode
 from tests.harness import free_port, has_our_traceback, run_on_free_port, tail
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +63,10 @@ def test_tp2_pp2_report_matches_the_plan_formula(tmp_path: Path, shm_dir: str) -
     assert report["transfer"]["verified"] and report["transfer"]["rounds"] == 2
     assert report["shm_files_left"] == 0
     assert "shm files left: 0" in proc.stdout
+    header = next(line for line in proc.stdout.splitlines() if line.lstrip().startswith("rank"))
+    assert header.split()[:8] == ["rank", "node", "lr", "tp", "pp", "slot", "memory", "region"]
+    for r in report["ranks"]:
+        assert r["shmem_huge"] == (shmem_huge_mode() if r["memory"] == "memfd" else None)
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
