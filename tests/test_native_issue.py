@@ -126,7 +126,8 @@ def test_a_failed_driver_call_raises_with_its_name_and_stops_there(step: str, na
     assert len(driver.calls) == issued
 
 
-def test_build_caches_by_source_and_compiler(tmp_path: Path) -> None:
+def test_build_caches_by_source_compiler_and_machine(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     cc = native.compiler()
     assert cc is not None
     first = native.build(native.SOURCE, tmp_path, cc)
@@ -136,6 +137,9 @@ def test_build_caches_by_source_and_compiler(tmp_path: Path) -> None:
     source = tmp_path / "issue.c"
     source.write_text(native.SOURCE.read_text() + "\n/* changed */\n")
     assert native.build(source, tmp_path, cc) != first
+    # a cache shared by hosts of another architecture keeps their libraries apart
+    monkeypatch.setattr(native.platform, "machine", lambda: "other-arch")
+    assert native.build(native.SOURCE, tmp_path, cc) != first
 
 
 def test_ranks_building_at_once_leave_one_library_and_no_partial_files(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -66,12 +67,14 @@ def compiler() -> str | None:
 
 
 def build(source: Path, directory: Path, cc: str) -> Path:
-    """Compile ``source`` into a shared library in ``directory``, named by a hash of the source
-    and the compiler, unless it is already there.  Ranks of one host may build at once: each
-    writes its own temporary file and renames it into place (atomic; the last one wins, all
+    """Compile ``source`` into a shared library in ``directory``, named by a hash of the source,
+    the compiler and the machine type (a cache directory on a shared home may serve hosts of
+    several architectures), unless it is already there.  Ranks may build at once: each writes
+    its own temporary file and renames it into place (atomic; the last one wins, all
     identical)."""
     text = source.read_bytes()
-    key = hashlib.sha256(text + cc.encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([text, cc.encode(), platform.machine().encode()])
+                         ).hexdigest()[:16]
     target = directory / f"{source.stem}-{key}.so"
     if target.exists():
         return target
