@@ -13,9 +13,11 @@ and a staging slot is added only while every slot is still held by a job in flig
 Programs are persistent and bounded per direction (``DEFAULT_COPY_PROGRAMS``): each keeps
 ``STEP_BYTES`` in flight per step, enough programs cover PCIe latency, and few enough leave the
 SMs to concurrent compute.  Issuing a job skips Triton's Python launch path after the first one:
-the compiled kernel is launched with ``cuLaunchKernel`` over a parameter block built once
-(`offload.transfer.launcher`), or, where that cannot be reproduced exactly, through the
-compiled kernel's own launcher.  The index upload is a pre-bound driver call as well.
+one native call (`offload.transfer.native`) orders the job after the caller's stream, uploads
+its indices and launches the compiled kernel with ``cuLaunchKernel`` over a parameter block
+built once (`offload.transfer.launcher`); without the native library the same calls are made
+from Python, and where the launch cannot be reproduced exactly, the compiled kernel's own
+launcher runs.
 """
 
 from __future__ import annotations
@@ -219,9 +221,7 @@ class KernelCopier:
     def _hooked() -> bool:
         """Whether a profiler installed Triton launch hooks: every launch then goes through
         Triton's launcher, where they run."""
-        knobs = _triton_knobs()
-        return knobs is not None and hooks_active((knobs.runtime.launch_enter_hook,
-                                                   knobs.runtime.launch_exit_hook))
+        return hooks_active(_launch_hooks())
 
     def _run(self, load: bool, grid: int, stream: int, n: int, items: int) -> None:
         """The first launch of a direction compiles the kernel through Triton's normal path;
@@ -231,8 +231,7 @@ class KernelCopier:
         type, the compiled kernel's own launcher."""
         bound = self._bound.get(load)
         knobs = _triton_knobs()
-        hooks = () if knobs is None else (knobs.runtime.launch_enter_hook,
-                                          knobs.runtime.launch_exit_hook)
+        hooks = _launch_hooks()
         if (bound is not None and bound.fits(3, n) and bound.fits(4, items)
                 and not hooks_active(hooks)):  # a profiler added later sees every launch
             bound.set(3, n)
@@ -265,6 +264,14 @@ class KernelCopier:
             self._native[load] = NativeIssuer(
                 lib, entry_points, bound, 3, self._stream.cuda_stream,
                 self._ordered.cuda_event, self._device_index.data_ptr())
+
+
+def _launch_hooks() -> tuple[object, ...]:
+    """Triton's launch enter and exit hooks as installed now (none on an older Triton)."""
+    knobs = _triton_knobs()
+    if knobs is None:
+        return ()
+    return (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
 
 
 @cache

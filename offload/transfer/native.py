@@ -107,7 +107,8 @@ def library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(build(SOURCE, cache_dir(), cc)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("could not build the native issue path (%s); kernel jobs keep the "
-                    "Python launch path", exc)
+                    "Python launch path (set OFFLOAD_CACHE_DIR to a writable directory, or "
+                    "OFFLOAD_NATIVE=0 to skip the build)", exc)
         return None
     lib.offload_issue.argtypes = [ctypes.POINTER(IssueContext), ctypes.c_int32,
                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64,
