@@ -46,9 +46,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def spin_barrier(arrived: Any, rank: int, generation: int) -> None:
-    """Every rank marks ``generation`` in its own slot of ``arrived`` (shared memory), then
-    spins (yielding the core, ranks may outnumber cores) until every slot has it."""
+def meet(arrived: Any, rank: int, generation: int) -> None:
+    """The ranks' untimed meeting before a job: `dist.barrier` when ``arrived`` is None, else
+    every rank marks ``generation`` in its own slot of ``arrived`` (shared memory) and spins
+    (yielding the core, ranks may outnumber cores) until every slot has it."""
+    if arrived is None:
+        import torch.distributed as dist
+
+        dist.barrier()
+        return
     arrived[rank] = generation
     while min(arrived) < generation:
         os.sched_yield()
@@ -95,10 +101,7 @@ def _rank_main(rank: int, world: int, port: int, jobs: int, device: str, driven:
         mark = box[0]
         if engine_loop and rank != 0 and mark is not None:
             tier.finished(mark)
-        if arrived is None:
-            dist.barrier()
-        else:
-            spin_barrier(arrived, rank, i + 1)
+        meet(arrived, rank, i + 1)
         began = time.perf_counter()
         tier.submit(job(i))
         submits.append(time.perf_counter() - began)

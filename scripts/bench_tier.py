@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
 import torch
-from bench_completion import spin_barrier  # this script's folder
+from bench_completion import meet  # this script's folder
 from bench_engine import kv_tensors, link_rate, make_job
 
 from offload import cleanup
@@ -83,10 +83,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, arrived: Any, out
         dist.broadcast_object_list(box, src=0)  # the engine's step broadcast, untimed
         if rank != 0 and box[0] is not None:
             tier.finished(box[0])
-        if arrived is None:
-            dist.barrier()
-        else:
-            spin_barrier(arrived, rank, job_id + 1)
+        meet(arrived, rank, job_id + 1)
         began = time.perf_counter()
         tier.submit(CopyJob(job_id, direction, blocks, chunks, positions))
         submitted = time.perf_counter() - began

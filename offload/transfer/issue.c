@@ -50,8 +50,9 @@ static void put(void *cell, int32_t size, int64_t value) {
 }
 
 /* Orders after ``caller`` when ``order`` is set, uploads ``bytes`` of ``staging`` (pinned),
- * sets n and items, launches ``grid`` programs.  Returns 0, the failing driver call's CUresult (its step in failed_step), or -1 when n or
- * items does not fit the kernel's compiled parameter types (nothing was issued). */
+ * sets n and items, launches ``grid`` programs.  Returns 0, the failing driver call's CUresult
+ * (its step in failed_step), or -1 when n or items does not fit the kernel's compiled parameter
+ * types (nothing was issued). */
 int offload_issue(struct offload_issue *c, int32_t order, void *caller, const void *staging,
                   uint64_t bytes, int64_t count, int64_t items, uint32_t grid) {
     int rc;

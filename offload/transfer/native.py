@@ -129,8 +129,8 @@ def driver_entry_points() -> tuple[int, ...] | None:
 class NativeIssuer:
     """`issue` runs issue.c's ``offload_issue`` over one kernel's context.  ``kernel`` is the
     `offload.transfer.launcher.BoundKernel` whose parameter block it launches with (its n and
-    items cells are parameters ``count_index`` and ``count_index + 1``); ``keep`` holds the
-    objects whose memory the context points into."""
+    items cells are parameters ``count_index`` and ``count_index + 1``); the issuer keeps it
+    alive, since the context points into its parameter block and cells."""
 
     def __init__(self, lib: ctypes.CDLL, entry_points: tuple[int, ...], kernel: Any,
                  count_index: int, stream: int, ordered_event: int, device_index: int) -> None:
