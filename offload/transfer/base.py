@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from offload.errors import OffloadError
+from offload.transfer.fast_check import FastCheck, checker_library
 from offload.transfer.layout import IndexArray, Job, SlotLayout, UniqueDestinations, check_job
 from offload.transfer.tensors import KVGeometry, kv_geometry, page_view, region_pages
 
@@ -106,6 +107,9 @@ class EngineBase:
                                         layout.blocks_per_chunk),
             "load": UniqueDestinations("blocks", self._geometry.num_blocks,
                                        layout.blocks_per_chunk)}
+        lib = checker_library()
+        self._fast = (FastCheck(lib, layout, self._geometry.num_blocks, chunk_count,
+                                self._unique) if lib is not None else None)
         self._closed = False
 
     @property
@@ -140,6 +144,12 @@ class EngineBase:
 
     def _check(self, gpu_blocks: object, chunk_ids: object, positions: object,
                direction: Direction) -> Job:
+        """The native check where it accepts the job, else the numpy one (which words the
+        errors): `offload.transfer.fast_check`."""
+        if self._fast is not None:
+            job = self._fast.check(direction, gpu_blocks, chunk_ids, positions)
+            if job is not None:
+                return job
         return check_job(self._layout, gpu_blocks, chunk_ids, positions,
                          num_blocks=self._geometry.num_blocks, chunk_count=self._chunk_count,
                          unique=self._unique[direction])

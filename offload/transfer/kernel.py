@@ -197,9 +197,12 @@ class KernelCopier:
         if n > self._capacity:
             self._grow(n)
         slot = self._free.pop() if self._free else self._new_slot()  # never waits
-        np.copyto(slot.staged[:n], job.blocks, casting="unsafe")
-        np.copyto(slot.staged[n:2 * n], job.host_pages, casting="unsafe")
-        # the device buffer holds the first n entries of each row packed: [blocks | pages]
+        # the device buffer holds the job packed: [blocks | host pages]
+        if job.packed is not None:
+            np.copyto(slot.staged[:2 * n], job.packed, casting="unsafe")
+        else:
+            np.copyto(slot.staged[:n], job.blocks, casting="unsafe")
+            np.copyto(slot.staged[n:2 * n], job.host_pages, casting="unsafe")
         items = n * self._num_tensors * self._pieces
         grid = max(1, min(self._programs[direction], -(-items // self._rows)))
         load = direction == "load"

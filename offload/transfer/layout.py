@@ -78,10 +78,13 @@ class SlotLayout:
 class Job:
     """A checked job: entry ``i`` moves GPU block ``blocks[i]`` to or from host page
     ``host_pages[i]`` = chunk × ``blocks_per_chunk`` + position (one index per block of every
-    tensor, so per-job data does not grow with the tensor count)."""
+    tensor, so per-job data does not grow with the tensor count).  ``packed``, when the check
+    wrote them so (`offload.transfer.fast_check`), holds both back to back — ``blocks`` and
+    ``host_pages`` are its halves — and the kernel stages it in one copy."""
 
     blocks: IndexArray
     host_pages: IndexArray
+    packed: IndexArray | None = None
 
     def __len__(self) -> int:
         return int(self.blocks.size)
@@ -200,20 +203,20 @@ class UniqueDestinations:
     DENSE_FRACTION = 8
 
     def __init__(self, field: str, space: int, bpc: int) -> None:
-        self._field, self._bpc, self._space = field, bpc, space
+        self.field, self.space, self._bpc = field, space, bpc
         fits = space <= self.SCRATCH_LIMIT
         self._scratch = np.zeros(space if fits else 0, dtype=np.int32)
         self._marks = np.zeros(space if fits else 0, dtype=np.uint8)
         self._count = np.arange(0, dtype=np.int32)
 
     def check(self, job: Job) -> None:
-        dest: IndexArray = getattr(job, self._field)
+        dest: IndexArray = getattr(job, self.field)
         n = dest.size
         if n < 2:
             return
         if not self._scratch.size:
             self._refuse_repeats(dest)
-        elif n * self.DENSE_FRACTION >= self._space:
+        elif n * self.DENSE_FRACTION >= self.space:
             marks = self._marks
             marks.fill(0)
             marks[dest] = 1
@@ -237,7 +240,7 @@ class UniqueDestinations:
             return
         value = int(ordered[repeats[0]])
         first, second = np.flatnonzero(dest == value)[:2].tolist()
-        where = (f"GPU block {value}" if self._field == "blocks"
+        where = (f"GPU block {value}" if self.field == "blocks"
                  else f"chunk {value // self._bpc} position {value % self._bpc}")
         raise OffloadError(
             f"entries {first} and {second} of the job both write {where}; two copies to one "

@@ -26,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -66,15 +67,15 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def build(source: Path, directory: Path, cc: str) -> Path:
+def build(source: Path, directory: Path, cc: str, flags: Sequence[str] = ()) -> Path:
     """Compile ``source`` into a shared library in ``directory``, named by a hash of the source,
-    the compiler and the machine type (a cache directory on a shared home may serve hosts of
-    several architectures), unless it is already there.  Ranks may build at once: each writes
-    its own temporary file and renames it into place (atomic; the last one wins, all
-    identical)."""
+    the compiler, its extra ``flags`` and the machine type (a cache directory on a shared home
+    may serve hosts of several architectures and Pythons), unless it is already there.  Ranks
+    may build at once: each writes its own temporary file and renames it into place (atomic;
+    the last one wins, all identical)."""
     text = source.read_bytes()
-    key = hashlib.sha256(b"\0".join([text, cc.encode(), platform.machine().encode()])
-                         ).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([text, cc.encode(), platform.machine().encode(),
+                                      *(flag.encode() for flag in flags)])).hexdigest()[:16]
     target = directory / f"{source.stem}-{key}.so"
     if target.exists():
         return target
@@ -83,7 +84,8 @@ def build(source: Path, directory: Path, cc: str) -> Path:
     os.close(fd)
     try:
         result = subprocess.run([cc, "-O2", "-std=c11", "-shared", "-fPIC", "-o", partial,
-                                 str(source)], capture_output=True, text=True, timeout=120)
+                                 *flags, str(source)], capture_output=True, text=True,
+                                timeout=120)
         if result.returncode != 0:
             raise RuntimeError(f"{cc} failed on {source.name}: {result.stderr.strip()[:400]}")
         os.replace(partial, target)
@@ -93,27 +95,35 @@ def build(source: Path, directory: Path, cc: str) -> Path:
     return target
 
 
-@cache
-def library() -> ctypes.CDLL | None:
-    """The compiled ``issue.c`` (built once per host and source), or None where it cannot be
-    built or ``OFFLOAD_NATIVE=0``; the reason is logged once."""
+def load(source: Path, what: str, flags: Sequence[str] = (), loader: type[ctypes.CDLL] = ctypes.CDLL
+         ) -> ctypes.CDLL | None:
+    """``source`` compiled (once per host, source and flags) and loaded with ``loader``, or None
+    where it cannot be built or ``OFFLOAD_NATIVE=0``; the reason is logged, naming ``what``
+    keeps its Python path."""
     if os.environ.get("OFFLOAD_NATIVE", "1") == "0":
         return None
     cc = compiler()
     if cc is None:
-        log.info("no C compiler (cc, gcc or $CC): kernel jobs keep the Python launch path")
+        log.info("no C compiler (cc, gcc or $CC): %s keep the Python path", what)
         return None
     try:
-        lib = ctypes.CDLL(str(build(SOURCE, cache_dir(), cc)))
+        return loader(str(build(source, cache_dir(), cc, flags)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("could not build the native issue path (%s); kernel jobs keep the "
-                    "Python launch path (set OFFLOAD_CACHE_DIR to a writable directory, or "
-                    "OFFLOAD_NATIVE=0 to skip the build)", exc)
+        log.warning("could not build %s (%s); %s keep the Python path (set OFFLOAD_CACHE_DIR "
+                    "to a writable directory, or OFFLOAD_NATIVE=0 to skip the build)",
+                    source.name, exc, what)
         return None
-    lib.offload_issue.argtypes = [ctypes.POINTER(IssueContext), ctypes.c_int32,
-                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64,
-                                  ctypes.c_int64, ctypes.c_int64, ctypes.c_uint32]
-    lib.offload_issue.restype = ctypes.c_int
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The compiled ``issue.c``, or None (`load`)."""
+    lib = load(SOURCE, "kernel jobs' launches")
+    if lib is not None:
+        lib.offload_issue.argtypes = [ctypes.POINTER(IssueContext), ctypes.c_int32,
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64,
+                                      ctypes.c_int64, ctypes.c_int64, ctypes.c_uint32]
+        lib.offload_issue.restype = ctypes.c_int
     return lib
 
 

@@ -1,0 +1,119 @@
+"""A job's check and packing in one native call (``job_check.c``): the fast path of `submit`.
+
+`layout.check_job` costs ~15 whole-array numpy calls per job, and the kernel then copies the
+two checked arrays into its pinned staging slot: on the CI machine's CPU 28 µs plus 3 µs for a
+1,024-entry job, 7 µs (the plain-Python small-job path) plus 2 µs for one entry.  One C call
+reads the three columns, checks every index, marks destinations to refuse repeats and writes
+the job packed ``[blocks | host pages]``: 4.5 µs and 1.3 µs in the same run.
+
+The columns are read through the buffer protocol (numpy arrays of any integer type, strided or
+not) or as lists and tuples of ints, so the C holds the GIL (`ctypes.PyDLL`) and is compiled
+against this interpreter's headers, which a host that runs Triton has; without them, or without
+a compiler, or with ``OFFLOAD_NATIVE=0``, every job takes the numpy path.
+
+The C never raises.  Anything it does not accept — another input type (a CPU tensor, numpy
+scalars in a list), an index out of range, a repeated destination — goes to the numpy path,
+which either accepts it or raises the error: one source of error messages, and the numpy path
+stays the reference the tests hold the C to.
+
+Repeats are found with stamps: an int32 per destination (the space `UniqueDestinations` checks,
+when it is at most its scratch limit); a job marks its destinations with a number no earlier
+job used and a repeat finds its own mark, so nothing is cleared between jobs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import sysconfig
+from collections.abc import Mapping
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+
+from offload.transfer.layout import Job, SlotLayout, UniqueDestinations
+from offload.transfer.native import load
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("job_check.c")
+FIELDS = {"blocks": 0, "host_pages": 1}  # job_check.c's ``field``
+LAST_STAMP = 2**31 - 1
+
+
+class CheckContext(ctypes.Structure):
+    """``struct offload_check`` of job_check.c, field by field."""
+
+    _fields_ = [("num_blocks", ctypes.c_int64), ("chunk_count", ctypes.c_int64),
+                ("bpc", ctypes.c_int64), ("field", ctypes.c_int32),
+                ("stamps", ctypes.c_void_p)]
+
+
+@cache
+def checker_library() -> ctypes.CDLL | None:
+    """The compiled ``job_check.c``, or None where it cannot be built (no Python headers, no
+    compiler, ``OFFLOAD_NATIVE=0``; logged)."""
+    include = sysconfig.get_paths().get("include", "")
+    if not os.path.exists(os.path.join(include, "Python.h")):
+        log.info("no Python.h under %r: job checks keep the numpy path", include)
+        return None
+    lib = load(SOURCE, "job checks", [f"-I{include}"], ctypes.PyDLL)
+    if lib is not None:
+        lib.offload_check_job.argtypes = [ctypes.c_void_p, *[ctypes.py_object] * 4,
+                                          ctypes.c_int32]
+        lib.offload_check_job.restype = ctypes.c_ssize_t
+    return lib
+
+
+class _Direction:
+    """One direction's context and stamps."""
+
+    def __init__(self, layout: SlotLayout, num_blocks: int, chunk_count: int,
+                 unique: UniqueDestinations) -> None:
+        self.unique = unique
+        stamped = unique.space <= unique.SCRATCH_LIMIT
+        self.stamps = np.zeros(unique.space if stamped else 0, dtype=np.int32)
+        self.context = CheckContext(num_blocks, chunk_count, layout.blocks_per_chunk,
+                                    FIELDS[unique.field],
+                                    self.stamps.ctypes.data if stamped else None)
+        self.address = ctypes.addressof(self.context)
+        self.stamped = stamped
+        self.stamp = 0
+
+    def next_stamp(self) -> int:
+        """A number no job of this direction has marked with since the stamps were cleared."""
+        if self.stamp == LAST_STAMP:
+            self.stamps.fill(0)
+            self.stamp = 0
+        self.stamp += 1
+        return self.stamp
+
+
+class FastCheck:
+    """One engine's native job checks, one context per direction (``unique`` names each
+    direction's destination rule, as the engine's numpy path uses it)."""
+
+    def __init__(self, lib: ctypes.CDLL, layout: SlotLayout, num_blocks: int, chunk_count: int,
+                 unique: Mapping[str, UniqueDestinations]) -> None:
+        self._call = lib.offload_check_job
+        self._directions = {d: _Direction(layout, num_blocks, chunk_count, u)
+                            for d, u in unique.items()}
+
+    def check(self, direction: str, gpu_blocks: object, chunk_ids: object, positions: object
+              ) -> Job | None:
+        """The checked job, or None: the numpy path must check it (and word any error)."""
+        try:
+            n = len(gpu_blocks)  # type: ignore[arg-type]
+        except TypeError:
+            return None
+        side = self._directions[direction]
+        packed = np.empty(2 * n, dtype=np.int64)
+        if self._call(side.address, packed, gpu_blocks, chunk_ids, positions,
+                      side.next_stamp()) != n:
+            return None
+        job = Job(packed[:n], packed[n:], packed)
+        if not side.stamped:
+            side.unique.check(job)  # a destination space past the stamps' limit: sorted
+        return job
