@@ -5,6 +5,7 @@ use it."""
 
 from __future__ import annotations
 
+import array
 import logging
 from pathlib import Path
 from typing import Any
@@ -127,7 +128,10 @@ def test_past_the_stamp_limit_repeats_are_sorted_out_with_numpy_s_message(
 @pytest.mark.parametrize("columns", [
     (torch.tensor([1, 2]), [0, 0], [0, 1]),  # a CPU tensor: no buffer protocol
     ([np.int64(1), 2], [0, 0], [0, 1]),  # numpy scalars in a list
-    ([True, 2], [0, 0], [0, 1]),  # bools are not indices
+    ([True, 2], [0, 0], [0, 1]),  # bools: numpy's to read
+    (b"\x01\x02", [0, 0], [0, 1]),  # numpy refuses bytes
+    (np.array([1, 2], dtype=">i8"), [0, 0], [0, 1]),  # not native byte order
+    (np.array([True, False]), [0, 0], [0, 1]),
     (np.array([1.0, 2.0]), [0, 0], [0, 1]),
     (np.array([[1, 2]]), [0, 0], [0, 1]),
     (np.array(1), [0], [0]),  # no length
@@ -139,6 +143,16 @@ def test_past_the_stamp_limit_repeats_are_sorted_out_with_numpy_s_message(
 ])
 def test_inputs_the_c_does_not_take_go_to_the_numpy_path(columns: tuple[Any, ...]) -> None:
     assert checker().check("store", *columns) is None
+
+
+@pytest.mark.parametrize("column", [
+    bytearray(b"\x01\x02"), memoryview(np.array([1, 2])), memoryview(b"\x01\x02"),
+    array.array("i", [1, 2]), array.array("Q", [1, 2]), np.array([1, 2], dtype="<i4")])
+def test_other_buffers_of_integers_are_read_as_numpy_reads_them(column: Any) -> None:
+    job = checker().check("store", column, [0, 0], [0, 1])
+    assert job is not None
+    assert (job.blocks.tolist(), job.host_pages.tolist()) == reference(
+        "store", (column, [0, 0], [0, 1]))
 
 
 def test_an_empty_job() -> None:

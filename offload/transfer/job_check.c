@@ -59,8 +59,8 @@ static int open_column(PyObject *obj, struct column *c) {
         c->n = PySequence_Fast_GET_SIZE(obj);
         return 1;
     }
-    if (!PyObject_CheckBuffer(obj))
-        return 0;
+    if (PyBytes_Check(obj) || !PyObject_CheckBuffer(obj))
+        return 0; /* numpy reads bytes as one string, not as indices */
     if (PyObject_GetBuffer(obj, &c->view, PyBUF_RECORDS_RO) != 0) {
         PyErr_Clear();
         return 0;
