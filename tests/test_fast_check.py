@@ -155,6 +155,15 @@ def test_other_buffers_of_integers_are_read_as_numpy_reads_them(column: Any) -> 
         "store", (column, [0, 0], [0, 1]))
 
 
+def test_a_repeat_check_over_another_space_is_refused() -> None:
+    lib = checker_library()
+    assert lib is not None
+    with pytest.raises(ValueError, match="blocks destinations span 64 ids but the repeat check "
+                       "covers 32"):
+        FastCheck(lib, LAYOUT, NUM_BLOCKS, CHUNKS,
+                  {"load": UniqueDestinations("blocks", 32, LAYOUT.blocks_per_chunk)})
+
+
 def test_an_empty_job() -> None:
     job = checker().check("store", [], np.zeros(0, dtype=np.int32), ())
     assert job is not None and len(job) == 0

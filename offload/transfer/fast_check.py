@@ -72,6 +72,10 @@ class _Direction:
 
     def __init__(self, layout: SlotLayout, num_blocks: int, chunk_count: int,
                  unique: UniqueDestinations) -> None:
+        limit = num_blocks if unique.field == "blocks" else chunk_count * layout.blocks_per_chunk
+        if unique.space != limit:  # the C marks stamps[destination] for every in-range one
+            raise ValueError(f"{unique.field} destinations span {limit} ids but the repeat "
+                             f"check covers {unique.space}")
         self.unique = unique
         stamped = unique.space <= unique.SCRATCH_LIMIT
         self.stamps = np.zeros(unique.space if stamped else 0, dtype=np.int32)
