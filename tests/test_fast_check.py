@@ -164,6 +164,18 @@ def test_a_repeat_check_over_another_space_is_refused() -> None:
                   {"load": UniqueDestinations("blocks", 32, LAYOUT.blocks_per_chunk)})
 
 
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_a_job_is_packed_into_the_target_it_is_given(dtype: type) -> None:
+    staging, owner = np.full(16, -1, dtype=dtype), object()
+    job = checker().check("load", np.array([7, 3]), [2, 0], [1, 3],
+                          lambda n: (staging, owner))
+    assert job is not None and job.staged_in is owner
+    assert staging.tolist() == [7, 3, 9, 3] + [-1] * 12
+    assert job.blocks.tolist() == [7, 3] and job.host_pages.tolist() == [9, 3]
+    assert checker().check("load", [1, 2, 3], [0, 0, 0], [0, 1, 2],
+                           lambda n: (staging[:5], owner)) is None  # no room: numpy's
+
+
 def test_an_empty_job() -> None:
     job = checker().check("store", [], np.zeros(0, dtype=np.int32), ())
     assert job is not None and len(job) == 0

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from offload.errors import OffloadError
-from offload.transfer.fast_check import FastCheck, checker_library
+from offload.transfer.fast_check import FastCheck, Target, checker_library
 from offload.transfer.layout import IndexArray, Job, SlotLayout, UniqueDestinations, check_job
 from offload.transfer.tensors import KVGeometry, kv_geometry, page_view, region_pages
 
@@ -110,6 +110,7 @@ class EngineBase:
         lib = checker_library()
         self._fast = (FastCheck(lib, layout, self._geometry.num_blocks, chunk_count,
                                 self._unique) if lib is not None else None)
+        self._pack_target: Target | None = None  # kernel engines: their staging buffer
         self._closed = False
 
     @property
@@ -147,7 +148,8 @@ class EngineBase:
         """The native check where it accepts the job, else the numpy one (which words the
         errors): `offload.transfer.fast_check`."""
         if self._fast is not None:
-            job = self._fast.check(direction, gpu_blocks, chunk_ids, positions)
+            job = self._fast.check(direction, gpu_blocks, chunk_ids, positions,
+                                   self._pack_target)
             if job is not None:
                 return job
         return check_job(self._layout, gpu_blocks, chunk_ids, positions,

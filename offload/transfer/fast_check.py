@@ -27,7 +27,7 @@ import ctypes
 import logging
 import os
 import sysconfig
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import cache
 from pathlib import Path
 
@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("job_check.c")
 FIELDS = {"blocks": 0, "host_pages": 1}  # job_check.c's ``field``
 LAST_STAMP = 2**31 - 1
+
+
+# where a job of n entries may be packed: an int array of at least 2n, and who owns it
+Target = Callable[[int], tuple[np.ndarray, object]]
 
 
 class CheckContext(ctypes.Structure):
@@ -105,19 +109,26 @@ class FastCheck:
         self._directions = {d: _Direction(layout, num_blocks, chunk_count, u)
                             for d, u in unique.items()}
 
-    def check(self, direction: str, gpu_blocks: object, chunk_ids: object, positions: object
-              ) -> Job | None:
-        """The checked job, or None: the numpy path must check it (and word any error)."""
+    def check(self, direction: str, gpu_blocks: object, chunk_ids: object, positions: object,
+              target: Target | None = None) -> Job | None:
+        """The checked job, or None: the numpy path must check it (and word any error).  The
+        job is written packed into a new int64 array, or into ``target(n)``'s array (int32 or
+        int64, at least 2n long: the kernel's staging buffer, named in `Job.staged_in`)."""
         try:
             n = len(gpu_blocks)  # type: ignore[arg-type]
         except TypeError:
             return None
         side = self._directions[direction]
-        packed = np.empty(2 * n, dtype=np.int64)
+        owner = None
+        if target is None:
+            packed = np.empty(2 * n, dtype=np.int64)
+        else:
+            whole, owner = target(n)
+            packed = whole[:2 * n]
         if self._call(side.address, packed, gpu_blocks, chunk_ids, positions,
                       side.next_stamp()) != n:
             return None
-        job = Job(packed[:n], packed[n:], packed)
+        job = Job(packed[:n], packed[n:], packed, owner)
         if not side.stamped:
             side.unique.check(job)  # a destination space past the stamps' limit: sorted
         return job

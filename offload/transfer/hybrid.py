@@ -54,6 +54,8 @@ class HybridEngine(StreamEngine):
         self._run_bytes = layout.blocks_per_chunk * pages[:, None]
         self._host_bases = self._region.data_ptr() + layout.host_page_offsets()[:, None]
         self.routes = {"kernel": 0, "copy_engine": 0}
+        if not (self.page_runs or self.chunk_runs):  # every job runs on the kernel
+            self._pack_target = self.kernel.staging
 
     def _launch(self, direction: Direction, job: Job) -> object:
         return self._route(direction, job, None)

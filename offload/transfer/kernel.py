@@ -158,6 +158,7 @@ class KernelCopier:
         self._index_type = torch.int32 if fits else torch.int64
         self._capacity = 0
         self._free: list[StagingSlot] = []  # slots of the current capacity no job holds
+        self._next: StagingSlot | None = None  # handed to the job check by `staging`
         self.slots_made = 0
         self._device_index = torch.empty(0, dtype=self._index_type, device=device)
         self._compiled: dict[bool, Any] = {}
@@ -173,6 +174,7 @@ class KernelCopier:
         ran: their jobs completed); held ones are dropped when their jobs release them."""
         self._capacity = _ceil_pow2(max(n, 256))
         self._free = [self._new_slot() for _ in range(STAGING_SLOTS)]
+        self._next = None
         with torch.cuda.stream(self._stream):  # freed in this stream's order when replaced
             self._device_index = torch.empty(2 * self._capacity, dtype=self._index_type,
                                              device=self._stream.device)
@@ -181,6 +183,18 @@ class KernelCopier:
                 bound.set(2, self._device_index.data_ptr())
         for native in self._native.values():
             native.set_device_index(self._device_index.data_ptr())
+
+    def staging(self, n: int) -> tuple[np.ndarray, StagingSlot]:
+        """The staging array (and its slot) the next launch uses, with room for ``n`` entries
+        packed: the native job check writes the job there, so `launch` copies nothing."""
+        if n > self._capacity:
+            self._grow(n)
+        if self._next is None:
+            self._next = self._take_slot()
+        return self._next.staged, self._next
+
+    def _take_slot(self) -> StagingSlot:
+        return self._free.pop() if self._free else self._new_slot()  # never waits
 
     def _new_slot(self) -> StagingSlot:
         self.slots_made += 1
@@ -196,9 +210,11 @@ class KernelCopier:
         n = len(job)
         if n > self._capacity:
             self._grow(n)
-        slot = self._free.pop() if self._free else self._new_slot()  # never waits
+        slot, self._next = self._next or self._take_slot(), None
         # the device buffer holds the job packed: [blocks | host pages]
-        if job.packed is not None:
+        if job.staged_in is slot:
+            pass  # the check wrote it there
+        elif job.packed is not None:
             np.copyto(slot.staged[:2 * n], job.packed, casting="unsafe")
         else:
             np.copyto(slot.staged[:n], job.blocks, casting="unsafe")
@@ -301,6 +317,7 @@ class TritonEngine(StreamEngine):
                  max_word: int = MAX_WORD, tile_bytes: int = MAX_TILE_BYTES) -> None:
         super().__init__(kv_tensors, region, layout, chunk_count, priority)
         self.kernel = kernel_copier(self, programs, num_warps, step_bytes, max_word, tile_bytes)
+        self._pack_target = self.kernel.staging
 
     def _launch(self, direction: Direction, job: Job) -> StagingSlot:
         return self.kernel.launch(direction, job)

@@ -80,11 +80,13 @@ class Job:
     ``host_pages[i]`` = chunk × ``blocks_per_chunk`` + position (one index per block of every
     tensor, so per-job data does not grow with the tensor count).  ``packed``, when the check
     wrote them so (`offload.transfer.fast_check`), holds both back to back — ``blocks`` and
-    ``host_pages`` are its halves — and the kernel stages it in one copy."""
+    ``host_pages`` are its halves — and the kernel stages it in one copy, or none when it lies
+    in the kernel's staging buffer ``staged_in`` already."""
 
     blocks: IndexArray
     host_pages: IndexArray
     packed: IndexArray | None = None
+    staged_in: object = None
 
     def __len__(self) -> int:
         return int(self.blocks.size)

@@ -16,6 +16,7 @@ import torch
 from offload.errors import OffloadError
 from offload.transfer import make_engine, triton_available
 from offload.transfer.batch_copy import batch_copy_available
+from offload.transfer.fast_check import checker_library
 from offload.transfer.native import library
 from offload.transfer.registration import host_registered
 from tests.test_transfer_helpers import (
@@ -200,6 +201,30 @@ def test_jobs_after_the_first_launch_skip_tritons_launcher(path: str) -> None:
         expected = {"native": 0, "bound": 0, "triton": 2}
         expected[path] += 6
         assert kernel.launches == expected
+
+
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=needs_triton),
+                                     pytest.param("hybrid", marks=[needs_triton, needs_batch])])
+def test_the_job_check_packs_kernel_jobs_straight_into_staging(backend: str) -> None:
+    """With the native job check, a kernel job is written packed into the staging slot its
+    launch uploads, so the launch copies nothing; a column the C does not read (a CPU tensor)
+    takes the numpy path and is copied in.  Both move the same bytes, also across a growth of
+    the staging buffers (300 entries)."""
+    pages = [16 * KiB, 1000]
+    kv = kv_set(400, pages, "cuda")
+    layout = slot_layout(pages, 4)
+    with cuda_engine(backend, kv, 100) as (engine, kv, region):
+        rng = np.random.default_rng(5)
+        for size in (1, 9, 300):
+            job = scattered_job(rng, size, 400, 100, 4)
+            checked = engine._check(*job, "store")
+            assert (checked.staged_in is not None) == (checker_library() is not None)
+            if checked.staged_in is not None:
+                assert checked.staged_in is engine.kernel._next
+            round_trip(engine, kv, region, layout, job)
+            tensors = (torch.from_numpy(job[0]), *job[1:])
+            assert engine._check(*tensors, "store").staged_in is None
+            round_trip(engine, kv, region, layout, tensors)
 
 
 @needs_triton
