@@ -142,6 +142,17 @@ def test_build_caches_by_source_compiler_and_machine(tmp_path: Path,
     assert native.build(native.SOURCE, tmp_path, cc) != first
 
 
+def test_cc_may_be_a_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CC="ccache gcc"`` or ``CC="gcc -m64"`` are common; the words are the command."""
+    cc = native.compiler()
+    assert cc is not None
+    monkeypatch.setenv("CC", f"{cc} -Wall")
+    assert native.compiler() == f"{cc} -Wall"
+    library = native.build(native.SOURCE, tmp_path, f"{cc} -Wall")
+    assert hasattr(ctypes.CDLL(str(library)), "offload_issue")
+    assert library != native.build(native.SOURCE, tmp_path, cc)  # the flags are in the key
+
+
 def test_ranks_building_at_once_leave_one_library_and_no_partial_files(tmp_path: Path) -> None:
     cc = native.compiler()
     assert cc is not None

@@ -23,6 +23,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -64,6 +65,7 @@ def cache_dir() -> Path:
 
 
 def compiler() -> str | None:
+    """``$CC`` (a command line: ``ccache gcc`` works), else ``cc`` or ``gcc`` on the PATH."""
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
@@ -83,9 +85,9 @@ def build(source: Path, directory: Path, cc: str, flags: Sequence[str] = ()) -> 
     fd, partial = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=directory)
     os.close(fd)
     try:
-        result = subprocess.run([cc, "-O2", "-std=c11", "-shared", "-fPIC", "-o", partial,
-                                 *flags, str(source)], capture_output=True, text=True,
-                                timeout=120)
+        command = [*shlex.split(cc), "-O2", "-std=c11", "-shared", "-fPIC", "-o", partial,
+                   *flags, str(source)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise RuntimeError(f"{cc} failed on {source.name}: {result.stderr.strip()[:400]}")
         os.replace(partial, target)
