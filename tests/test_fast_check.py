@@ -216,6 +216,11 @@ def test_offload_native_0_or_no_python_headers_turns_it_off(
         assert list(tmp_path.iterdir()) == []
         checker_library.cache_clear()
         monkeypatch.undo()
+        monkeypatch.setattr(fast_check.sysconfig, "get_config_var",
+                            lambda name: 1 if name == "Py_GIL_DISABLED" else None)
+        assert checker_library() is None
+        checker_library.cache_clear()
+        monkeypatch.undo()
         monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path))
         assert checker_library() is not None
         assert len(list(tmp_path.glob("job_check-*.so"))) == 1

@@ -58,7 +58,11 @@ class CheckContext(ctypes.Structure):
 @cache
 def checker_library() -> ctypes.CDLL | None:
     """The compiled ``job_check.c``, or None where it cannot be built (no Python headers, no
-    compiler, ``OFFLOAD_NATIVE=0``; logged)."""
+    compiler, ``OFFLOAD_NATIVE=0``) or must not run (a free-threaded Python); logged."""
+    if sysconfig.get_config_var("Py_GIL_DISABLED"):
+        log.info("a free-threaded Python: job checks keep the numpy path (the C reads lists "
+                 "that another thread could change)")
+        return None
     include = sysconfig.get_paths().get("include", "")
     if not os.path.exists(os.path.join(include, "Python.h")):
         log.info("no Python.h under %r: job checks keep the numpy path", include)
