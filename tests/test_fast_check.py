@@ -6,6 +6,7 @@ use it."""
 from __future__ import annotations
 
 import array
+import ctypes
 import logging
 from pathlib import Path
 from typing import Any
@@ -78,16 +79,21 @@ KINDS = ["list", "tuple", *DTYPES, "every other int32", "every other uint64"]
 @given(st.lists(st.lists(st.tuples(st.integers(-3, 67), st.integers(-1, 4),
                                    st.integers(-1, 5)), max_size=20), min_size=1, max_size=4),
        st.sampled_from(sorted(FIELDS)),
-       st.tuples(*[st.sampled_from(KINDS)] * 3))
+       st.tuples(*[st.sampled_from(KINDS)] * 3),
+       st.sampled_from([None, np.int32, np.int64]))
 def test_the_native_check_agrees_with_the_numpy_check(
-        jobs: list[list[tuple[int, int, int]]], direction: str, kinds: tuple[str, ...]) -> None:
-    """Job after job on one checker (stamps reused): the same job where numpy accepts it, None
-    where numpy raises — and never None on an input it reads that numpy accepts."""
+        jobs: list[list[tuple[int, int, int]]], direction: str, kinds: tuple[str, ...],
+        target: type | None) -> None:
+    """Job after job on one checker (stamps reused), packed into a new array or a reused
+    target of either width: the same job where numpy accepts it, None where numpy raises —
+    and never None on an input it reads that numpy accepts."""
     check = checker()
+    staging = np.full(64, -1, dtype=target or np.int64)
     for triples in jobs:
         columns = tuple(as_kind([t[i] for t in triples], kinds[i]) for i in range(3))
         expected = reference(direction, columns)
-        job = check.check(direction, *columns)
+        job = check.check(direction, *columns,
+                          None if target is None else lambda n: (staging, "slot"))
         if expected is None:
             assert job is None
         else:
@@ -140,6 +146,7 @@ def test_past_the_stamp_limit_repeats_are_sorted_out_with_numpy_s_message(
     ([1, 2**70], [0, 0], [0, 1]),
     (np.array([1, -2], dtype=np.int8), [0, 0], [0, 1]),
     ([1, 2], [0], [0, 1]),  # lengths differ
+    ([1, 2], [0, 0], np.array([0, 1, 2])),
 ])
 def test_inputs_the_c_does_not_take_go_to_the_numpy_path(columns: tuple[Any, ...]) -> None:
     assert checker().check("store", *columns) is None
@@ -147,7 +154,8 @@ def test_inputs_the_c_does_not_take_go_to_the_numpy_path(columns: tuple[Any, ...
 
 @pytest.mark.parametrize("column", [
     bytearray(b"\x01\x02"), memoryview(np.array([1, 2])), memoryview(b"\x01\x02"),
-    array.array("i", [1, 2]), array.array("Q", [1, 2]), np.array([1, 2], dtype="<i4")])
+    array.array("i", [1, 2]), array.array("Q", [1, 2]), np.array([1, 2], dtype="<i4"),
+    (ctypes.c_long * 2)(1, 2)])  # ctypes exports neither shape nor strides
 def test_other_buffers_of_integers_are_read_as_numpy_reads_them(column: Any) -> None:
     job = checker().check("store", column, [0, 0], [0, 1])
     assert job is not None
@@ -174,6 +182,23 @@ def test_a_job_is_packed_into_the_target_it_is_given(dtype: type) -> None:
     assert job.blocks.tolist() == [7, 3] and job.host_pages.tolist() == [9, 3]
     assert checker().check("load", [1, 2, 3], [0, 0, 0], [0, 1, 2],
                            lambda n: (staging[:5], owner)) is None  # no room: numpy's
+
+
+def test_a_malformed_job_reserves_nothing_and_a_huge_one_overflows_nothing() -> None:
+    def target(n: int) -> tuple[np.ndarray, object]:
+        raise AssertionError("reserved staging for a job whose lengths differ")
+
+    assert checker().check("store", [1, 2], [0, 0], [0], target) is None
+    huge = np.broadcast_to(np.int64(0), (1 << 59,))  # 2 x 2^59 x 8 bytes wraps int64
+    assert checker().check("store", huge, huge, huge,
+                           lambda n: (np.zeros(16, dtype=np.int64), None)) is None
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.uint32, np.int16, np.float64])
+def test_a_target_that_is_not_4_or_8_byte_signed_ints_is_refused(dtype: type) -> None:
+    staging = np.zeros(16, dtype=dtype)
+    assert checker().check("store", [1], [0], [0], lambda n: (staging, None)) is None
+    assert not staging.any()
 
 
 def test_an_empty_job() -> None:

@@ -136,7 +136,7 @@ class EngineBase:
             raise OffloadError(f"job {job_id} submitted to a closed {self.name} engine")
         if direction not in DIRECTIONS:
             raise OffloadError(f"job {job_id} has direction {direction!r}; use 'store' or 'load'")
-        job = self._check(gpu_blocks, chunk_ids, positions, direction)
+        job = self._check(gpu_blocks, chunk_ids, positions, direction, self._pack_target)
         return self._issue(job_id, direction, job, after)
 
     def check(self, gpu_blocks: object, chunk_ids: object, positions: object) -> None:
@@ -144,12 +144,12 @@ class EngineBase:
         self._check(gpu_blocks, chunk_ids, positions, "store")
 
     def _check(self, gpu_blocks: object, chunk_ids: object, positions: object,
-               direction: Direction) -> Job:
+               direction: Direction, target: Target | None = None) -> Job:
         """The native check where it accepts the job, else the numpy one (which words the
-        errors): `offload.transfer.fast_check`."""
+        errors): `offload.transfer.fast_check`.  A job to be moved is packed into ``target``
+        (the kernel's staging slot)."""
         if self._fast is not None:
-            job = self._fast.check(direction, gpu_blocks, chunk_ids, positions,
-                                   self._pack_target)
+            job = self._fast.check(direction, gpu_blocks, chunk_ids, positions, target)
             if job is not None:
                 return job
         return check_job(self._layout, gpu_blocks, chunk_ids, positions,

@@ -9,7 +9,8 @@ the job packed ``[blocks | host pages]``: 4.5 µs and 1.3 µs in the same run.
 The columns are read through the buffer protocol (numpy arrays of any integer type, strided or
 not) or as lists and tuples of ints, so the C holds the GIL (`ctypes.PyDLL`) and is compiled
 against this interpreter's headers, which a host that runs Triton has; without them, or without
-a compiler, or with ``OFFLOAD_NATIVE=0``, every job takes the numpy path.
+a compiler, with ``OFFLOAD_NATIVE=0``, or on a free-threaded Python (where another thread
+could change a list while the C reads it), every job takes the numpy path.
 
 The C never raises.  Anything it does not accept — another input type (a CPU tensor, numpy
 scalars in a list), an index out of range, a repeated destination — goes to the numpy path,
@@ -120,6 +121,8 @@ class FastCheck:
         int64, at least 2n long: the kernel's staging buffer, named in `Job.staged_in`)."""
         try:
             n = len(gpu_blocks)  # type: ignore[arg-type]
+            if len(chunk_ids) != n or len(positions) != n:  # type: ignore[arg-type]
+                return None  # nothing reserved or allocated for a malformed job
         except TypeError:
             return None
         side = self._directions[direction]

@@ -17,9 +17,11 @@
 struct column {
     Py_buffer view;
     int has_view;
-    PyObject **items; /* a list's or tuple's items (NULL when empty) when has_view is 0 */
+    PyObject *sequence; /* a list or tuple (borrowed) when has_view is 0 */
+    PyObject **items;   /* its items, taken once every buffer is open (NULL when empty) */
     Py_ssize_t n;
-    char kind; /* 'i' signed or 'u' unsigned buffer items */
+    Py_ssize_t stride;  /* bytes between a buffer's items */
+    char kind;          /* 'i' signed or 'u' unsigned buffer items */
 };
 
 static void release(struct column *c) {
@@ -50,13 +52,15 @@ static char integer_kind(const char *format, Py_ssize_t itemsize) {
     return 0;
 }
 
-/* Open ``obj`` as a column; 0 when it is not one this file reads. */
+/* Open ``obj`` as a column; 0 when it is not one this file reads.  A list's or tuple's items
+ * are taken later (`take_items`): opening a buffer may run Python code (``__buffer__``), which
+ * could change a list opened before it. */
 static int open_column(PyObject *obj, struct column *c) {
     c->has_view = 0;
+    c->sequence = NULL;
     c->items = NULL;
     if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj)) {
-        c->items = PySequence_Fast_ITEMS(obj);
-        c->n = PySequence_Fast_GET_SIZE(obj);
+        c->sequence = obj;
         return 1;
     }
     if (PyBytes_Check(obj) || !PyObject_CheckBuffer(obj))
@@ -67,12 +71,22 @@ static int open_column(PyObject *obj, struct column *c) {
     }
     c->has_view = 1;
     c->kind = integer_kind(c->view.format, c->view.itemsize);
-    if (c->view.ndim != 1 || c->kind == 0) {
+    if (c->view.ndim != 1 || c->kind == 0 || c->view.itemsize <= 0) {
         release(c);
         return 0;
     }
-    c->n = c->view.shape[0];
+    /* exporters such as ctypes arrays leave shape or strides out: then they are contiguous */
+    c->n = c->view.shape != NULL ? c->view.shape[0] : c->view.len / c->view.itemsize;
+    c->stride = c->view.strides != NULL ? c->view.strides[0] : c->view.itemsize;
     return 1;
+}
+
+/* A list's or tuple's items and length, read once every column is open. */
+static void take_items(struct column *c) {
+    if (c->sequence != NULL) {
+        c->items = PySequence_Fast_ITEMS(c->sequence);
+        c->n = PySequence_Fast_GET_SIZE(c->sequence);
+    }
 }
 
 /* The limits of one engine's jobs in one direction, set once (mirrored by
@@ -88,7 +102,7 @@ struct offload_check {
 #define FOR_ITEMS(T, c, OP)                                                                     \
     do {                                                                                        \
         const char *base_ = (const char *)(c)->view.buf;                                       \
-        Py_ssize_t stride_ = (c)->view.strides[0];                                             \
+        Py_ssize_t stride_ = (c)->stride;                                                      \
         for (Py_ssize_t i_ = 0; i_ < (c)->n; i_++) {                                           \
             int64_t v_ = (int64_t) * (const T *)(base_ + i_ * stride_);                         \
             if (!(OP(i_, v_)))                                                                  \
@@ -161,7 +175,7 @@ UNIQUE(unique32, int32_t)
 UNIQUE(unique64, int64_t)
 
 /* Checks a job and writes it packed into ``packed`` (a writable contiguous buffer of 4- or
- * 8-byte ints, at least 2n long): ``packed[0..n)`` the GPU blocks, ``packed[n..2n)`` the host
+ * 8-byte signed ints, at least 2n long): ``packed[0..n)`` the GPU blocks, ``packed[n..2n)`` the host
  * pages (chunk × bpc + position).  Every index must be in range and, with ``x->stamps``, no
  * destination may repeat.  Returns n, or -1 for anything else (the caller checks the job the
  * slow way). */
@@ -171,28 +185,32 @@ Py_ssize_t offload_check_job(const struct offload_check *x, PyObject *packed, Py
     Py_buffer out;
     Py_ssize_t n = -1;
     int ok;
-    if (PyObject_GetBuffer(packed, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
+    if (PyObject_GetBuffer(packed, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+        != 0) {
         PyErr_Clear();
         return -1;
     }
+    if (integer_kind(out.format, out.itemsize) != 'i' || (out.itemsize != 4 && out.itemsize != 8))
+        goto close_out; /* the packed job is signed ints */
     if (!open_column(blocks, &b))
         goto close_out;
     if (!open_column(chunks, &c))
         goto close_b;
     if (!open_column(positions, &p))
         goto close_c;
-    if (b.n != c.n || b.n != p.n || 2 * b.n * out.itemsize > out.len)
+    take_items(&b);
+    take_items(&c);
+    take_items(&p);
+    if (b.n != c.n || b.n != p.n || b.n > out.len / (2 * out.itemsize))
         goto close_p;
     if (out.itemsize == 4) {
         int32_t *o = (int32_t *)out.buf;
         ok = blocks32(&b, x, o) && chunks32(&c, x, o + b.n) && positions32(&p, x, o + b.n) &&
              (x->stamps == NULL || unique32(o + x->field * b.n, b.n, x->stamps, stamp));
-    } else if (out.itemsize == 8) {
+    } else {
         int64_t *o = (int64_t *)out.buf;
         ok = blocks64(&b, x, o) && chunks64(&c, x, o + b.n) && positions64(&p, x, o + b.n) &&
              (x->stamps == NULL || unique64(o + x->field * b.n, b.n, x->stamps, stamp));
-    } else {
-        ok = 0;
     }
     if (ok)
         n = b.n;

@@ -98,8 +98,9 @@ def _ceil_pow2(n: int) -> int:
 
 
 class StagingSlot(Lease):
-    """One pinned buffer of job indices, held by its job from `KernelCopier.launch` until the
-    engine found the job complete (so its upload ran) and called `release`: the slot then
+    """One pinned buffer of job indices, reserved for the next job by `KernelCopier.staging`
+    (the job check packs the job into it), held by that job from `KernelCopier.launch` until
+    the engine found the job complete (so its upload ran) and called `release`: the slot then
     goes back to its copier's free list.  Replaces an event record and query per job."""
 
     def __init__(self, owner: KernelCopier, capacity: int, index_type: torch.dtype) -> None:

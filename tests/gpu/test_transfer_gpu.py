@@ -217,14 +217,45 @@ def test_the_job_check_packs_kernel_jobs_straight_into_staging(backend: str) -> 
         rng = np.random.default_rng(5)
         for size in (1, 9, 300):
             job = scattered_job(rng, size, 400, 100, 4)
-            checked = engine._check(*job, "store")
+            checked = engine._check(*job, "store", engine._pack_target)
             assert (checked.staged_in is not None) == (checker_library() is not None)
             if checked.staged_in is not None:
                 assert checked.staged_in is engine.kernel._next
             round_trip(engine, kv, region, layout, job)
             tensors = (torch.from_numpy(job[0]), *job[1:])
-            assert engine._check(*tensors, "store").staged_in is None
+            assert engine._check(*tensors, "store", engine._pack_target).staged_in is None
             round_trip(engine, kv, region, layout, tensors)
+        # a non-writer rank's check reserves and grows nothing
+        kernel, capacity = engine.kernel, engine.kernel._capacity
+        kernel._next = None
+        engine.check(*scattered_job(rng, 2 * capacity, 400, 100, 4))
+        assert kernel._next is None and kernel._capacity == capacity
+
+
+@needs_triton
+def test_a_slot_reserved_by_the_check_is_never_one_a_job_in_flight_holds() -> None:
+    """Jobs queued behind a sleeping compute stream hold their slots; each next check must
+    reserve a free one (or a new one), and every job must still move its own indices."""
+    pages = [4 * KiB]
+    kv = kv_set(256, pages, "cuda")
+    layout = slot_layout(pages, 4)
+    with cuda_engine("triton", kv, 64) as (engine, kv, region):
+        rng = np.random.default_rng(9)
+        jobs = [scattered_job(rng, 4, 256, 64, 4) for _ in range(10)]
+        engine.submit(-1, "store", *jobs[0])
+        engine.wait_all()
+        expected = region.clone()
+        for job in jobs:
+            expected = expected_region(expected, kv, layout, job)
+        torch.cuda._sleep(SLEEP_CYCLES)
+        held = []
+        for job_id, job in enumerate(jobs):
+            engine.submit(job_id, "store", *job)
+            held.append(engine._pending[-1][2])
+            engine.kernel.staging(4)
+            assert engine.kernel._next not in held
+        assert engine.wait_all() == list(range(len(jobs)))
+        assert torch.equal(region, expected)
 
 
 @needs_triton
