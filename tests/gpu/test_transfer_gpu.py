@@ -306,8 +306,12 @@ def test_auto_picks_by_pinning(pinned: bool, expected: str) -> None:
 
 def _slow_write(kv: torch.Tensor, block: int, value: int,
                 stream: torch.cuda.Stream | None = None) -> None:
-    """Queue on ``stream`` (default: current) a long sleep, then a write over ``block``."""
+    """Queue on ``stream`` (default: current) a long sleep, then a write over ``block``.  The
+    block is first filled with the complement: a process's first launch of a kernel loads its
+    module (CUDA's lazy loading), which waits for the device — behind the sleep, so the write
+    would be done before the copy under test was even submitted."""
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        kv.view(torch.uint8)[block].fill_(value ^ 0xFF)
         torch.cuda._sleep(SLEEP_CYCLES)
         kv.view(torch.uint8)[block].fill_(value)
 
