@@ -7,6 +7,7 @@ and the region once, checking each job and keeping jobs in submission order live
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cached_property
 from typing import Literal, Protocol, TypeAlias
 
 import numpy as np
@@ -107,11 +108,16 @@ class EngineBase:
                                         layout.blocks_per_chunk),
             "load": UniqueDestinations("blocks", self._geometry.num_blocks,
                                        layout.blocks_per_chunk)}
-        lib = checker_library()
-        self._fast = (FastCheck(lib, layout, self._geometry.num_blocks, chunk_count,
-                                self._unique) if lib is not None else None)
         self._pack_target: Target | None = None  # kernel engines: their staging buffer
         self._closed = False
+
+    @cached_property
+    def _fast(self) -> FastCheck | None:
+        """The native job check, made at the first job rather than in start-up (building its
+        library, once per host, takes a compiler run)."""
+        lib = checker_library()
+        return (FastCheck(lib, self._layout, self._geometry.num_blocks, self._chunk_count,
+                          self._unique) if lib is not None else None)
 
     @property
     def layout(self) -> SlotLayout:
