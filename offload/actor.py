@@ -21,6 +21,7 @@ import torch
 from offload.audit import Auditor
 from offload.config import TierConfig
 from offload.errors import OffloadError, one_line
+from offload.jobs import JobBook
 from offload.plan import Plan, RankDescriptor
 from offload.quorum import Quorum
 from offload.region.host_region import HostRegion
@@ -85,11 +86,7 @@ class RankActor:
     files: RankFiles | None = None  # this rank's file tier (TierConfig.fs_dir), if any
     timings_s: dict[str, float] = field(default_factory=dict)
     created_at: float = field(default_factory=time.perf_counter)
-    # serving: jobs in submission order until retired; outcomes of kept jobs until taken
-    _pending: dict[int, _Copy] = field(default_factory=dict)
-    outcomes: dict[int, tuple[bool, int, float]] = field(default_factory=dict)
-    _next_seq: int = 0
-    _completed: int = 0
+    jobs: JobBook = field(default_factory=JobBook)  # every job until its result is taken
     _block_bytes: int = 0  # this rank's bytes per job entry (every tensor's page), once started
     last_event: torch.cuda.Event | None = None  # the last submitted copy's completion
 
@@ -166,25 +163,26 @@ class RankActor:
     @property
     def submitted(self) -> int:
         """Jobs this rank has submitted: the next job's sequence number."""
-        return self._next_seq
+        return self.jobs.submitted
 
     def submit(self, job: CopyJob, keep: bool = False, after: After = None) -> int:
         """Queue a copy on this rank (non-blocking where the backend allows) and return its
         sequence number: its place in the submission order, the same on every rank.
 
-        A job that fails here still takes its place and is reported failed, so every rank's
-        sequence stays aligned; the error is raised after.  ``keep`` keeps the job's outcome
-        in `outcomes` for the tier's results (SPMD); driven jobs need only the quorum.
-        ``after`` (a CUDA event or stream; default the current stream) is what the copy waits
-        for; the copy's own completion event is left in `last_event` (None when this rank
-        moves nothing, or on the host backend)."""
+        Every job takes its place, whatever happens next: one this rank refuses (a reused id,
+        a bad index, an engine error) is failed with its reason, reaches every rank through
+        the quorum, and the error is raised after.  ``keep`` keeps the job in the book until
+        the tier takes its result (SPMD); its id is live until then.  ``after`` (a CUDA event
+        or stream; default the current stream) is what the copy waits for; the copy's own
+        completion event is left in `last_event` (None when this rank moves nothing, or on the
+        host backend)."""
         self.last_event = None
-        seq = self._next_seq
-        self._next_seq += 1
-        copy = _Copy(job, time.perf_counter(), keep)
-        self._pending[seq] = copy
+        entry = self.jobs.open(job.job_id, job, keep, time.perf_counter(), time.monotonic(),
+                               self.topology.rank)
         taken = False  # whether the engine holds the job (it then reports it in poll)
         try:
+            if entry.error is not None:
+                raise OffloadError(entry.error)
             engine = self._engine()
             blocks, chunks, positions = job.blocks, job.chunks, job.positions
             if self.files is not None:
@@ -198,39 +196,39 @@ class RankActor:
                                    f"{self.config.layout!r}; drop writer_only")
             if job.writer_only and not self.topology.is_stage_writer:
                 engine.check(blocks, chunks, positions)  # the stage's writer copies; we check
-                copy.done = True
+                entry.done = True
             else:
-                self.last_event = engine.submit(seq, job.direction, blocks, chunks, positions,
-                                                after=after)
+                self.last_event = engine.submit(entry.seq, job.direction, blocks, chunks,
+                                                positions, after=after)
                 taken = True
-                copy.bytes = len(blocks) * self._block_bytes
+                entry.bytes = len(blocks) * self._block_bytes
             if self.auditor is not None and job.direction == "store":
                 # after the job was checked; hashes read the blocks in compute-stream order
                 self.auditor.record(self.kv_tensors, job.blocks, job.chunks, job.positions)
         except BaseException as exc:
-            copy.error = one_line(exc)
-            copy.done = copy.done or not taken  # not the engine's: it completes (failed) now
+            entry.error = entry.error or one_line(exc)
+            entry.done = entry.done or not taken  # not the engine's: it completes (failed) now
             self._advance()
             raise
         self.progress_copies()
-        return seq
+        return entry.seq
 
     def progress_copies(self) -> float:
         """Collect copies that finished since the last call and raise this rank's watermark;
         return a suggested pause before the next call."""
-        if self.engine is not None and self._pending:
+        if self.engine is not None and self.jobs.in_flight:
             self._collect(self.engine.poll)
         self.quorum.share()
-        return 0.0005 if self._pending else 0.02
+        return 0.0005 if self.jobs.in_flight else 0.02
 
     @property
     def in_flight(self) -> int:
         """This rank's jobs whose copies are not yet complete (as of the last progress)."""
-        return len(self._pending)
+        return self.jobs.in_flight
 
     def drain(self) -> None:
         """Wait for every copy this rank has in flight (the compute fence before close)."""
-        if self.engine is not None and self._pending:
+        if self.engine is not None and self.jobs.in_flight:
             self._collect(self.engine.wait_all)
             self.quorum.share()
 
@@ -246,43 +244,39 @@ class RankActor:
         self._advance()
 
     def _finish(self, seq: int) -> None:
-        """The engine finished ``seq`` on this rank: audit a load.  (A job already completed as
-        failed, after the engine raised, is not reported twice.)"""
-        copy = self._pending.get(seq)
-        if copy is None or copy.done:
+        """The engine finished ``seq`` on this rank: take the engine's verdict on it (an
+        integrity mismatch fails it) and audit a load.  (A job already completed as failed,
+        after the engine raised, is not reported twice.)"""
+        entry = self.jobs.get(seq)
+        if entry is None or entry.done:
             return
-        copy.done = True
-        copy.seconds = time.perf_counter() - copy.started
-        if self.auditor is not None and copy.job.direction == "load" and copy.error is None:
-            self.auditor.check(self.kv_tensors, copy.job.blocks, copy.job.chunks,
-                               copy.job.positions)
+        entry.done = True
+        entry.seconds = time.perf_counter() - entry.started
+        job_error = getattr(self.engine, "job_error", None)
+        verdict = job_error(seq) if job_error is not None else None
+        if verdict is not None and entry.error is None:
+            entry.error = verdict
+        job = entry.job
+        if self.auditor is not None and job.direction == "load" and entry.error is None:
+            self.auditor.check(self.kv_tensors, job.blocks, job.chunks, job.positions)
 
     def _engine_failed(self, exc: Exception) -> list[int]:
         """The engine raised while reporting: which of its jobs finished is unknown, so every
         job it holds completes as failed on this rank (the quorum learns it; nobody hangs)."""
         log.error("rank %d: the %s engine failed: %s", self.topology.rank,
                   getattr(self.engine, "name", "?"), exc)
-        held = [seq for seq, copy in self._pending.items() if not copy.done]
-        for seq in held:
-            self._pending[seq].error = f"the transfer engine failed: {one_line(exc)}"
-        return held
+        held = self.jobs.undone()
+        for entry in held:
+            entry.error = entry.error or f"the transfer engine failed: {one_line(exc)}"
+        return [entry.seq for entry in held]
 
     def _advance(self) -> None:
-        """Retire the done jobs at the head of the order and publish the new watermark."""
-        failures = []
-        start = self._completed
-        while self._pending:
-            seq, copy = next(iter(self._pending.items()))
-            if not copy.done:
-                break
-            del self._pending[seq]
-            self._completed = seq + 1
-            if copy.error is not None:
-                failures.append((seq, copy.error))
-            if copy.keep:
-                self.outcomes[seq] = (copy.error is None, copy.bytes, copy.seconds)
-        if self._completed != start:
-            self.quorum.advance(self._completed, failures)
+        """Retire the done jobs at the head of the order and publish the new watermark
+        (failure records first: `Quorum.advance`)."""
+        moved = self.jobs.retire()
+        if moved is not None:
+            completed, failures = moved
+            self.quorum.advance(completed, failures)
 
     # ------------------------------------------------------------------ reporting and close
     def report(self) -> dict[str, Any]:
@@ -334,16 +328,3 @@ class RankActor:
         if self.engine is None:
             raise RuntimeError("this rank has no transfer engine yet")
         return self.engine
-
-
-@dataclass
-class _Copy:
-    """One submitted job on this rank until its watermark passes it."""
-
-    job: CopyJob
-    started: float
-    keep: bool
-    done: bool = False
-    bytes: int = 0
-    seconds: float = 0.0
-    error: str | None = None

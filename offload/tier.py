@@ -62,14 +62,17 @@ _tier_seq: collections.defaultdict[str, itertools.count[int]] = collections.defa
 @dataclass(frozen=True)
 class TransferResult:
     """One decided job, as `HostTier.finished` returns it (the shape of vLLM's offloading
-    worker's ``get_finished``).  ``success`` is the same on every rank: False when any rank's
-    copy failed.  ``transfer_size`` (bytes) and ``transfer_time`` (seconds from `submit` to
-    the copy found complete) are this rank's own."""
+    worker's ``get_finished``).  ``success`` is the same on every rank: False when any rank
+    refused or failed the job, and then ``failed_rank`` (the lowest such rank) and ``error``
+    (its reason) are the same on every rank too.  ``transfer_size`` (bytes) and
+    ``transfer_time`` (seconds from `submit` to the copy found complete) are this rank's own."""
 
     job_id: int
     success: bool
     transfer_size: int
     transfer_time: float
+    failed_rank: int | None = None
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -99,8 +102,6 @@ class HostTier:
             self.manager = ChunkManager(plan.chunk_count, files)
             self.manager.seed_disk(disk_keys)  # what a restart found on every writer's disk
         self.mark = DecisionMark()
-        self._live: dict[int, tuple[int, float]] = {}  # seq -> (job id, submitted at), in order
-        self._seq_of: dict[int, int] = {}  # job id -> seq of the live jobs
         self._closed = False
         cleanup.register(self.actor.close)
 
@@ -176,19 +177,15 @@ class HostTier:
     def submit(self, job: CopyJob, after: After = None) -> torch.cuda.Event | None:
         """Queue this rank's share of ``job``; every rank submits the same jobs in the same
         order (a job's sequence number is its place in that order).  A job id may be reused
-        once `finished` or `wait` has returned the job.  A job that raises here on some rank
-        is still in the sequence and comes back failed from `finished` on every rank.
+        once `finished` or `wait` has returned the job on this rank.  A job that raises here
+        on some rank -- a reused id still in flight there, a bad index, an engine error -- is
+        still in the sequence and comes back failed from `finished` on every rank, naming that
+        rank and its reason.
 
         The copy runs after ``after`` (a CUDA event or stream; default: the current stream)
         and the call returns the copy's completion event, which the compute stream can
         ``wait_event`` on before reading loaded blocks — no host round trip.  None when this
         rank moves nothing (a replicated store's non-writer) or its KV lives in host memory."""
-        if job.job_id in self._seq_of:
-            raise OffloadError(f"job id {job.job_id} is still in flight; wait for it before "
-                               "reusing the id")
-        seq = self.actor.submitted
-        self._live[seq] = (job.job_id, time.monotonic())
-        self._seq_of[job.job_id] = seq
         self.actor.submit(job, keep=True, after=after)
         return self.actor.last_event
 
@@ -248,23 +245,32 @@ class HostTier:
 
     def wait(self, job_ids: Sequence[int], timeout_s: float | None = None) -> None:
         """Block until every rank has completed the jobs (for simple programs; engines use
-        `finished`).  Every rank calls it at the same point; it returns the jobs' ids for
-        reuse.  Raises `OffloadError` naming a failed job and its rank, or `PeerError` naming
+        `finished`).  Every rank calls it at the same point, and it returns the jobs' ids for
+        reuse however it ends -- also when it raises -- so the ranks' in-flight jobs stay the
+        same.  Raises `OffloadError` naming a failed job and its rank, or `PeerError` naming
         the ranks still behind after ``timeout_s`` (default: the tier's; 0 checks once)."""
-        jobs = {self._live_seq(job_id): job_id for job_id in dict.fromkeys(job_ids)}
-        if not jobs:
+        book = self.actor.jobs
+        ids = list(dict.fromkeys(job_ids))
+        if not ids:
             return
+        missing = [job_id for job_id in ids if not book.is_live(job_id)]
+        if missing:
+            raise OffloadError(f"job id {missing[0]} is not in flight on rank "
+                               f"{self.topology.rank}; submit it first (a job is returned "
+                               "once)")
+        seqs = book.live_seqs(ids)
         timeout = self.actor.config.timeout_s if timeout_s is None else timeout_s
-        last = max(jobs)
-        words = self._await(last, jobs[last], time.monotonic() + timeout)
-        failed = self.actor.quorum.failures(words, min(jobs), max(jobs) + 1)
-        for seq, job_id in jobs.items():
-            del self._live[seq], self._seq_of[job_id]
-            self.actor.outcomes.pop(seq, None)
-        bad = sorted(seq for seq in jobs if seq in failed)
+        try:
+            words = self._await(seqs[-1], time.monotonic() + timeout)
+        except BaseException:
+            book.take(seqs)  # returned, failed: a timeout on one rank must not leave them here
+            raise
+        failed = self.actor.quorum.failures(words, seqs[0], seqs[-1] + 1)
+        taken = book.take(seqs)
+        bad = [e for e in taken if e.seq in failed]
         if bad:
-            rank, message = failed[bad[0]]
-            raise OffloadError(f"job {jobs[bad[0]]} failed on rank {rank}: {message}")
+            rank, message = failed[bad[0].seq]
+            raise OffloadError(f"job {bad[0].job_id} failed on rank {rank}: {message}")
 
     @property
     def _learned(self) -> int:
@@ -279,35 +285,26 @@ class HostTier:
         """Results of the live jobs below ``through`` (the decided ones), in order."""
         results = []
         failures = self.mark.failed
-        for seq in [s for s in self._live if s < through]:
-            job_id, _ = self._live.pop(seq)
-            del self._seq_of[job_id]
-            ok, size, seconds = self.actor.outcomes.pop(seq)
-            success = seq not in failed
-            if not ok and success:
-                raise RuntimeError(f"job {job_id} failed on rank {self.topology.rank} but the "
-                                   "quorum has no record of it")
+        for entry in self.actor.jobs.take_below(through):
+            rank, reason = failed.get(entry.seq, (None, None))
+            success = rank is None
+            if not entry.ok and success:
+                raise RuntimeError(f"job {entry.job_id} failed on rank {self.topology.rank} "
+                                   "but the quorum has no record of it")
             failures += not success
-            results.append(TransferResult(job_id, success, size, seconds))
+            results.append(TransferResult(entry.job_id, success, entry.bytes, entry.seconds,
+                                          rank, reason))
         self.mark = DecisionMark(through, failures)
         return results
 
-    def _live_seq(self, job_id: int) -> int:
-        seq = self._seq_of.get(job_id)
-        if seq is None:
-            raise OffloadError(f"job id {job_id} is not in flight on rank "
-                               f"{self.topology.rank}; submit it first (a job is returned "
-                               "once)")
-        return seq
-
     def _check_overdue(self, words: Words) -> None:
         """Decider: a job waiting longer than the timeout names the ranks holding it back."""
-        if not self._live:
+        oldest = self.actor.jobs.oldest_live()
+        if oldest is None:
             return
-        seq, (job_id, submitted_at) = next(iter(self._live.items()))
-        waited = time.monotonic() - submitted_at
+        waited = time.monotonic() - oldest.submitted_at
         if waited > self.actor.config.timeout_s:
-            raise self._overdue(job_id, seq, words, waited)
+            raise self._overdue(oldest.job_id, oldest.seq, words, waited)
 
     def _overdue(self, job_id: int, seq: int, words: Words, waited: float) -> PeerError:
         late = self.actor.quorum.laggards(words, seq)
@@ -315,9 +312,9 @@ class HostTier:
                          f"not completed it within {waited:.3g} s (timeout "
                          f"{self.actor.config.timeout_s:g} s); a rank died or stopped polling")
 
-    def _await(self, seq: int, job_id: int, deadline: float) -> Words:
-        """Poll until every rank has completed job ``job_id`` (sequence ``seq``); past
-        ``deadline`` raise `PeerError` naming the ranks behind (and any node they all left).
+    def _await(self, seq: int, deadline: float) -> Words:
+        """Poll until every rank has completed job ``seq``; past ``deadline`` raise `PeerError`
+        naming the ranks behind (and any node they all left).
         Spins (yielding the CPU) for the first ~50 µs-scale polls, then backs off to at most
         1 ms: no fixed sleep on the hot path."""
         quorum = self.actor.quorum
@@ -330,13 +327,18 @@ class HostTier:
                 return words
             now = time.monotonic()
             if now >= deadline:
-                raise self._overdue(job_id, seq, words, now - began)
+                raise self._overdue(self._job_id(seq), seq, words, now - began)
             polls += 1
             if polls < _SPIN_POLLS:
                 os.sched_yield()
             else:
                 time.sleep(min(_MAX_PAUSE_S, 1e-5 * 2 ** min(polls - _SPIN_POLLS, 7),
                                max(0.0, deadline - now)))
+
+    def _job_id(self, seq: int) -> int:
+        """The id of job ``seq`` while this rank holds it (its sequence number otherwise)."""
+        entry = self.actor.jobs.find(seq)
+        return entry.job_id if entry is not None else seq
 
     def _drained(self, through: int) -> int:
         """Every rank completed the jobs below ``through``: release quarantined chunks."""
@@ -356,7 +358,7 @@ class HostTier:
         pass `submitted` as the fence to the chunk manager's ``complete_*``."""
         seq = self.actor.submitted
         request, _ = self.rpc.post(_submit_quietly, job, actor=self.actor)
-        words = self._await(seq, job.job_id, time.monotonic() + self.actor.config.timeout_s)
+        words = self._await(seq, time.monotonic() + self.actor.config.timeout_s)
         self.rpc.forget(request)  # every rank executed it: its watermark passed the job
         failed = self.actor.quorum.failures(words, seq, seq + 1)
         if failed:

@@ -164,7 +164,7 @@ def _race(rank: int, decider: int, steps: int, seed: int) -> object:
     batches: list[list[tuple[int, bool]]] = []
     submitted, step, finished = 0, 0, False
     while not finished:
-        box = [(tier.mark, step >= steps and not tier._live) if rank == decider else None]
+        box = [(tier.mark, step >= steps and not tier.actor.jobs.live) if rank == decider else None]
         dist.broadcast_object_list(box, src=decider)  # the engine's own step broadcast
         mark, finished = box[0]
         if rank != decider:
