@@ -67,6 +67,32 @@ def test_failure_records_are_stored_before_the_word_counts_them() -> None:
     q.board.close()
 
 
+class _WordAtEachSet:
+    """A store that notes this rank's board word as each record is written."""
+
+    def __init__(self, board: Board) -> None:
+        self.board = board
+        self.words_at_set: list[int] = []
+        self.values: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.words_at_set.append(self.board.words()[0])
+        self.values[key] = value.encode()
+
+
+def test_no_reader_can_see_a_failure_count_before_its_record() -> None:
+    """The word is published last: while a record is being written (or if the writer dies
+    then), readers still see the old word, so nobody waits on a record that is not there."""
+    q = _one_rank_quorum(dist.HashStore())
+    store = _WordAtEachSet(q.board)
+    q.store = store  # type: ignore[assignment]
+    q.advance(3)
+    q.advance(7, [(4, "boom"), (6, "bad")])
+    assert store.words_at_set == [pack(3, 0), pack(3, 0)]
+    assert unpack(q.board.words()[0]) == (7, 2)
+    q.board.close()
+
+
 def test_default_store_falls_back_to_the_torchrun_address(monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
     assert not dist.is_initialized()
