@@ -6,7 +6,8 @@
 # every step $OUT gets them as one archive (gpu_suite.tgz) plus summary.txt: two files, which a
 # lease that brings back only a few files keeps, and a call cut short keeps the finished steps'.
 #   OUT=/tmp/out STARTUP_BYTES=16GiB bash scripts/gpu_suite.sh
-# Knobs: SKIP_{TESTS,ENGINE,TIER,COMPLETION,STARTUP}=1, RUN_JOBS=1, TEST_WORKERS, *_LIMIT (seconds),
+# Knobs: SKIP_{TESTS,ENGINE,TIER,COMPLETION,STARTUP}=1, RUN_JOBS=1, RUN_RELOAD=1, TEST_WORKERS,
+# *_LIMIT (seconds), wheels in .whl/ (installed to a temporary folder first),
 # ENGINE_ARGS / TIER_ARGS (extra arguments, e.g. TIER_ARGS="--barrier spin").
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -14,8 +15,13 @@ cd "$ROOT"
 OUT="${OUT:-$ROOT/gpu-out}"
 LOGS="${LOGS:-$(mktemp -d /tmp/gpu-suite.XXXXXX)}"
 mkdir -p "$OUT" "$LOGS"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
+WHEELS=""
+if ls "$ROOT"/.whl/*.whl > /dev/null 2>&1; then  # carried wheels (the machine has no network)
+    WHEELS="$(mktemp -d /tmp/gpu-suite-wheels.XXXXXX)"
+    "$PY" -m pip install -q --no-index --no-deps --target "$WHEELS" "$ROOT"/.whl/*.whl
+fi
+export PYTHONPATH="$ROOT${WHEELS:+:$WHEELS}${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 NGPU="$($PY -c 'import torch; print(torch.cuda.device_count())')"
 NPROC="${NPROC:-2}"
 status=0
@@ -48,6 +54,13 @@ if [ "${RUN_JOBS:-0}" = 1 ]; then
             --nproc-per-node "$NPROC" launch/run.py --device cuda --layout "$layout" \
             --cpu-bytes "${JOB_BYTES:-4GiB}" --num-gpu-blocks 4096 --kv-bytes-per-block 256KiB \
             --rounds 2 --report-json "$LOGS/job_$layout.json"
+    done
+fi
+if [ "${RUN_RELOAD:-0}" = 1 ]; then  # a real model's prefix, token- and byte-exact
+    for layout in private shared replicated; do
+        step "reload_$layout" "${RELOAD_LIMIT:-180}" "$PY" -m torch.distributed.run \
+            --standalone --nproc-per-node "$NPROC" launch/prefix_reload.py --device cuda \
+            --layout "$layout" ${RELOAD_ARGS:-}
     done
 fi
 cat "$OUT/summary.txt"
