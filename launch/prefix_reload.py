@@ -91,9 +91,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rank 0 writes the JSON report there")
     p.add_argument("--shm-dir", default=None, metavar="DIR",
                    help="keep the region in visible files in DIR (default: nameless memfds)")
-    p.add_argument("--timeout", type=float, default=300.0,
+    p.add_argument("--timeout", type=_seconds, default=300.0,
                    help="seconds any rank waits for a peer before failing the job")
     return p
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds: torch's store turns any other timeout into a C++
+    traceback on every rank, so the parser refuses it first."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds; give "
+                                         "e.g. --timeout 300")
+    return value
 
 
 # ---------------------------------------------------------------------- geometry (pure)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The node's progress board: one watermark word per rank in a nameless shared page.
 
 Every rank of a node maps the same small ``memfd`` (created by the node leader and handed to its
@@ -44,6 +45,11 @@ Memory ordering (why a plain store and a plain load are enough):
 A rank that dies leaves its word where it stopped; the decider sees the minimum not advance and
 names that rank once the tier's timeout passes (`offload.quorum`).  The board needs no cleanup: the
 kernel frees a nameless file when its last mapping goes.
+
+Trust: a peer maps the board only from a server of its own user (the leader's pid where known)
+and only a sealed memfd of this user of the board's exact size (`Board.open`); a forged board
+would let another user decide jobs complete.  The rendezvous store, which names the tier, stays
+the trust boundary (torch.distributed's own).
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ import os
 
 import numpy as np
 
-from offload.region.nameless import FdOffer, create_memfd, fetch_fds, socket_name
+from offload.region.nameless import FdOffer, check_sizes, create_memfd, fetch_fds, socket_name
 from offload.topology import Topology
 
 LINE_BYTES = 128
@@ -88,9 +94,19 @@ class Board:
         self.slot = slot
 
     @classmethod
-    def open(cls, topology: Topology, tier_id: str, timeout_s: float) -> Board:
+    def open(cls, topology: Topology, tier_id: str, timeout_s: float,
+             leader_pid: int | None = None) -> Board:
         """Node-collective: the leader creates the zeroed board and hands it to the node's
-        other ranks; each maps it and closes its descriptor (the mapping keeps it alive)."""
+        other ranks; each maps it and closes its descriptor (the mapping keeps it alive).
+
+        A peer maps only a board its own user's process served (that very process where
+        ``leader_pid``, learnt through the store, is given): a sealed memfd of this user of
+        exactly ``ranks * LINE_BYTES`` (`offload.region.nameless.check_sizes`), so no other
+        local user can forge or shrink the watermarks the decider trusts.
+
+        Raises:
+            PeerError: the leader offered nothing in time, or what was served is not its board.
+        """
         ranks, slot = topology.local_world_size, topology.local_rank
         name = socket_name(tier_id, f"board-{topology.node_id}")
         if topology.is_leader:
@@ -102,8 +118,9 @@ class Board:
                 return cls(fd, ranks, slot)
             finally:
                 os.close(fd)
-        (fd,) = fetch_fds(name, 1, timeout_s)
+        (fd,) = fetch_fds(name, 1, timeout_s, leader_pid=leader_pid)
         try:
+            check_sizes([fd], [ranks * LINE_BYTES], name)
             return cls(fd, ranks, slot)
         finally:
             os.close(fd)

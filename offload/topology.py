@@ -24,11 +24,14 @@ from offload.errors import OffloadError
 
 @dataclass(frozen=True)
 class RankPlace:
-    """One rank's published identity."""
+    """One rank's published identity.  ``pid`` and ``pid_namespace`` let a node's peers
+    check that descriptors are served by the leader's very process (`leader_pid`)."""
 
     rank: int
     node_id: str
     local_world_size_env: int | None
+    pid: int = 0
+    pid_namespace: int = 0
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,16 @@ class Topology:
     nodes: tuple[NodeInfo, ...]
     node_group: Any = field(default=None, repr=False, compare=False)
     group: Any = field(default=None, repr=False, compare=False)
+    processes: tuple[tuple[int, int], ...] = field(default=(), repr=False, compare=False)
+    """Per rank: (process id, pid namespace) as that rank published them."""
+
+    def leader_pid(self) -> int | None:
+        """The node leader's process id, where this rank shares its pid namespace (elsewhere
+        the number would name another process, so None: the uid check alone applies)."""
+        if not self.processes:
+            return None
+        pid, namespace = self.processes[self.node.leader_rank]
+        return pid if pid and namespace == pid_namespace() else None
 
     def global_rank(self, rank: int) -> int:
         """The default-group rank of the tier's ``rank`` (torch's ``dst`` arguments want it)."""
@@ -112,6 +125,14 @@ class Topology:
 NODE_GROUP_MIN_TIMEOUT_S = 1800.0
 
 
+def pid_namespace() -> int:
+    """This process's pid namespace (its inode), 0 where /proc does not say."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def local_node_id() -> str:
     return os.environ.get("OFFLOAD_NODE_ID") or socket.gethostname()
 
@@ -163,7 +184,8 @@ def discover(tp: int | None = None, pp: int = 1, timeout_s: float | None = None,
     tp = world // pp if tp is None else tp
     check_grid(world, tp, pp)
     lws = os.environ.get("LOCAL_WORLD_SIZE")  # counts the whole node, other groups' ranks too
-    mine = RankPlace(rank, local_node_id(), int(lws) if lws and group is None else None)
+    mine = RankPlace(rank, local_node_id(), int(lws) if lws and group is None else None,
+                     os.getpid(), pid_namespace())
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine, group=group)
     nodes = build_nodes(gathered)
@@ -174,4 +196,5 @@ def discover(tp: int | None = None, pp: int = 1, timeout_s: float | None = None,
             created = dist.new_group(list(node.ranks), timeout=timeout)
             if rank in node.ranks:
                 node_group = created
-    return Topology(rank, world, tp, pp, nodes, node_group, group)
+    processes = tuple((p.pid, p.pid_namespace) for p in sorted(gathered, key=lambda p: p.rank))
+    return Topology(rank, world, tp, pp, nodes, node_group, group, processes)

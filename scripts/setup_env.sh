@@ -12,5 +12,9 @@ fi
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     "$VENV/bin/python" -m pip install -q "torch==2.13.0"
 fi
+# tests/test_wheel.py builds a wheel offline (--no-build-isolation): the build backend must be here
+if ! "$VENV/bin/python" -c "import setuptools.command.bdist_wheel" 2>/dev/null; then
+    "$VENV/bin/python" -m pip install -q "setuptools>=70.1"
+fi
 "$VENV/bin/python" -m pip install -q -e "$ROOT[test]"
 export PATH="$VENV/bin:$PATH"

@@ -6,15 +6,14 @@ tests/gpu/test_transfer_gpu.py."""
 from __future__ import annotations
 
 import ctypes
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from offload.transfer import native
+from offload.transfer import build_cache, native
 
-pytestmark = pytest.mark.skipif(native.compiler() is None, reason="needs a C compiler")
+pytestmark = pytest.mark.skipif(build_cache.compiler() is None, reason="needs a C compiler")
 
 RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 WAIT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
@@ -124,58 +123,6 @@ def test_a_failed_driver_call_raises_with_its_name_and_stops_there(step: str, na
     with pytest.raises(RuntimeError, match=f"{name} failed: CUDA error 700"):
         issuer(driver).issue(True, 1, 0xA000, 16, 2, 4, 1)
     assert len(driver.calls) == issued
-
-
-def test_build_caches_by_source_compiler_and_machine(tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    cc = native.compiler()
-    assert cc is not None
-    first = native.build(native.SOURCE, tmp_path, cc)
-    stamp = first.stat().st_mtime_ns
-    assert native.build(native.SOURCE, tmp_path, cc) == first
-    assert first.stat().st_mtime_ns == stamp  # not rebuilt
-    source = tmp_path / "issue.c"
-    source.write_text(native.SOURCE.read_text() + "\n/* changed */\n")
-    assert native.build(source, tmp_path, cc) != first
-    # a cache shared by hosts of another architecture keeps their libraries apart
-    monkeypatch.setattr(native.platform, "machine", lambda: "other-arch")
-    assert native.build(native.SOURCE, tmp_path, cc) != first
-
-
-def test_cc_may_be_a_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``CC="ccache gcc"`` or ``CC="gcc -m64"`` are common; the words are the command."""
-    cc = native.compiler()
-    assert cc is not None
-    monkeypatch.setenv("CC", f"{cc} -Wall")
-    assert native.compiler() == f"{cc} -Wall"
-    library = native.build(native.SOURCE, tmp_path, f"{cc} -Wall")
-    assert hasattr(ctypes.CDLL(str(library)), "offload_issue")
-    assert library != native.build(native.SOURCE, tmp_path, cc)  # the flags are in the key
-
-
-def test_ranks_building_at_once_leave_one_library_and_no_partial_files(tmp_path: Path) -> None:
-    cc = native.compiler()
-    assert cc is not None
-    built: list[Path] = []
-    threads = [threading.Thread(target=lambda: built.append(
-        native.build(native.SOURCE, tmp_path, cc))) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(set(built)) == 1 and len(built) == 4
-    assert sorted(p.name for p in tmp_path.iterdir()) == [built[0].name]
-    assert hasattr(ctypes.CDLL(str(built[0])), "offload_issue")  # a complete library
-
-
-def test_a_failing_compiler_is_reported_and_leaves_nothing(tmp_path: Path) -> None:
-    broken = tmp_path / "broken.c"
-    broken.write_text("int offload_issue( {\n")
-    cc = native.compiler()
-    assert cc is not None
-    with pytest.raises(RuntimeError, match="failed on broken.c"):
-        native.build(broken, tmp_path / "cache", cc)
-    assert list((tmp_path / "cache").iterdir()) == []
 
 
 def test_library_is_off_with_offload_native_0_or_without_a_compiler(

@@ -1,18 +1,34 @@
-"""Nameless memfd files and their hand-off to peers, across real processes."""
+"""Nameless memfd files and their hand-off to peers, across real processes, and what each end of
+a hand-off trusts: the leader serves only its own user's processes, a peer takes descriptors only
+from its own user's process (the leader's pid where known) and only sealed memfds of its user of
+the plan's sizes.  Tests of another user fork a child of uid 65534 (root only)."""
 
 from __future__ import annotations
 
 import mmap
 import multiprocessing as mp
 import os
+import socket
 import time
 import uuid
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from offload.errors import PeerError
-from offload.region.nameless import FdOffer, create_memfd, fetch_fds, memfd_mapping, socket_name
+from offload.region.nameless import (
+    _HEADER,
+    _MAGIC,
+    FdOffer,
+    check_sizes,
+    create_memfd,
+    fetch_fds,
+    memfd_mapping,
+    socket_name,
+)
 from offload.region.shm import close_fds
+from tests.other_user import NOBODY, as_root, other_process
 
 
 def _peer(name: str, count: int, results: mp.Queue) -> None:
@@ -94,3 +110,118 @@ def test_a_second_offer_under_the_same_name_is_refused() -> None:
     name = socket_name(uuid.uuid4().hex, "twice")
     with FdOffer(name, peers=1), pytest.raises(Exception, match="already in use"):
         FdOffer(name, peers=1)
+
+
+# ---------------------------------------------------------------------------- trust
+
+
+def _connect_and_count_fds(name: str) -> Callable[[int], None]:
+    """A child action: connect to ``name``, write how many descriptors it was sent."""
+    def action(pipe: int) -> None:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(10)
+            sock.connect("\0" + name)
+            _, fds, _, _ = socket.recv_fds(sock, _HEADER.size, 4)
+        os.write(pipe, str(len(fds)).encode())
+    return action
+
+
+def _serve(name: str, length: int, sealed: bool = True) -> Callable[[int], None]:
+    """A child action: bind ``name`` first, say "r", hand one memfd of ``length`` bytes (every
+    watermark word set: "all jobs done") to the first process that connects."""
+    def action(pipe: int) -> None:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.bind("\0" + name)
+            sock.listen(4)
+            os.write(pipe, b"r")
+            sock.settimeout(10)
+            conn, _ = sock.accept()
+            fd = (create_memfd("forged", length) if sealed
+                  else os.memfd_create("forged", os.MFD_CLOEXEC))
+            os.ftruncate(fd, length)
+            os.pwrite(fd, b"\xff\xff\xff\x7f" * (length // 4), 0)
+            with conn:
+                socket.send_fds(conn, [_HEADER.pack(_MAGIC, 1)], [fd])
+                conn.recv(1)  # until the peer hangs up
+    return action
+
+
+@as_root
+def test_the_leader_serves_no_process_of_another_user() -> None:
+    """The leader offers one descriptor to one peer.  A process of uid 65534 connects first:
+    the leader checks its credentials (SO_PEERCRED), drops it unserved and does not count it,
+    so the stranger receives nothing and the real peer is still served."""
+    name = socket_name(uuid.uuid4().hex, "stranger")
+    fd = create_memfd("t", 4096)
+    try:
+        with FdOffer(name, peers=1) as offer:
+            offer.start([fd], timeout_s=30)
+            with other_process(_connect_and_count_fds(name)) as stranger:
+                received = stranger.read_all()
+            assert received == b"0", received.decode(errors="replace")
+            close_fds(fetch_fds(name, 1, timeout_s=10))  # the node's peer
+        assert offer.error is None
+    finally:
+        os.close(fd)
+
+
+@as_root
+def test_a_peer_refuses_a_server_of_another_user() -> None:
+    """A process of uid 65534 binds the hand-off name before the leader and serves a forged
+    sealed memfd: the peer checks the server's credentials and refuses, naming its uid; it
+    receives no descriptor."""
+    name = socket_name(uuid.uuid4().hex, "squat")
+    with other_process(_serve(name, 4096)) as squatter:
+        assert squatter.read() == b"r"
+        before = set(os.listdir("/proc/self/fd"))
+        with pytest.raises(PeerError, match=f"served by uid {NOBODY} \\(pid {squatter.pid}\\)"):
+            fetch_fds(name, 1, timeout_s=5)
+        assert set(os.listdir("/proc/self/fd")) <= before  # nothing received and kept
+
+
+def test_a_peer_refuses_a_server_other_than_the_leaders_pid() -> None:
+    """Where the caller knows the leader's pid, a process of the same user serving the name is
+    refused too; the real leader's process is accepted."""
+    name = socket_name(uuid.uuid4().hex, "pid")
+    with other_process(_serve(name, 4096), uid=None) as server:
+        assert server.read() == b"r"
+        with pytest.raises(PeerError, match=f"served by pid {server.pid}, not by the node "
+                                            f"leader \\(pid {os.getpid()}\\)"):
+            fetch_fds(name, 1, timeout_s=5, leader_pid=os.getpid())
+    name = socket_name(uuid.uuid4().hex, "pid")
+    with other_process(_serve(name, 4096), uid=None) as server:
+        assert server.read() == b"r"
+        fds = fetch_fds(name, 1, timeout_s=5, leader_pid=server.pid)
+        try:
+            check_sizes(fds, [4096], name)
+        finally:
+            close_fds(fds)
+
+
+def test_received_files_must_be_sealed_memfds_of_the_plans_sizes(tmp_path: Path) -> None:
+    sealed = create_memfd("ok", 4096)
+    unsealed = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+    os.ftruncate(unsealed, 4096)
+    plain = os.open(tmp_path / "file", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.ftruncate(plain, 4096)
+    try:
+        check_sizes([sealed], [4096], "n")
+        with pytest.raises(PeerError, match="not sealed against shrinking"):
+            check_sizes([sealed, unsealed], [4096, 4096], "n")
+        with pytest.raises(PeerError, match="not a memfd"):
+            check_sizes([plain], [4096], "n")
+        with pytest.raises(PeerError, match=r"files of \[4096\] B; the plan expects \[8192\]"):
+            check_sizes([sealed], [8192], "n")
+    finally:
+        close_fds([sealed, unsealed, plain])
+
+
+@as_root
+def test_a_received_memfd_of_another_user_is_refused() -> None:
+    fd = create_memfd("theirs", 4096)
+    try:
+        os.fchown(fd, NOBODY, NOBODY)
+        with pytest.raises(PeerError, match=f"owned by uid {NOBODY}"):
+            check_sizes([fd], [4096], "n")
+    finally:
+        os.close(fd)

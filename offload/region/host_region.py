@@ -232,7 +232,7 @@ class HostRegion:
                 offer[0].start(fds, files.timeout_s)  # served while we map and exchange
             elif files.nameless:
                 fds.extend(fetch_fds(files.socket, len(files.lengths), files.timeout_s,
-                                     offered=True))
+                                     offered=True, leader_pid=sync.topology.leader_pid()))
                 check_sizes(fds, files.lengths, files.socket)
             elif not leader:
                 fds.extend(open_segment(p, n) for p, n in zip(self._paths, files.lengths,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Nameless shared memory: sealed ``memfd`` files and their hand-off to a node's peers.
 
 A file that has no name cannot outlive the processes holding it: whatever kills the job -- an
@@ -8,10 +9,23 @@ also not bounded by the size of the ``/dev/shm`` mount (containers mount 64 MiB 
 
 Peers cannot open a nameless file, so the node leader hands its descriptors over a Unix domain
 socket (``SCM_RIGHTS``).  The socket lives in the abstract namespace (no file is created, nothing
-to clean up) under a name derived from the tier's random id; the leader accepts only peers that
-run as its own user (``SO_PEERCRED``).  Every wait is bounded by a deadline, so a leader that died
-makes its peers fail with a clear error instead of hanging, and a peer that died makes the leader
-fail likewise.
+to clean up) under a name derived from the tier's random id.  Every wait is bounded by a
+deadline, so a leader that died makes its peers fail with a clear error instead of hanging, and a
+peer that died makes the leader fail likewise.
+
+Trust: an abstract name is no secret (``/proc/net/unix`` lists it) and any local user may bind or
+connect to it, so both ends check the other's credentials (``SO_PEERCRED``, set by the kernel):
+
+* the leader serves only peers that run as its own user; a stranger's connection is dropped
+  unserved and does not count as a peer;
+* a peer accepts descriptors only from a server of its own user -- and, where the caller knows
+  the leader's pid, from that very process -- so a squatter that bound the name first is refused
+  with an error naming its uid and pid;
+* `check_sizes` checks what arrived: sealed memfds (``F_SEAL_SHRINK``, ``F_SEAL_SEAL``) of this
+  user, of the plan's sizes.
+
+The boundary that remains is torch.distributed's: the tier id and the leader's pid come from the
+rendezvous store, which anyone who can reach it can write.
 """
 
 from __future__ import annotations
@@ -21,6 +35,7 @@ import fcntl
 import mmap
 import os
 import socket
+import stat
 import struct
 import threading
 import time
@@ -33,6 +48,7 @@ _HEADER = struct.Struct("!II")  # magic, descriptor count
 _MAGIC = 0x0FF10AD0
 _RETRY_S = 0.002
 _POLL_S = 0.05
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL  # what `create_memfd` adds
 
 
 def create_memfd(name: str, length: int) -> int:
@@ -41,7 +57,7 @@ def create_memfd(name: str, length: int) -> int:
     fd = os.memfd_create(f"offload-{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, length)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
     except BaseException:
         os.close(fd)
         raise
@@ -76,8 +92,28 @@ def memfd_mapping(name: str, nbytes: int, threads: int = 8) -> Mapping:
 
 
 def check_sizes(fds: Sequence[int], lengths: Sequence[int], name: str) -> None:
-    """A peer's check that the descriptors it received are the plan's segments (a shorter file
-    would SIGBUS on first touch of its missing tail)."""
+    """A peer's check that the descriptors it received are the plan's segments: memfds of this
+    user, sealed against shrinking (a shorter file would SIGBUS on first touch of its missing
+    tail, and a holder could shrink an unsealed one at any time), of the plan's sizes.
+
+    Raises:
+        PeerError: naming the first check that failed.
+    """
+    for i, fd in enumerate(fds):
+        st = os.fstat(fd)
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:  # EINVAL: not a memfd (a file, a socket, a pipe)
+            seals = None
+        why = ("is not a regular file" if not stat.S_ISREG(st.st_mode) else
+               f"is owned by uid {st.st_uid}, not this user (uid {os.geteuid()})"
+               if st.st_uid != os.geteuid() else
+               "is not a memfd" if seals is None else
+               f"is not sealed against shrinking (seals {seals:#x})"
+               if seals & _SEALS != _SEALS else None)
+        if why is not None:
+            raise PeerError(f"hand-off {name!r} delivered a file that {why} as segment {i}; "
+                            "only the node leader's sealed memfds are accepted")
     sizes = [os.fstat(fd).st_size for fd in fds]
     if sizes != list(lengths):
         raise PeerError(f"hand-off {name!r} delivered files of {sizes} B; the plan expects "
@@ -133,8 +169,8 @@ class FdOffer:
             except TimeoutError:
                 continue
             with conn:
-                uid = _peer_uid(conn)
-                if uid != os.geteuid():  # a stranger found the name: ignore it
+                _pid, uid, _gid = peer_credentials(conn)
+                if uid != os.geteuid():  # a stranger found the name: serve it nothing
                     continue
                 conn.settimeout(max(0.0, deadline - time.monotonic()))
                 socket.send_fds(conn, [_HEADER.pack(_MAGIC, len(fds))], list(fds))
@@ -174,11 +210,22 @@ class FdOffer:
         self.close()
 
 
-def fetch_fds(name: str, count: int, timeout_s: float, offered: bool = False) -> list[int]:
+def fetch_fds(name: str, count: int, timeout_s: float, offered: bool = False,
+              leader_pid: int | None = None) -> list[int]:
     """A peer's side: connect to the leader's offer ``name`` and receive exactly ``count``
     descriptors, close-on-exec.  Connecting retries until the offer exists, unless ``offered``
     says the leader bound it already: then a refused connection means the leader closed it
-    (it failed or died) and waiting longer cannot help."""
+    (it failed or died) and waiting longer cannot help.
+
+    The server must run as this user, and be process ``leader_pid`` where given (the caller
+    learnt it through the store; give it only where leader and peer share a pid namespace, as
+    the kernel reports the pid as seen from the peer's); nothing is received from any other.
+    The caller checks the descriptors (`check_sizes`).
+
+    Raises:
+        PeerError: no offer within ``timeout_s``, the leader failed, or the server is not the
+            leader (another user's process, or another process than ``leader_pid``).
+    """
     deadline = time.monotonic() + timeout_s
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         while True:
@@ -194,6 +241,7 @@ def fetch_fds(name: str, count: int, timeout_s: float, offered: bool = False) ->
                                     f"{name!r} within {timeout_s:g} s; check the leader's "
                                     "error") from None
                 time.sleep(_RETRY_S)
+        check_server(sock, name, leader_pid)
         sock.settimeout(max(0.001, deadline - time.monotonic()))
         try:
             data, fds, _, _ = socket.recv_fds(sock, _HEADER.size, max(1, count),
@@ -211,7 +259,27 @@ def fetch_fds(name: str, count: int, timeout_s: float, offered: bool = False) ->
     return fds
 
 
-def _peer_uid(conn: socket.socket) -> int:
+def check_server(sock: socket.socket, name: str, leader_pid: int | None = None) -> None:
+    """A peer's check of the process serving the hand-off ``name`` on connected ``sock``:
+    this user's, and process ``leader_pid`` where given.
+
+    Raises:
+        PeerError: naming the server's uid and pid.
+    """
+    pid, uid, _gid = peer_credentials(sock)
+    if uid != os.geteuid():
+        raise PeerError(f"hand-off {name!r} is served by uid {uid} (pid {pid}), not by this "
+                        f"user (uid {os.geteuid()}): another local user's process holds the "
+                        "name; refusing its descriptors (find that process; a rerun gets a new "
+                        "name)")
+    if leader_pid is not None and pid != leader_pid:
+        raise PeerError(f"hand-off {name!r} is served by pid {pid}, not by the node leader "
+                        f"(pid {leader_pid}); refusing its descriptors")
+
+
+def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a connected Unix socket, as the kernel
+    recorded them (at ``connect`` for a client, at ``listen`` for a server)."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid
+    pid, uid, gid = struct.unpack("3i", creds)
+    return pid, uid, gid

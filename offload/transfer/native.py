@@ -1,42 +1,31 @@
+# SPDX-License-Identifier: Apache-2.0
 """A kernel job's whole issue in one native call: ordering, index upload and launch.
 
-On the lent H200 VMs a 1-block job's `submit` spent ~60 µs in the engine's Python (docs/
-BENCHMARKS.md, session 6): the kernel launch 44 µs of which ``cuLaunchKernel`` itself 19, two event
-calls and a stream wait 3 µs each, the rest converting ctypes arguments and setting parameter
-cells between five driver calls.  ``issue.c`` makes those calls from C — record the ordering
-event on the caller's stream, make the copy stream wait for it, upload the staged indices, set
-the two sizes in the kernel's parameter block, ``cuLaunchKernel`` — after one ctypes call over a
-context built once per kernel (`IssueContext`).
+A small job's `submit` spent most of its time in the engine's Python, converting ctypes
+arguments and setting parameter cells between five driver calls (docs/BENCHMARKS.md has the
+figures).  ``issue.c`` makes those calls from C -- record the ordering event on the caller's
+stream, make the copy stream wait for it, upload the staged indices, set the two sizes in the
+kernel's parameter block, ``cuLaunchKernel`` -- after one ctypes call over a context built once
+per kernel (`IssueContext`).
 
-The C file is compiled on first use with the host's C compiler into a cache directory (the way
-Triton builds its own launchers, so a host that runs the Triton backend has one), loaded with
-ctypes, and needs no CUDA headers: the driver's entry points are handed over as function
-pointers, which also lets the tests drive it with stand-ins on hosts without CUDA.  Where no
-compiler works, or ``OFFLOAD_NATIVE=0``, `library` returns None and the kernel keeps its Python
-launch path.
+The C file is compiled on first use with the host's C compiler into the build cache (the way
+Triton builds its own launchers, so a host that runs the Triton backend has one;
+`offload.transfer.build_cache` says what it trusts), loaded with ctypes, and needs no CUDA
+headers: the driver's entry points are handed over as function pointers, which also lets the
+tests drive it with stand-ins on hosts without CUDA.  Where no compiler works, or
+``OFFLOAD_NATIVE=0``, `library` returns None and the kernel keeps its Python launch path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shlex
-import shutil
-import subprocess
-import tempfile
-from collections.abc import Sequence
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 from offload.cuda_driver import check, libcuda
+from offload.transfer.build_cache import SOURCES, load
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("issue.c")
+SOURCE = SOURCES["issue"]
 STEPS = ("", "size check", "cuEventRecord", "cuStreamWaitEvent", "cuMemcpyHtoDAsync_v2",
          "cuLaunchKernel")  # issue.c's failed_step, by value
 DRIVER_ENTRY_POINTS = ("cuEventRecord", "cuStreamWaitEvent", "cuMemcpyHtoDAsync_v2",
@@ -56,71 +45,10 @@ class IssueContext(ctypes.Structure):
                 ("device_index", ctypes.c_uint64), ("failed_step", ctypes.c_int32)]
 
 
-def cache_dir() -> Path:
-    """``OFFLOAD_CACHE_DIR``, else ``$XDG_CACHE_HOME/offload``, else ``~/.cache/offload``."""
-    if os.environ.get("OFFLOAD_CACHE_DIR"):
-        return Path(os.environ["OFFLOAD_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "offload"
-
-
-def compiler() -> str | None:
-    """``$CC`` (a command line: ``ccache gcc`` works), else ``cc`` or ``gcc`` on the PATH."""
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def build(source: Path, directory: Path, cc: str, flags: Sequence[str] = ()) -> Path:
-    """Compile ``source`` into a shared library in ``directory``, named by a hash of the source,
-    the compiler, its extra ``flags`` and the machine type (a cache directory on a shared home
-    may serve hosts of several architectures and Pythons), unless it is already there.  Ranks
-    may build at once: each writes its own temporary file and renames it into place (atomic;
-    the last one wins, all identical)."""
-    text = source.read_bytes()
-    key = hashlib.sha256(b"\0".join([text, cc.encode(), platform.machine().encode(),
-                                      *(flag.encode() for flag in flags)])).hexdigest()[:16]
-    target = directory / f"{source.stem}-{key}.so"
-    if target.exists():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=directory)
-    os.close(fd)
-    try:
-        command = [*shlex.split(cc), "-O2", "-std=c11", "-shared", "-fPIC", "-o", partial,
-                   *flags, str(source)]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-        if result.returncode != 0:
-            raise RuntimeError(f"{cc} failed on {source.name}: {result.stderr.strip()[:400]}")
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-    return target
-
-
-def load(source: Path, what: str, flags: Sequence[str] = (), loader: type[ctypes.CDLL] = ctypes.CDLL
-         ) -> ctypes.CDLL | None:
-    """``source`` compiled (once per host, source and flags) and loaded with ``loader``, or None
-    where it cannot be built or ``OFFLOAD_NATIVE=0``; the reason is logged, naming ``what``
-    keeps its Python path."""
-    if os.environ.get("OFFLOAD_NATIVE", "1") == "0":
-        return None
-    cc = compiler()
-    if cc is None:
-        log.info("no C compiler (cc, gcc or $CC): %s keep the Python path", what)
-        return None
-    try:
-        return loader(str(build(source, cache_dir(), cc, flags)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("could not build %s (%s); %s keep the Python path (set OFFLOAD_CACHE_DIR "
-                    "to a writable directory, or OFFLOAD_NATIVE=0 to skip the build)",
-                    source.name, exc, what)
-        return None
-
-
 @cache
 def library() -> ctypes.CDLL | None:
     """The compiled ``issue.c``, or None (`load`)."""
-    lib = load(SOURCE, "kernel jobs' launches")
+    lib = load(SOURCE, "kernel jobs' launches", "offload_issue")
     if lib is not None:
         lib.offload_issue.argtypes = [ctypes.POINTER(IssueContext), ctypes.c_int32,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64,
