@@ -24,6 +24,7 @@ import torch
 
 from launch import synthetic
 from offload.actor import CopyJob, RankActor
+from offload.errors import JobFailed
 from offload.manager import ChunkManager
 from offload.tier import HostTier
 from offload.transfer.base import Direction
@@ -184,7 +185,11 @@ def _load(tier: HostTier, manager: ChunkManager, keys: list[Key], stats: RoundSt
     began = time.perf_counter()
     try:
         tier.run(copy)
-    except BaseException:  # a late rank may still read them: holds kept
+    except JobFailed as exc:  # a late rank may still read them: holds kept
+        manager.complete_load(load.job_id, fence=tier.submitted,
+                              damaged=keys if exc.damaged else ())
+        raise
+    except BaseException:
         manager.complete_load(load.job_id, fence=tier.submitted)
         raise
     manager.complete_load(load.job_id)

@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script by torchrun: make the repo importable
@@ -35,7 +36,7 @@ from offload.config import FS_BYTES_FACTOR, LAYOUTS, TierConfig
 from offload.errors import OffloadError
 from offload.log import setup_logging
 from offload.quorum import default_store
-from offload.report import count_shm_files, render_table, write_json
+from offload.report import count_shm_files, integrity_block, render_table, write_json
 from offload.rpc import Aborted
 from offload.sizes import parse_size
 from offload.tier import HostTier
@@ -82,11 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="enable the file tier under DIR (an existing, writable directory on a "
                         "local disk): chunks evicted from host memory are spilled there and "
                         "read back on a disk hit; each rank keeps its files in "
-                        "DIR/fp-<geometry fingerprint>/, so a restart with the same geometry "
-                        "finds them")
+                        "DIR/fp-<geometry fingerprint>/ (one per DP replica), so a restart "
+                        "with the same geometry finds them")
     p.add_argument("--fs-bytes", default=None, metavar="SIZE",
                    help="file tier budget per node (needs --fs-tier; unset: "
                         f"{FS_BYTES_FACTOR} x --cpu-bytes)")
+    p.add_argument("--fs-io-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="deadline of one file-tier read or write; past it the chunk is a miss "
+                        "and the job goes on (default: 5)")
     p.add_argument("--report-json", default=None, metavar="PATH",
                    help="rank 0 writes the JSON report there")
     p.add_argument("--timeline", default=None, metavar="PATH",
@@ -109,6 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target size of one shm file; regions of 2 x this and more are split")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds any rank waits for a peer before failing the job")
+    p.add_argument("--no-integrity", dest="integrity", action="store_false",
+                   help="do not checksum pages on store nor check them on load")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve live Prometheus metrics (offload_*) at /metrics on PORT + each "
+                        "rank's local rank (needs offload[metrics]); default off")
+    p.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
+                   help="address the metrics servers listen on (0.0.0.0 for a remote "
+                        "Prometheus)")
     return p
 
 
@@ -150,7 +162,8 @@ def config_from_args(args: argparse.Namespace, world: int) -> TierConfig:
         blocks_per_chunk=args.blocks_per_chunk, tp=tp, pp=args.pp, shm_dir=args.shm_dir,
         segment_threshold=2 * segment, min_segment_bytes=segment,
         prefault_threads=args.prefault_threads, timeout_s=args.timeout, fs_dir=args.fs_tier,
-        private_memory=args.private_memory,
+        private_memory=args.private_memory, fs_io_timeout_s=args.fs_io_timeout,
+        integrity=args.integrity, metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
         fs_bytes=None if args.fs_bytes is None else parse_size(args.fs_bytes, "--fs-bytes"))
 
 
@@ -247,6 +260,8 @@ def drive(tier: HostTier, args: argparse.Namespace, dp_rank: int) -> dict[str, A
     if args.audit:
         replica["audit"] = {key: sum(r["audit"][key] for r in ranks)
                             for key in ("checked_blocks", "mismatched_blocks")}
+    replica["integrity"] = integrity_block(all(r["integrity"]["enabled"] for r in ranks),
+                                           sum(r["integrity"]["mismatches"] for r in ranks))
     return replica
 
 
@@ -265,11 +280,34 @@ def shm_files_left(tier: HostTier, shm_dir: str) -> int:
     return sum(per_host.values())
 
 
+def check_before_start(args: argparse.Namespace) -> None:
+    """The flags used before the process group exists (``--timeout`` is the group's own
+    timeout, and torch's store turns a bad one into a C++ traceback on every rank).
+
+    Raises:
+        OffloadError: naming the flag and the fix.
+    """
+    if not 0 < args.timeout < float("inf"):  # NaN fails both comparisons
+        raise OffloadError(f"--timeout {args.timeout:g} must be a positive number of seconds; "
+                           "give the seconds a rank may wait for a peer, e.g. --timeout 300")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        check_before_start(args)
+    except OffloadError as exc:
+        # NOTE: every rank has the same flags and there is no store yet to agree who prints:
+        # rank 0 prints the one line, the others wait a while before exiting, so torchrun does
+        # not stop rank 0 for a worker's failure before it printed.
+        if rank == 0:
+            print(f"offload: error: {exc}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(_WORKER_GRACE_S)
+        return 1
     setup_logging()
     cleanup.install_signal_handlers()
-    rank = int(os.environ.get("RANK", "0"))
     try:
         if not dist.is_initialized():
             _init_group(args.timeout)
@@ -306,6 +344,7 @@ def report_error(exc: OffloadError, rank: int, grace_s: float = 5.0) -> None:
 
 
 _ERROR_KEY = "main-job/error-reported"
+_WORKER_GRACE_S = 5.0  # how long a worker lets rank 0 print a settings error
 
 
 def _init_group(timeout_s: float) -> None:

@@ -18,6 +18,8 @@ _EXPORTS = {
     "ChunkManager": "offload.manager",
     "OffloadError": "offload.errors",
     "PeerError": "offload.errors",
+    "JobFailed": "offload.errors",
+    "TransferResult": "offload.tier",
     "parse_size": "offload.sizes",
 }
 

@@ -137,9 +137,7 @@ class RankActor:
                               for t in kv]
                 row = torch.empty(layout.region_bytes(1), dtype=torch.uint8, pin_memory=True)
                 engine = make_engine(scratch_kv, row, None, layout, 1, True, "triton")
-                zero = torch.zeros(1, dtype=torch.int64)
-                engine.submit(0, "store", zero, zero, zero)
-                engine.submit(1, "load", zero, zero, zero)
+                engine.compile_all()  # type: ignore[attr-defined]
                 engine.close()
         except Exception as exc:  # the first real job then compiles it
             log.warning("rank %d could not pre-compile the copy kernel: %s",
@@ -294,6 +292,8 @@ class RankActor:
             "pinned": region.pinned,
             "engine": self.engine.name if self.engine else None,
             "audit": self.auditor.to_json() if self.auditor else None,
+            "integrity": {"enabled": bool(getattr(self.engine, "integrity", False)),
+                          "mismatches": int(getattr(self.engine, "mismatches", 0))},
             "timings_s": timings,
         }
 
@@ -306,8 +306,15 @@ class RankActor:
                 self.engine.close()
                 self.engine = None
             if self.files is not None:  # its I/O reads and writes the region's rows
-                self.files.close()
-                self.files = None
+                files, self.files = self.files, None
+                if not files.close() and self.region is not None:
+                    # NOTE: a stalled read still writes into its row when it returns, so the
+                    # region is closed only after it did (or with the process).
+                    region, self.region = self.region, None
+                    log.warning("rank %d: file-tier I/O still stalled at close; the region is "
+                                "released once it returns", self.topology.rank)
+                    threading.Thread(target=_close_after_io, args=(files, region),
+                                     name="offload-region-closer", daemon=True).start()
             if self.region is not None:
                 self.region.close()
 
@@ -328,3 +335,8 @@ class RankActor:
         if self.engine is None:
             raise RuntimeError("this rank has no transfer engine yet")
         return self.engine
+
+
+def _close_after_io(files: RankFiles, region: HostRegion) -> None:
+    files.wait_idle()
+    region.close()

@@ -61,9 +61,27 @@ class TierConfig:
     timeout_s: float = 300.0
     fs_dir: str | None = None
     fs_bytes: int | None = None
+    fs_io_timeout_s: float = 5.0
+    """Deadline of one file-tier read or write, in seconds (``--fs-io-timeout``): past it the
+    key is a miss and serving goes on; a host row that a late read may still fill stays out of
+    use until the read returns."""
     private_memory: str = "anonymous"
+    integrity: bool = True
+    """Checksum every page as it is copied (mixed with its tier, tensor, chunk and position),
+    keep the sums in a trailer of each slot and check them on every load: a mismatch fails the
+    job (DESIGN.md section 6, "Trust").  False (``--no-integrity``) leaves the trailer out."""
+
+    metrics_port: int | None = None
+    """Serve live Prometheus metrics (``offload_*``, `offload.metrics`) on this port plus the
+    rank's local rank (``--metrics-port``); needs ``offload[metrics]``.  None: not served."""
+    metrics_addr: str = "127.0.0.1"
+    """The address the metrics servers listen on (``--metrics-addr``): this host only by
+    default; ``0.0.0.0`` lets a remote Prometheus scrape them (docs/SECURITY.md)."""
 
     def __post_init__(self) -> None:
+        if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
+            raise OffloadError(f"{_describe('metrics_port')} = {self.metrics_port} is not a TCP "
+                               "port; give one from 1 to 65535 (each rank adds its local rank)")
         if self.layout not in LAYOUTS:
             raise OffloadError(
                 f"unknown layout {self.layout!r}; choose one of {', '.join(LAYOUTS)}"
@@ -99,6 +117,10 @@ class TierConfig:
             if self.fs_bytes < 1:
                 raise OffloadError(f"{_describe('fs_bytes')} = {self.fs_bytes} is below its "
                                    "minimum 1; give a size such as 1GiB")
+        if not self.fs_io_timeout_s > 0:
+            raise OffloadError(f"{_describe('fs_io_timeout_s')} = {self.fs_io_timeout_s} must "
+                               "be positive; give the seconds one file-tier read or write may "
+                               "take, such as 5")
         if self.fs_dir is not None:
             from offload.tiers.tier_dir import check_fs_dir
 
@@ -120,7 +142,9 @@ _FLAGS = {"cpu_bytes_per_node": "--cpu-bytes", "blocks_per_chunk": "--blocks-per
           "tp": "--tp", "pp": "--pp", "prefault_threads": "--prefault-threads",
           "min_segment_bytes": "--segment-bytes", "segment_threshold": "--segment-bytes",
           "timeout_s": "--timeout", "fs_dir": "--fs-tier", "fs_bytes": "--fs-bytes",
-          "private_memory": "--private-memory"}
+          "fs_io_timeout_s": "--fs-io-timeout",
+          "private_memory": "--private-memory", "integrity": "--no-integrity",
+          "metrics_port": "--metrics-port", "metrics_addr": "--metrics-addr"}
 
 
 def _describe(name: str) -> str:

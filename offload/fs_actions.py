@@ -21,12 +21,17 @@ if TYPE_CHECKING:
 
 def open_files(actor: RankActor) -> None:
     """Open this rank's file tier over its region (after the region exists)."""
-    config, plan = actor.config, actor._installed()
+    config, plan, topology = actor.config, actor._installed(), actor.topology
     assert config.fs_dir is not None
-    extra = {"tp": actor.topology.tp, "pp": actor.topology.pp,
-             "dtypes": [str(t.dtype) for t in actor.kv_tensors]}
-    actor.files = RankFiles.open(plan, actor.topology, config.fs_dir, config.fs_bytes_per_node,
-                                 actor._region().address, extra)
+    extra: dict[str, object] = {"tp": topology.tp, "pp": topology.pp,
+                                "dtypes": [str(t.dtype) for t in actor.kv_tensors]}
+    if topology.group is not None:
+        # NOTE: tiers of one node on different groups (DP replicas) have equal geometry; the
+        # world rank of the group's first rank tells them apart (and is the same at restart).
+        extra["group_first_rank"] = topology.global_rank(0)
+    actor.files = RankFiles.open(plan, topology, config.fs_dir, config.fs_bytes_per_node,
+                                 actor._region().address, extra,
+                                 io_timeout_s=config.fs_io_timeout_s)
 
 
 def stored_names(actor: RankActor) -> frozenset[str] | None:
@@ -41,10 +46,18 @@ def keep_only(actor: RankActor, names: Collection[str]) -> list[bytes]:
 
 
 def promote(actor: RankActor, spills: Sequence[WorkItem], reads: Sequence[WorkItem]
-            ) -> list[bool]:
-    """A promotion (`RankFiles.promote`): per read, True when this rank's bytes are
-    verified."""
-    return _files(actor).promote(reads, spills)
+            ) -> tuple[list[bool], list[int]]:
+    """A promotion (`RankFiles.promote`).  Returns, per read, True when this rank's bytes are
+    verified, and the chunks whose rows a read that passed its deadline may still fill
+    (`RankFiles.busy_rows`: the chunk manager keeps them quarantined)."""
+    files = _files(actor)
+    verified = files.promote(reads, spills)
+    return verified, files.busy_rows()
+
+
+def busy_rows(results: Sequence[tuple[list[bool], list[int]]]) -> list[int]:
+    """The union of every rank's busy rows in ``promote`` results."""
+    return sorted({chunk for _, busy in results for chunk in busy})
 
 
 def discard(actor: RankActor, keys: Sequence[Hashable]) -> None:

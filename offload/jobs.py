@@ -127,9 +127,13 @@ class JobBook:
         return next(iter(self._kept.values()), None)
 
     def live_seqs(self, job_ids: Iterable[int]) -> list[int]:
-        """Sequence numbers of the live jobs with these ids, in order."""
+        """Sequence numbers of the newest live job of each of these ids, in order.  Only the
+        newest: an id is live twice only on a rank that refused its reuse before it learned
+        the decision on the older job, and that older job must still come back through
+        `finished` there, as it did on the other ranks."""
         wanted = set(job_ids)
-        return [seq for seq, e in self._kept.items() if e.job_id in wanted]
+        newest = {e.job_id: seq for seq, e in self._kept.items() if e.job_id in wanted}
+        return sorted(newest.values())
 
     def is_live(self, job_id: int) -> bool:
         return self._live_ids[job_id] > 0

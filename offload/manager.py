@@ -28,7 +28,10 @@ in host memory, on disk, or both.
 * a key on disk only is *promoted* before it is loaded (`prepare_promote`): it gets a host
   chunk as a store would, every rank reads its file into its slot of the row, and the key
   becomes readable in host memory (and stays on disk) when every rank verified its bytes
-  (`complete_promote`); a key whose read failed anywhere is dropped from both tiers;
+  (`complete_promote`); a key whose read failed anywhere is dropped from both tiers, and its
+  chunk is quarantined while some rank's read of it may still be running (a read past its
+  deadline still writes into the row when it returns): the caller reports those rows
+  (``busy``) with every promotion, and a row comes back once no report lists it;
 * stores skip keys that are on disk (they are cached).
 
 The disk side is a replay (`DiskIndex`) of the calls every writer's `FileTier` receives, in
@@ -139,6 +142,7 @@ class ChunkManager:
         # the writers' file tiers, replayed (None: no file tier)
         self._disk = DiskIndex(disk_capacity) if disk_capacity else None
         self._promote_jobs: dict[int, PromoteJob] = {}
+        self._io_busy: set[int] = set()  # failed promotions' chunks a read may still fill
         self._spilled = self._promoted = 0
         self._chunk_count = chunk_count
         self._free = list(range(chunk_count))  # a heap: lowest free id first, deterministic
@@ -151,7 +155,9 @@ class ChunkManager:
         self._job_ids = itertools.count()
         self._evictions = 0
         # failed jobs' chunks (stores) and holds (loads) by fence, until `drained` passes it
-        self._quarantine: list[tuple[int, list[int], list[ChunkKey]]] = []
+        self._quarantine: list[tuple[int, list[int], Pairs]] = []
+        # chunks whose bytes a load found damaged: their key is gone; chunk -> holds left
+        self._condemned: dict[int, int] = {}
 
     @property
     def chunk_count(self) -> int:
@@ -200,16 +206,34 @@ class ChunkManager:
         self._promote_jobs[job.job_id] = job
         return job
 
-    def complete_promote(self, job_id: int, failed: Collection[ChunkKey]) -> None:
+    def complete_promote(self, job_id: int, failed: Collection[ChunkKey],
+                         busy: Collection[int] = ()) -> None:
         """Finish a promotion: its keys become readable in host memory (most recently used)
         and stay on disk, except the ``failed`` ones (some rank could not read verified bytes):
-        those are freed and forgotten on disk too (the caller discards them on every rank)."""
+        those are forgotten on disk too (the caller discards them on every rank) and their
+        chunks freed, or quarantined when listed in ``busy``.
+
+        Args:
+            job_id: the `PromoteJob`'s id.
+            failed: keys of the job some rank could not read back.
+            busy: every chunk whose row some rank's file read may still write into, as the
+                ranks report it now (`RankFiles.busy_rows`, all ranks' union; pass all the
+                job's chunks when a rank failed without reporting).  Chunks quarantined by an
+                earlier promotion and no longer listed are freed.
+        """
         job = self._pop_job(self._promote_jobs, job_id, "promote")
+        busy = set(busy)
+        for chunk in sorted(self._io_busy - busy):  # every rank's read of it has returned
+            self._io_busy.discard(chunk)
+            heapq.heappush(self._free, chunk)
         for key, chunk in job.chunks:
             self._storing.discard(key)
             if key in failed:
                 del self._chunk_of[key]
-                heapq.heappush(self._free, chunk)
+                if chunk in busy:
+                    self._io_busy.add(chunk)
+                else:
+                    heapq.heappush(self._free, chunk)
                 if self._disk is not None:
                     self._disk.discard(key)
             else:
@@ -269,7 +293,7 @@ class ChunkManager:
             for chunk in failed:
                 heapq.heappush(self._free, chunk)
         elif failed:
-            self._quarantine.append((fence, failed, []))
+            self._quarantine.append((fence, failed, ()))
 
     def prepare_load(self, keys: Sequence[ChunkKey]) -> LoadJob:
         """Hold the chunks of ``keys`` (one hold per occurrence) until `complete_load`.
@@ -290,14 +314,33 @@ class ChunkManager:
         self._load_jobs[job.job_id] = job
         return job
 
-    def complete_load(self, job_id: int, fence: int | None = None) -> None:
+    def complete_load(self, job_id: int, fence: int | None = None,
+                      damaged: Collection[ChunkKey] = ()) -> None:
         """Release a load's holds; a chunk without holds becomes the most recently used.  With
-        a ``fence`` (the load failed) the holds stay until `drained` passes it."""
+        a ``fence`` (the load failed) the holds stay until `drained` passes it.
+
+        ``damaged`` keys (the load found their host bytes did not match their checksums) are
+        dropped at once: no lookup finds them and a later store of the key takes a new chunk;
+        their chunk is reused once no load holds it any more (and past the fence)."""
         job = self._pop_job(self._load_jobs, job_id, "load")
+        for key in dict.fromkeys(damaged):
+            self._condemn(key)
         if fence is not None:
-            self._quarantine.append((fence, [], [key for key, _ in job.chunks]))
+            self._quarantine.append((fence, [], job.chunks))
             return
-        self._release_holds([key for key, _ in job.chunks])
+        self._release_holds(job.chunks)
+
+    def _condemn(self, key: ChunkKey) -> None:
+        """Forget ``key``'s host copy: its chunk waits for its holds, then is free."""
+        if not self._readable(key):
+            return
+        chunk = self._chunk_of.pop(key)
+        self._evictable.pop(key, None)
+        holds = self._holds.pop(key, 0)
+        if holds:
+            self._condemned[chunk] = holds
+        else:
+            heapq.heappush(self._free, chunk)
 
     def drained(self, through: int) -> int:
         """Every rank has completed every job below ``through``: end the quarantines whose
@@ -315,8 +358,16 @@ class ChunkManager:
         self._quarantine = keep
         return released
 
-    def _release_holds(self, keys: Sequence[ChunkKey]) -> None:
-        for key in keys:
+    def _release_holds(self, pairs: Pairs) -> None:
+        """Release one hold per (key, chunk) pair; holds are counted by key, except on a
+        condemned chunk, whose key may already name another chunk."""
+        for key, chunk in pairs:
+            if chunk in self._condemned:
+                self._condemned[chunk] -= 1
+                if not self._condemned[chunk]:
+                    del self._condemned[chunk]
+                    heapq.heappush(self._free, chunk)
+                continue
             remaining = self._holds[key] - 1
             if remaining:
                 self._holds[key] = remaining
@@ -335,7 +386,9 @@ class ChunkManager:
     def stats(self) -> ManagerStats:
         storing = len(self._storing)
         readable = len(self._chunk_of) - storing
-        quarantined = sum(len(chunks) for _, chunks, _ in self._quarantine)
+        quarantined = (sum(len(chunks) for _, chunks, _ in self._quarantine)
+                       + len(self._condemned)
+                       + len(self._io_busy))
         return ManagerStats(self._chunk_count, len(self._free), storing, readable,
                             len(self._holds), self._evictions, quarantined,
                             len(self._disk) if self._disk is not None else 0, self._spilled,

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from offload.errors import OffloadError
+from offload.errors import OffloadError, is_damage
 
 if TYPE_CHECKING:
     from offload.tier import HostTier
@@ -36,6 +36,7 @@ DIRECTIONS = ("store", "load")
 OUTCOMES = ("ok", "failed", "not_ready", "integrity")
 # submit -> decided, seconds: from a small job decided within one poll to a large load behind
 # a busy link
+MAX_PORT = 65535
 LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
                    1.0, 2.5, 5.0, 10.0)
 
@@ -46,7 +47,7 @@ def outcome_of(success: bool, error: str | None) -> str:
     if success:
         return "ok"
     reason = error or ""
-    if reason.startswith("integrity"):
+    if is_damage(reason):
         return "integrity"
     if reason.startswith("not ready"):
         return "not_ready"
@@ -215,10 +216,13 @@ def serve_metrics(topology: Topology, port: int | None, addr: str, registry: Any
     if port is not None:
         own = port + topology.local_rank
         try:
+            if own > MAX_PORT:
+                raise OverflowError(f"port {own} is past {MAX_PORT}")
             server, _ = client.start_http_server(own, addr=addr, registry=registry)
-        except OSError as exc:
+        except (OSError, OverflowError) as exc:
             registry.unregister(collector)
-            raise OffloadError(f"cannot serve metrics on {addr}:{own} ({exc.strerror}); pick "
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise OffloadError(f"cannot serve metrics on {addr}:{own} ({reason}); pick "
                                "another metrics_port (--metrics-port; each rank uses port + its "
                                "local rank)") from None
         url = f"http://{addr}:{own}/metrics"

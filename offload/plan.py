@@ -12,7 +12,10 @@ Every rank describes itself (`RankDescriptor`); rank 0 checks that they agree an
 
 Within a slot the tensors are laid out tensor-major: tensor ``t`` holds its ``blocks_per_chunk``
 pages back to back starting at ``tensor_offsets[t]``, so a per-tensor, per-chunk view is a plain
-``[blocks_per_chunk, page_bytes[t]]`` array.
+``[blocks_per_chunk, page_bytes[t]]`` array.  With ``TierConfig.integrity`` the pages are followed,
+at ``trailer_offset`` (8-byte aligned), by the slot's page checksums (`offload.integrity`): a slot
+is ``round_up(trailer_offset + trailer_bytes, page_size)`` bytes, and the sums travel wherever
+the slot's bytes go (a replicated stage's shared slot, the file tier's whole-slot files).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import asdict, dataclass
 
 from offload.config import TierConfig
 from offload.errors import OffloadError
+from offload.integrity import WORD, trailer_bytes
 from offload.sizes import format_size, round_up
 
 
@@ -56,6 +60,10 @@ class RankSlot:
     slot_bytes: int
     page_bytes: tuple[int, ...]
     tensor_offsets: tuple[int, ...]
+    trailer_offset: int | None = None
+    """Where the slot's checksum trailer starts in the slot; None with integrity off."""
+    integrity_seed: int = 0
+    """The tier seed mixed into every checksum of this slot (`integrity_seed`)."""
 
 
 @dataclass(frozen=True)
@@ -178,14 +186,20 @@ def compute_plan(descriptors: Sequence[RankDescriptor]) -> Plan:
         index = {d.rank: slot_index(d, config.layout, tp, stages) for d in members}
         if config.layout == "shared":
             _check_unique_slots(node_id, index)
-        sizes = {d.rank: round_up(bpc * d.payload, page) for d in members}
+        trailers = {d.rank: round_up(bpc * d.payload, WORD) if config.integrity else None
+                    for d in members}
+        sizes = {d.rank: round_up(_slot_end(d, bpc, trailers[d.rank]), page) for d in members}
         offsets, row_bytes[node_id] = _place(config.layout, members, index, sizes)
         for d in members:
             tensor_offsets = tuple(
                 bpc * sum(d.page_bytes[:t]) for t in range(len(d.page_bytes))
             )
+            owner = min(m.rank for m in members if index[m.rank] == index[d.rank])
+            seed = integrity_seed(config.layout, d.rank if config.layout == "private" else owner,
+                                  bpc, d.page_bytes)
             slots.append(RankSlot(d.rank, node_id, index[d.rank], offsets[d.rank],
-                                  sizes[d.rank], d.page_bytes, tensor_offsets))
+                                  sizes[d.rank], d.page_bytes, tensor_offsets,
+                                  trailers[d.rank], seed))
 
     budget = config.cpu_bytes_per_node
     chunk_count = min(budget // row for row in row_bytes.values())
@@ -199,6 +213,23 @@ def compute_plan(descriptors: Sequence[RankDescriptor]) -> Plan:
     slots.sort(key=lambda s: s.rank)
     return Plan(config.layout, chunk_count, bpc, budget, page, tuple(slots),
                 tuple(sorted(row_bytes.items())))
+
+
+def integrity_seed(layout: str, owner: int, blocks_per_chunk: int,
+                   page_bytes: Sequence[int]) -> int:
+    """The tier seed of a slot's checksums: a hash of the layout, the slot's owner (the rank;
+    in the shared and replicated layouts the lowest rank on its node with that slot, so a
+    replicated stage's ranks share it) and the slot's geometry.  A restart with the same
+    geometry gets the same seed (the file tier's files stay valid); two slots differ."""
+    text = json.dumps([layout, owner, blocks_per_chunk, list(page_bytes)])
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def _slot_end(d: RankDescriptor, bpc: int, trailer: int | None) -> int:
+    """Bytes a slot needs before page rounding: its pages, then its trailer when it has one."""
+    if trailer is None:
+        return bpc * d.payload
+    return trailer + trailer_bytes(d.page_bytes, bpc)
 
 
 def _place(layout: str, members: Sequence[RankDescriptor], index: dict[int, int],

@@ -76,11 +76,22 @@ def _replica_lines(report: dict[str, Any]) -> list[str]:
             f"{format_size(fs['read_bytes'])} at {fs['read_GBps']} GB/s, hits {fs['hits']}, "
             f"misses {fs['misses']}, corrupt {fs['corrupt']}, evicted {fs['evicted']}"
             + (f", write errors {fs['write_errors']}" if fs["write_errors"] else ""))
+    integrity = report.get("integrity")
+    if integrity:
+        state = "on" if integrity["enabled"] else "off"
+        lines.append(f"integrity: {state}, {integrity['mismatches']} job(s) failed the "
+                     "page checksum check")
     audit = report.get("audit")
     if audit:
         lines.append(f"audit: {audit['checked_blocks']} blocks hashed on load, "
                      f"{audit['mismatched_blocks']} mismatched")
     return lines
+
+
+def integrity_block(enabled: bool, mismatches: int) -> dict[str, Any]:
+    """The report's ``integrity`` block: whether pages are checksummed, and how many jobs
+    failed the check (summed over the ranks' engines, ``TransferEngine.mismatches``)."""
+    return {"enabled": enabled, "mismatches": mismatches}
 
 
 def memory_label(rank: dict[str, Any]) -> str:

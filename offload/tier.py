@@ -43,8 +43,9 @@ from offload.actor import CopyJob, RankActor
 from offload.audit import Auditor
 from offload.board import Board
 from offload.config import TierConfig
-from offload.errors import OffloadError, PeerError, one_line
+from offload.errors import JobFailed, OffloadError, PeerError, is_damage, one_line
 from offload.manager import ChunkManager, PromoteJob
+from offload.metrics import JobTally, MetricsServer, serve_metrics
 from offload.plan import Plan, RankDescriptor, compute_plan
 from offload.quorum import Quorum, Words, default_store
 from offload.region.pin import Registrar, choose_registrar
@@ -74,6 +75,12 @@ class TransferResult:
     failed_rank: int | None = None
     error: str | None = None
 
+    @property
+    def damaged(self) -> bool:
+        """A load whose host bytes did not match their checksums: drop its keys
+        (``ChunkManager.complete_load(..., damaged=keys)``); the engine recomputes them."""
+        return is_damage(self.error)
+
 
 @dataclass(frozen=True)
 class DecisionMark:
@@ -102,6 +109,9 @@ class HostTier:
             self.manager = ChunkManager(plan.chunk_count, files)
             self.manager.seed_disk(disk_keys)  # what a restart found on every writer's disk
         self.mark = DecisionMark()
+        self.tally = JobTally()  # decided jobs, for live metrics (plain ints, no lock)
+        self.last_words: Words | None = None  # the decider's last look at the watermarks
+        self.metrics: MetricsServer | None = None
         self._closed = False
         cleanup.register(self.actor.close)
 
@@ -110,8 +120,8 @@ class HostTier:
     def create(cls, kv_tensors: Sequence[torch.Tensor], config: TierConfig, *,
                backend: str = "auto", audit: bool = False,
                registrar_factory: Callable[[torch.device], Registrar] = choose_registrar,
-               decider: int = 0, group: Any = None, store: dist.Store | None = None
-               ) -> HostTier:
+               decider: int = 0, group: Any = None, store: dist.Store | None = None,
+               metrics: Any = None) -> HostTier:
         """Collective: every rank calls it with its own KV tensors and the same config.
 
         ``backend`` picks the transfer backend (``auto``: by device and pinning); ``audit``
@@ -130,7 +140,9 @@ class HostTier:
         group, all of non-gloo backends); pass gloo groups to create tiers independently.
         ``store`` is the key-value store for the tier's keys (default: the job's own, see
         `offload.quorum.default_store`); keys live under a namespace unique to the group, so
-        tiers on disjoint groups never see each other's."""
+        tiers on disjoint groups never see each other's.  ``metrics`` is a
+        ``prometheus_client`` registry to add the tier's ``offload_*`` metrics to (the engine's
+        own); ``config.metrics_port`` serves them over HTTP instead (`offload.metrics`)."""
         started = time.perf_counter()
         group = control_group(group, config.timeout_s)
         topology = discover(config.tp, config.pp, config.timeout_s, group)
@@ -140,7 +152,7 @@ class HostTier:
                                f"{topology.world_size - 1}")
         config = dataclasses.replace(config, tp=topology.tp)  # None meant world // pp
         tier_id, store = _tier_store(topology, config, store)
-        board = Board.open(topology, tier_id, config.timeout_s)
+        board = Board.open(topology, tier_id, config.timeout_s, topology.leader_pid())
         rpc = CollectiveRPC(dist.PrefixStore("rpc", store), topology.rank,
                             topology.world_size, config.timeout_s,
                             doorbell=board if 0 in topology.node.ranks else None)
@@ -150,17 +162,34 @@ class HostTier:
         actor = RankActor(topology, config, list(kv_tensors), tier_id, quorum, progress, backend,
                           auditor=Auditor() if audit else None,
                           registrar_factory=registrar_factory, created_at=started)
-        descriptor = _describe(actor)
+        served: MetricsServer | None = None
+        descriptor: RankDescriptor | str
+        try:  # bound before set-up: a taken port fails every rank through rank 0, at once
+            if config.metrics_port is not None or metrics is not None:
+                served = serve_metrics(topology, config.metrics_port, config.metrics_addr,
+                                       metrics)
+            descriptor = _describe(actor)
+        except Exception as exc:  # whatever it is, every rank must reach the gather
+            descriptor = f"rank {topology.rank}: {one_line(exc)}"
         gathered: list[Any] | None = [None] * topology.world_size if topology.rank == 0 else None
-        dist.gather_object(descriptor, gathered, dst=topology.global_rank(0), group=group)
-        disk_keys: list[bytes] = []
-        if topology.rank == 0:
-            assert gathered is not None
-            plan, disk_keys = _drive_setup(actor, rpc, gathered)
-        else:
-            _serve_setup(actor, rpc)
-            plan = actor._installed()
-        return cls(actor, rpc, plan, decider, disk_keys)
+        try:
+            dist.gather_object(descriptor, gathered, dst=topology.global_rank(0), group=group)
+            disk_keys: list[bytes] = []
+            if topology.rank == 0:
+                assert gathered is not None
+                plan, disk_keys = _drive_setup(actor, rpc, gathered)
+            else:
+                _serve_setup(actor, rpc)
+                plan = actor._installed()
+        except BaseException:
+            if served is not None:
+                served.close()
+            raise
+        tier = cls(actor, rpc, plan, decider, disk_keys)
+        if served is not None:
+            served.bind(tier)
+            tier.metrics = served
+        return tier
 
     @property
     def topology(self) -> Topology:
@@ -184,7 +213,10 @@ class HostTier:
 
         The copy runs after ``after`` (a CUDA event or stream; default: the current stream)
         and the call returns the copy's completion event, which the compute stream can
-        ``wait_event`` on before reading loaded blocks — no host round trip.  None when this
+        ``wait_event`` on before reading loaded blocks -- no host round trip.  The event says
+        the copy is done, not that it verified: with integrity on, a load's checksums are
+        judged when the job is decided, so a forward pass that must never see damaged KV
+        uses loaded blocks only once `finished` returned the load with ``success``.  None when this
         rank moves nothing (a replicated store's non-writer) or its KV lives in host memory."""
         self.actor.submit(job, keep=True, after=after)
         return self.actor.last_event
@@ -216,6 +248,7 @@ class HostTier:
                 raise OffloadError(f"rank {self.decider} is the decider: call finished() "
                                    "without a mark")
             words = quorum.words()
+            self.last_words = words
             through = quorum.through(words)
             self._drained(through)
             if through == self._learned:
@@ -267,10 +300,15 @@ class HostTier:
             raise
         failed = self.actor.quorum.failures(words, seqs[0], seqs[-1] + 1)
         taken = book.take(seqs)
+        now = time.perf_counter() if self.topology.rank == self.decider else None
+        for e in taken:
+            rank, reason = failed.get(e.seq, (None, None))
+            self.tally.add(e.job.direction, rank is None, reason, e.bytes,
+                           None if now is None else now - e.started)
         bad = [e for e in taken if e.seq in failed]
         if bad:
             rank, message = failed[bad[0].seq]
-            raise OffloadError(f"job {bad[0].job_id} failed on rank {rank}: {message}")
+            raise JobFailed(bad[0].job_id, rank, message)
 
     @property
     def _learned(self) -> int:
@@ -285,6 +323,7 @@ class HostTier:
         """Results of the live jobs below ``through`` (the decided ones), in order."""
         results = []
         failures = self.mark.failed
+        now = time.perf_counter() if self.topology.rank == self.decider else None
         for entry in self.actor.jobs.take_below(through):
             rank, reason = failed.get(entry.seq, (None, None))
             success = rank is None
@@ -292,6 +331,8 @@ class HostTier:
                 raise RuntimeError(f"job {entry.job_id} failed on rank {self.topology.rank} "
                                    "but the quorum has no record of it")
             failures += not success
+            self.tally.add(entry.job.direction, success, reason, entry.bytes,
+                           None if now is None else now - entry.started)
             results.append(TransferResult(entry.job_id, success, entry.bytes, entry.seconds,
                                           rank, reason))
         self.mark = DecisionMark(through, failures)
@@ -363,7 +404,7 @@ class HostTier:
         failed = self.actor.quorum.failures(words, seq, seq + 1)
         if failed:
             rank, message = failed[seq]
-            raise OffloadError(f"job {job.job_id} failed on rank {rank}: {message}")
+            raise JobFailed(job.job_id, rank, message)
 
     def promote(self, keys: Sequence[Hashable]) -> tuple[PromoteJob, list[Hashable]]:
         """Rank 0 (driven, with a file tier): bring the disk copies of ``keys`` back into
@@ -378,14 +419,15 @@ class HostTier:
                                "SPMD programs call collective_promote on every rank")
         job = manager.prepare_promote(keys)
         try:
-            verified = self.call(fs_actions.promote, job.spills, job.chunks)
-        except BaseException:
-            manager.complete_promote(job.job_id, failed=[k for k, _ in job.chunks])
+            results = self.call(fs_actions.promote, job.spills, job.chunks)
+        except BaseException:  # a rank may still be reading: its rows stay quarantined
+            manager.complete_promote(job.job_id, failed=[k for k, _ in job.chunks],
+                                     busy=[c for _, c in job.chunks])
             raise
-        failed = _unverified(job, verified)
+        failed = _unverified(job, [verified for verified, _ in results])
         if failed:
             self.call(fs_actions.discard, failed)
-        manager.complete_promote(job.job_id, failed)
+        manager.complete_promote(job.job_id, failed, fs_actions.busy_rows(results))
         return job, failed
 
     def collective_promote(self, job: PromoteJob) -> list[Hashable]:
@@ -397,18 +439,29 @@ class HostTier:
         completes the promotion; returns them (the same list everywhere): misses.  Blocks for
         the disk reads; a rank that raised makes every rank raise its error."""
         try:
-            mine: list[bool] | str = fs_actions.promote(self.actor, job.spills, job.chunks)
+            mine: tuple[list[bool], list[int]] | str = fs_actions.promote(
+                self.actor, job.spills, job.chunks)
         except Exception as exc:
             mine = one_line(exc)
         everyone: list[Any] = [None] * self.topology.world_size
-        dist.all_gather_object(everyone, mine, group=self.topology.group)
+        try:
+            dist.all_gather_object(everyone, mine, group=self.topology.group)
+        except RuntimeError as exc:  # a rank died mid-promotion: its reads may still run
+            if self.manager is not None:
+                chunks = [c for _, c in job.chunks]
+                self.manager.complete_promote(job.job_id, [k for k, _ in job.chunks], chunks)
+            raise PeerError(f"promotion {job.job_id}: the ranks could not agree on its reads "
+                            f"({one_line(exc)}); a rank died or left the group") from None
         errors = [(rank, e) for rank, e in enumerate(everyone) if isinstance(e, str)]
-        failed = ([k for k, _ in job.chunks] if errors else _unverified(job, everyone))
+        failed = ([k for k, _ in job.chunks] if errors
+                  else _unverified(job, [verified for verified, _ in everyone]))
+        # rows some rank's read may still fill stay quarantined (all of them after an error)
+        busy = [c for _, c in job.chunks] if errors else fs_actions.busy_rows(everyone)
         if failed:  # best effort after an error: the rank's own error is the one raised
             with contextlib.suppress(Exception) if errors else contextlib.nullcontext():
                 fs_actions.discard(self.actor, failed)
         if self.manager is not None:
-            self.manager.complete_promote(job.job_id, failed)
+            self.manager.complete_promote(job.job_id, failed, busy)
         if errors:
             rank, message = errors[0]
             raise OffloadError(f"promotion {job.job_id} failed on rank {rank}: {message}")
@@ -447,6 +500,9 @@ class HostTier:
             self.actor.drain()
             dist.barrier(group=self.topology.group)
         finally:
+            if self.metrics is not None:
+                self.metrics.close()
+                self.metrics = None
             self.actor.close()
             self.actor.quorum.board.close()
             cleanup.unregister(self.actor.close)

@@ -16,7 +16,9 @@ other blocks).  ``--matmul`` adds a bf16 matmul's TFLOP/s while the largest jobs
 ``--sweep-programs 8,32:64,...`` runs the kernel with each program budget (and step KiB);
 ``--contention`` times a small job submitted behind a long compute queue (no data dependency)
 on a normal and a high-priority stream.  ``--ranks N`` runs N processes at once (GPU
-``rank % devices``).
+``rank % devices``).  ``--integrity on|off|both``: slots with a checksum trailer (the library's
+default), without, or each backend both ways in turn (rows carry ``integrity``; ``both``
+prints the on/off ratios).
 
     python scripts/bench_engine.py --layers 80 --page-bytes 16KiB --blocks 1,16,128,1024 \\
         --backend hybrid,triton,copy_engine --json engine.json
@@ -41,8 +43,9 @@ import numpy as np
 import torch
 from bench_ranks import run_ranks  # this script's folder
 
+from offload.integrity import trailer_bytes
 from offload.region.nameless import memfd_mapping
-from offload.sizes import format_size, parse_size
+from offload.sizes import format_size, parse_size, round_up
 from offload.transfer import SlotLayout, make_engine
 from offload.transfer.registration import host_registered
 
@@ -147,9 +150,14 @@ class Rank:
         self.chunk_count = -(-2 * max(args.blocks) // bpc)
         self.kv = kv_tensors(args.layers, page, self.num_blocks, args.layout, self.device)
         t = len(self.kv)
-        self.layout = SlotLayout(bpc * page * t, 0, bpc, (page,) * t,
-                                 tuple(bpc * page * i for i in range(t)))
-        size = self.layout.region_bytes(self.chunk_count)
+        offsets = tuple(bpc * page * i for i in range(t))
+        self.layouts = {
+            False: SlotLayout(bpc * page * t, 0, bpc, (page,) * t, offsets),
+            True: SlotLayout(round_up(bpc * page * t + trailer_bytes((page,) * t, bpc), 4096),
+                             0, bpc, (page,) * t, offsets, trailer_offset=bpc * page * t,
+                             seed=rank)}
+        self.layout = self.layouts[args.integrity[0]]
+        size = self.layouts[True].region_bytes(self.chunk_count)
         if args.host_buffer == "memfd":  # page-aligned shmem, as the tier's regions
             self._host = memfd_mapping(f"bench-engine-{rank}", size)
             self.region = self._host.tensor
@@ -198,6 +206,17 @@ class Rank:
         engine.wait_all()
         return statistics.median(hosts[1:])
 
+    def fill(self, engine: Any) -> None:
+        """Store every host page once (untimed): loads then read what was stored, so their
+        checksums match (a never-stored page fails its check)."""
+        pages = np.arange(self.chunk_count * self.args.bpc)
+        blocks = pages % self.num_blocks
+        for part in np.array_split(np.arange(pages.size), max(1, pages.size // self.num_blocks)):
+            engine.submit(-1, "store", blocks[part], pages[part] // self.args.bpc,
+                          pages[part] % self.args.bpc)
+            engine.wait_all()
+        self.mismatches = engine.mismatches
+
     def verify(self, engine: Any, n: int) -> bool:
         blocks, chunks, positions = make_job(self.rng, n, self.num_blocks, self.chunk_count,
                                              self.args.bpc, self.args.pattern)
@@ -208,7 +227,9 @@ class Rank:
         engine.submit(1, "load", other, chunks, positions)
         engine.wait_all()
         index = torch.from_numpy(other).to(self.device)
-        return all(torch.equal(t[index], s) for t, s in zip(self.kv, saved, strict=True))
+        failed = [engine.job_error(j) for j in (0, 1)]  # a checksum mismatch fails it too
+        return all(torch.equal(t[index], s) for t, s in zip(self.kv, saved, strict=True)) \
+            and failed == [None, None]
 
     def run(self) -> dict[str, Any]:
         a = self.args
@@ -219,22 +240,25 @@ class Rank:
             gpu = torch.empty(span, dtype=torch.uint8, device=self.device)
             out["link_GBps"] = link_rate(self.region[:span], gpu, 5)
             del gpu
-            configs = [(b, None) for b in a.backend]
-            configs += [("triton", k) for k in a.sweep_programs]
+            configs = [(b, None, i) for b in a.backend for i in a.integrity]
+            configs += [("triton", k, a.integrity[0]) for k in a.sweep_programs]
             mm = None
             if a.matmul:
                 mm = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device=self.device)
                 matmul_tflops(mm, 5)  # cuBLAS set-up, untimed
                 out["matmul_TFLOPs_alone"] = matmul_tflops(mm, 20)
-            for backend, kernel in configs:
-                engine = build_engine(backend, self.kv, self.region, self.layout,
+            for backend, kernel, integrity in configs:
+                engine = build_engine(backend, self.kv, self.region, self.layouts[integrity],
                                       self.chunk_count, kernel)
+                self.fill(engine)
                 label = backend if kernel is None else f"triton@{kernel}"
                 for n in a.blocks:
                     for direction in ("store", "load"):
                         row = {"backend": label, "engine": engine.name, "blocks": n,
+                               "integrity": "on" if integrity else "off",
                                "direction": direction, "bytes": n * self.job_bytes,
                                **self.measure(engine, n, direction)}
+                        row["mismatches"] = engine.mismatches - self.mismatches
                         row["ratio"] = row["GBps"] / out["link_GBps"][direction]
                         if mm is not None and n == max(a.blocks):
                             row["matmul_TFLOPs"] = self.during(engine, mm, n, direction)
@@ -301,21 +325,41 @@ def rank_result(rank: int, args: argparse.Namespace, barrier: Any) -> dict[str, 
 def print_table(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
     print(f"{2 * args.layers} tensors x {format_size(args.page_bytes)} pages, layout "
           f"{args.layout}, pattern {args.pattern}, {args.bpc} blocks per chunk")
-    print(f"{'rank':>4} {'backend':>12} {'blocks':>6} {'bytes':>9} {'dir':>5} {'GB/s':>6} "
-          f"{'ratio':>5} {'sub_us':>7} {'b2b_us':>7} {'wall_us':>8} {'mm_TF':>5} ok")
+    print(f"{'rank':>4} {'backend':>12} {'integ':>5} {'blocks':>6} {'bytes':>9} {'dir':>5} "
+          f"{'GB/s':>6} {'ratio':>5} {'sub_us':>7} {'b2b_us':>7} {'wall_us':>8} {'mm_TF':>5} ok")
     for r in results:
         for row in r["rows"]:
             mm = row.get("matmul_TFLOPs")
-            print(f"{r['rank']:>4} {row['backend']:>12} {row['blocks']:>6} "
+            print(f"{r['rank']:>4} {row['backend']:>12} {row['integrity']:>5} {row['blocks']:>6} "
                   f"{format_size(row['bytes']):>9} {row['direction']:>5} {row['GBps']:6.1f} "
                   f"{row['ratio']:5.2f} {row['submit_us']:7.0f} {row['b2b_us']:7.0f} "
                   f"{row['wall_us']:8.0f} "
-                  f"{'' if mm is None else f'{mm:.0f}':>5} {'y' if row['verified'] else 'NO'}")
+                  f"{'' if mm is None else f'{mm:.0f}':>5} "
+                  f"{'y' if row['verified'] and not row['mismatches'] else 'NO'}")
         link = r["link_GBps"]
         print(f"{r['rank']:>4} {r['device']}: link (one pinned buffer) store {link['store']:.1f} "
               f"/ load {link['load']:.1f} GB/s"
               + (f"; matmul alone {r['matmul_TFLOPs_alone']:.0f} TFLOP/s"
                  if "matmul_TFLOPs_alone" in r else ""))
+        off = {(x["backend"], x["blocks"], x["direction"]): x for x in r["rows"]
+               if x["integrity"] == "off"}
+        on: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+        for x in r["rows"]:
+            if x["integrity"] == "on" and (x["backend"], x["blocks"], x["direction"]) in off:
+                on.setdefault((x["backend"], x["blocks"], x["direction"]), []).append(x)
+        if on:
+            print(f"{r['rank']:>4} integrity on (mean of its runs) vs off: GB/s ratio, added "
+                  "submit_us, added b2b_us")
+            for key, runs in on.items():
+                base = off[key]
+
+                def mean(field: str, runs: list[dict[str, Any]] = runs) -> float:
+                    return statistics.mean(x[field] for x in runs)
+
+                print(f"{r['rank']:>4} {key[0]:>12} {key[1]:>6} {key[2]:>5} "
+                      f"{mean('GBps') / base['GBps']:6.3f} "
+                      f"{mean('submit_us') - base['submit_us']:+7.1f} "
+                      f"{mean('b2b_us') - base['b2b_us']:+7.1f}")
         if "contention" in r:
             print(f"{r['rank']:>4} 16-block load behind 40 matmuls (us): "
                   + ", ".join(f"{k} {v:.0f}" for k, v in r["contention"].items()))
@@ -343,6 +387,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host-buffer", default="memfd", choices=("memfd", "torch-empty"),
                    help="host memory: a page-aligned memfd mapping like the tier's regions, or "
                         "a 64-byte-aligned torch.empty buffer (the kernel loses 6-10%% on it)")
+    p.add_argument("--integrity", choices=("on", "off", "both"), default="on",
+                   help="page checksums on, off, or each backend both ways in the same run")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     args.page_bytes = parse_size(args.page_bytes, "--page-bytes")
@@ -350,6 +396,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.blocks = [int(b) for b in args.blocks.split(",")]
     args.backend = [b for b in args.backend.split(",") if b]
     args.sweep_programs = [x for x in args.sweep_programs.split(",") if x]
+    # both: on, off, on again, so a drift over the run does not pass for the checksums' cost
+    args.integrity = {"on": [True], "off": [False], "both": [True, False, True]}[args.integrity]
     return args
 
 
@@ -365,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"args": {k: v for k, v in vars(args).items()}, "results": results}, f,
                       indent=1)
     print_table(args, results)
-    return 0 if all(row["verified"] for r in results for row in r["rows"]) else 1
+    return 0 if all(row["verified"] and not row["mismatches"] for r in results
+                    for row in r["rows"]) else 1
 
 
 if __name__ == "__main__":

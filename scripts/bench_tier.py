@@ -16,6 +16,9 @@ sleeps, so each `submit` starts on a CPU that just woke up) or ``--barrier spin`
 shared-memory counter they spin on, as a busy engine's workers wait for the next step: vLLM's
 spin on a shared-memory broadcast queue).  The first is the cold case, the second the hot one.
 
+``--integrity on|off|both`` runs the tier with page checksums (the default), without, or each
+in turn in the same run (rows carry ``integrity``; ``both`` prints on/off ratios).
+
 Each size's last store is loaded back into other blocks and compared byte for byte.  The tier's
 region is what an engine gets (nameless memfds, page-aligned, pinned on CUDA); rank ``r`` uses
 GPU ``r % count``.  ``--device cpu`` runs the host backend (CI's smoke test).
@@ -44,7 +47,8 @@ from bench_completion import meet  # this script's folder
 from bench_engine import kv_tensors, link_rate, make_job
 
 from offload import cleanup
-from offload.sizes import format_size, parse_size
+from offload.integrity import trailer_bytes
+from offload.sizes import format_size, parse_size, round_up
 
 
 def _rank_main(rank: int, args: argparse.Namespace, port: int, arrived: Any, out: Any) -> None:
@@ -65,14 +69,36 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, arrived: Any, out
     chunk_count = 2 * -(-max(args.blocks) // bpc)
     num_blocks = chunk_count * bpc
     kv = kv_tensors(args.layers, page, num_blocks, "separate", device)
-    row = args.ranks * bpc * page * tensors  # every rank's slot (private: rows per rank)
-    tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=chunk_count * row,
-                                          blocks_per_chunk=bpc, tp=args.ranks,
-                                          timeout_s=args.timeout, layout="private"))
-    assert tier.plan.chunk_count >= chunk_count, tier.plan.chunk_count
+    rows: list[dict[str, Any]] = []
+    for integrity in args.integrity:
+        slot = round_up(bpc * page * tensors + trailer_bytes([page] * tensors, bpc), 4096)
+        row = args.ranks * slot  # every rank's slot (private: rows per rank)
+        tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=chunk_count * row,
+                                              blocks_per_chunk=bpc, tp=args.ranks,
+                                              timeout_s=args.timeout, layout="private",
+                                              integrity=integrity))
+        assert tier.plan.chunk_count >= chunk_count, tier.plan.chunk_count
+        link, engine = _measure(tier, args, rank, arrived, kv, rows, integrity, num_blocks,
+                                chunk_count, device, dist, CopyJob)
+        tier.close()
+    if rank == 0:
+        out.put({"rows": rows, "link_GBps": link, "engine": engine, "device": str(device),
+                 "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"})
+    dist.destroy_process_group()
+    out.close()
+    out.join_thread()
+    cleanup.exit_now(0)  # no interpreter finalization to race gloo's threads
+
+
+def _measure(tier: Any, args: argparse.Namespace, rank: int, arrived: Any,
+             kv: list[torch.Tensor], rows: list[dict[str, Any]], integrity: bool,
+             num_blocks: int, chunk_count: int, device: torch.device, dist: Any,
+             CopyJob: Any) -> tuple[dict[str, float], str]:  # noqa: N803
+    """Every job size and direction through ``tier``; appends rank 0's rows.  Returns the
+    link rate and the engine's name."""
+    bpc, page, tensors = args.bpc, args.page_bytes, 2 * args.layers
     rng = np.random.default_rng(7)  # the same jobs on every rank
     link = _link(tier, device, max(args.blocks) * page * tensors)
-    rows: list[dict[str, Any]] = []
     mark = None
     job_id = 0
 
@@ -97,13 +123,16 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, arrived: Any, out
         job_id += 1
         return submitted, time.perf_counter() - began
 
+    pages = np.arange(chunk_count * bpc)  # untimed: every chunk stored once, so loads read
+    one("store", pages % num_blocks, pages // bpc, pages % bpc)  # stored pages (sums match)
     for n in args.blocks:
         for direction in ("store", "load"):
             jobs = [make_job(rng, n, num_blocks, chunk_count, bpc, "chunks")
                     for _ in range(args.reps + 2)]
             samples = [one(direction, *job) for job in jobs][2:]
             span = statistics.median(s for _, s in samples)
-            rows.append({"blocks": n, "direction": direction, "bytes": n * page * tensors,
+            rows.append({"integrity": "on" if integrity else "off", "blocks": n,
+                         "direction": direction, "bytes": n * page * tensors,
                          "GBps": n * page * tensors / span / 1e9,
                          "ratio": n * page * tensors / span / 1e9 / link[direction],
                          "submit_us": statistics.median(s for s, _ in samples) * 1e6,
@@ -115,14 +144,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, arrived: Any, out
     if rank != 0 and box[0] is not None:
         tier.finished(box[0])
     engine = tier.actor.engine.name if tier.actor.engine else "?"
-    tier.close()
-    if rank == 0:
-        out.put({"rows": rows, "link_GBps": link, "engine": engine, "device": str(device),
-                 "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"})
-    dist.destroy_process_group()
-    out.close()
-    out.join_thread()
-    cleanup.exit_now(0)  # no interpreter finalization to race gloo's threads
+    return link, engine
 
 
 def _link(tier: Any, device: torch.device, nbytes: int) -> dict[str, float]:
@@ -179,12 +201,21 @@ def print_table(args: argparse.Namespace, result: dict[str, Any]) -> None:
     print(f"{args.ranks} rank(s), {2 * args.layers} tensors x {format_size(args.page_bytes)} pages,"
           f" {result['engine']} engine on {result['name']}, {args.barrier} barrier; link store "
           f"{link['store']:.1f} / load {link['load']:.1f} GB/s")
-    print(f"{'blocks':>6} {'bytes':>10} {'dir':>5} {'GB/s':>6} {'ratio':>5} {'submit_us':>9} "
-          f"{'decided_us':>10} ok")
+    print(f"{'integ':>5} {'blocks':>6} {'bytes':>10} {'dir':>5} {'GB/s':>6} {'ratio':>5} "
+          f"{'submit_us':>9} {'decided_us':>10} ok")
     for row in result["rows"]:
-        print(f"{row['blocks']:>6} {format_size(row['bytes']):>10} {row['direction']:>5} "
-              f"{row['GBps']:6.1f} {row['ratio']:5.2f} {row['submit_us']:9.0f} "
-              f"{row['decided_us']:10.0f} {'y' if row['verified'] else 'NO'}")
+        print(f"{row['integrity']:>5} {row['blocks']:>6} {format_size(row['bytes']):>10} "
+              f"{row['direction']:>5} {row['GBps']:6.1f} {row['ratio']:5.2f} "
+              f"{row['submit_us']:9.0f} {row['decided_us']:10.0f} "
+              f"{'y' if row['verified'] else 'NO'}")
+    off = {(r["blocks"], r["direction"]): r for r in result["rows"] if r["integrity"] == "off"}
+    pairs = [(r, off[r["blocks"], r["direction"]]) for r in result["rows"]
+             if r["integrity"] == "on" and (r["blocks"], r["direction"]) in off]
+    if pairs:
+        print("integrity on vs off: GB/s ratio, added submit_us")
+        for on, base in pairs:
+            print(f"{on['blocks']:>6} {on['direction']:>5} {on['GBps'] / base['GBps']:6.3f} "
+                  f"{on['submit_us'] - base['submit_us']:+8.1f}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -200,10 +231,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--barrier", choices=("gloo", "spin"), default="gloo",
                    help="how ranks meet before each job: sleeping in dist.barrier, or spinning "
                         "on shared memory like a busy engine loop")
+    p.add_argument("--integrity", choices=("on", "off", "both"), default="on",
+                   help="page checksums on, off, or each in turn in the same run")
     p.add_argument("--json", metavar="PATH", help="write the rows there too")
     args = p.parse_args(argv)
+    if not 0 < args.timeout < float("inf"):  # before the ranks start: torch's store takes it
+        raise SystemExit(f"bench_tier.py: error: --timeout {args.timeout:g} must be a positive "
+                         "number of seconds; e.g. --timeout 300")
     args.page_bytes = parse_size(args.page_bytes, "--page-bytes")
     args.blocks = [int(b) for b in args.blocks.split(",")]
+    # both: on, off, on again, so a drift over the run does not pass for the checksums' cost
+    args.integrity = {"on": [True], "off": [False], "both": [True, False, True]}[args.integrity]
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     return args

@@ -217,58 +217,75 @@ def test_leftovers_of_an_interrupted_write_are_ignored_and_removed(tier_dir: str
 
 
 _CRASH_CHILD = textwrap.dedent("""
-    import mmap, sys
+    import mmap, signal, sys
     from offload.tiers import FileTier
-    row_bytes = int(sys.argv[2])
-    tier = FileTier(sys.argv[1], 1 << 40, {"crash": 1}, row_bytes, io_threads=2)
+    signal.alarm(120)  # never outlive the test, whatever happens to it
+    row_bytes, named = int(sys.argv[2]), sys.argv[3] == "named"
+    tier = FileTier(sys.argv[1], 8 * (row_bytes + 4096), {"crash": 1}, row_bytes, io_threads=2)
+    tier._tmpfile = tier._tmpfile and not named  # the fallback for filesystems without it
     print(tier.directory, flush=True)
     rows = [mmap.mmap(-1, row_bytes) for _ in range(4)]
-    i = 0
-    while True:
+    for i in range(0, 4000, 4):  # bounded: at most 8 files on disk, a bounded run
         spills = []
-        for row in rows:
-            row[:] = bytes([i % 251]) * row_bytes
-            spills.append(tier.put(("crash", i), row))
-            i += 1
+        for j, row in enumerate(rows):
+            row[:] = bytes([(i + j) % 251]) * row_bytes
+            spills.append(tier.put(("crash", i + j), row))
         for spill in spills:
             spill.released.result()
 """)
 
 
-def test_a_crash_mid_write_leaves_no_visible_partial_file() -> None:
-    """SIGKILL a writer while a chunk file is being written: the next open removes the temp
-    file, and every visible file verifies with its own key's bytes."""
+def _writing(pid: int, subdir: str) -> bool:
+    """The child holds a file of ``subdir`` open that has no final name yet (an unnamed
+    O_TMPFILE shows as ``#inode (deleted)``, the fallback as ``.*.tmp``)."""
+    try:
+        links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+    except OSError:
+        return False
+    return any(link.startswith(subdir + "/") and ("#" in link or link.endswith(".tmp"))
+               for link in links)
+
+
+@pytest.mark.parametrize("create", ["tmpfile", "named"])
+def test_a_crash_mid_write_leaves_no_visible_partial_file(create: str) -> None:
+    """SIGKILL a writer while a chunk file is being written.  Unnamed files (O_TMPFILE)
+    leave nothing at all; the named fallback leaves a temp file that the next open removes.
+    Either way every visible file verifies with its own key's bytes."""
     directory = tempfile.mkdtemp(prefix="pytest-fstier-crash-", dir="/tmp")
     row_bytes = 8 * MiB
+    child = subprocess.Popen([sys.executable, "-c", _CRASH_CHILD, directory, str(row_bytes),
+                              create], stdout=subprocess.PIPE, text=True)
     try:
-        child = subprocess.Popen([sys.executable, "-c", _CRASH_CHILD, directory, str(row_bytes)],
-                                 stdout=subprocess.PIPE, text=True)
         assert child.stdout is not None
         subdir = child.stdout.readline().strip()
         deadline = time.monotonic() + 60
-        while True:  # freeze the writer at a moment a temp file exists, then kill it
+        while True:  # freeze the writer at a moment a file is half written, then kill it
             assert child.poll() is None and time.monotonic() < deadline
-            if any(n.endswith(".tmp") for n in os.listdir(subdir)):
+            if _writing(child.pid, subdir):
                 os.kill(child.pid, signal.SIGSTOP)
-                if any(n.endswith(".tmp") for n in os.listdir(subdir)):
+                if _writing(child.pid, subdir):
                     break
                 os.kill(child.pid, signal.SIGCONT)
             time.sleep(0.005)
         os.kill(child.pid, signal.SIGKILL)
         child.wait(30)
         before = os.listdir(subdir)
-        assert any(n.endswith(".tmp") for n in before)  # it did die mid-write
-        with FileTier(directory, 1 << 40, {"crash": 1}, row_bytes) as tier:
+        temps = [n for n in before if n.endswith(".tmp")]
+        assert bool(temps) == (create == "named")  # (an unnamed file vanishes with its writer)
+        with FileTier(directory, 8 * (row_bytes + 4096), {"crash": 1}, row_bytes) as tier:
             assert not any(n.endswith(".tmp") for n in os.listdir(subdir))
             names = tier.stored_names()
             out = mmap.mmap(-1, row_bytes)
-            keys = [i for i in range(100000) if file_name(key_bytes(("crash", i))) in names]
+            keys = [i for i in range(4000) if file_name(key_bytes(("crash", i))) in names]
             assert len(keys) == len(names) == len([n for n in before if n.endswith(".kv")])
             for i in keys:
                 assert tier.get(("crash", i), out).result(30)
                 assert out[:4096] == bytes([i % 251]) * 4096 and out[-1] == i % 251
             assert tier.stats().corrupt == 0
     finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(30)
         shutil.rmtree(directory, ignore_errors=True)
 
 

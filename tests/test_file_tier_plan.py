@@ -16,7 +16,8 @@ KiB = 1 << 10
 def _plan(layout: str = "private", pp_pages: tuple[tuple[int, ...], ...] = ((16 * KiB,),),
           cpu_bytes: int = 64 << 20) -> Plan:
     """TP2 × PP len(pp_pages), one node of two ranks per pipeline stage."""
-    config = TierConfig(cpu_bytes_per_node=cpu_bytes, layout=layout, tp=2, pp=len(pp_pages))
+    config = TierConfig(cpu_bytes_per_node=cpu_bytes, layout=layout, tp=2, pp=len(pp_pages),
+                        integrity=False)  # slots of pages only: round numbers below
     return compute_plan([RankDescriptor(r, f"node{r // 2}", r % 2, 2, r % 2, r // 2,
                                         pp_pages[r // 2], config)
                          for r in range(2 * len(pp_pages))])

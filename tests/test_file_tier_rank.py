@@ -11,10 +11,12 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from offload.config import TierConfig
 from offload.errors import OffloadError
+from offload.integrity import move_sums, trailer_bytes
 from offload.plan import Plan, RankDescriptor, compute_plan
 from offload.tiers.rank_files import RankFiles, agree_on_files, disk_capacity, file_writers
 from offload.topology import NodeInfo, Topology
@@ -42,6 +44,18 @@ def _grid(layout: str, tp: int = 2, pp: int = 1) -> tuple[Plan, list[Topology]]:
     return plan, [Topology(r, world, tp, pp, nodes) for r in range(world)]
 
 
+def _moved(plan: Plan, rank: int, slot_bytes: bytes, from_chunk: int, to_chunk: int) -> bytes:
+    """``slot_bytes`` with its checksum trailer re-mixed from one chunk to another: what a
+    spill from ``from_chunk`` and a promotion into ``to_chunk`` leave (the pages unchanged)."""
+    slot = plan.slots[rank]
+    data = np.frombuffer(slot_bytes, dtype=np.uint8).copy()
+    assert slot.trailer_offset is not None
+    end = slot.trailer_offset + trailer_bytes(slot.page_bytes, plan.blocks_per_chunk)
+    move_sums(data[slot.trailer_offset:end].view(np.uint64), slot.page_bytes,
+              plan.blocks_per_chunk, slot.integrity_seed, from_chunk, to_chunk)
+    return data.tobytes()
+
+
 class _Region:
     """Page-aligned host memory laid out like ``rank``'s region."""
 
@@ -66,7 +80,8 @@ def test_a_spilled_row_is_promoted_into_another_row_byte_exact(fs_dir: str) -> N
         files.wait_rows([2])
         files.row(2)[:] = bytes(len(payload))  # the row is reused
         assert files.promote([(("k", 2), 5), (("never", 1), 6)]) == [True, False]
-        assert bytes(files.row(5)) == payload
+        # the pages come back byte-exact; their checksums now name chunk 5
+        assert bytes(files.row(5)) == _moved(plan, 0, payload, 2, 5) != payload
         files.discard([("k", 2)])
         assert files.promote([(("k", 2), 5)]) == [False]
         report = files.to_json()
@@ -92,7 +107,8 @@ def test_shared_slots_spill_their_own_bytes_only(fs_dir: str) -> None:
             files.wait_rows([0])
         assert [f.promote([("k", 3)]) for f in ranks] == [[True], [True]]
         third = memoryview(region.map)[3 * 2 * slot: 4 * 2 * slot]
-        assert bytes(third) == before
+        assert bytes(third) == (_moved(plan, 0, before[:slot], 0, 3)
+                                + _moved(plan, 1, before[slot:], 0, 3))
         row.release()
         third.release()
     finally:
@@ -159,7 +175,10 @@ def test_the_config_checks_the_directory_and_the_budget(tmp_path: Path) -> None:
     cases = [({"fs_dir": str(tmp_path / "nope")}, "fs_dir (--fs-tier) .*nope does not exist"),
              ({"fs_dir": str(tmp_path / "f")}, "fs_dir (--fs-tier) .*/f is not a directory"),
              ({"fs_bytes": MiB}, r"fs_bytes \(--fs-bytes\) = 1048576 is given without fs_dir"),
-             ({"fs_dir": str(tmp_path), "fs_bytes": 0}, "= 0 is below its minimum 1")]
+             ({"fs_dir": str(tmp_path), "fs_bytes": 0}, "= 0 is below its minimum 1"),
+             ({"fs_dir": str(tmp_path), "fs_io_timeout_s": 0},
+              r"fs_io_timeout_s \(--fs-io-timeout\) = 0 must be positive"),
+             ({"fs_io_timeout_s": float("nan")}, "= nan must be positive")]
     if os.geteuid() != 0:  # root may write into a 0500 directory
         ro = tmp_path / "ro"
         ro.mkdir(0o500)

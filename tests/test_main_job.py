@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from launch.synthetic import split_payload
+from offload.integrity import trailer_bytes
 from offload.region.hugepages import shmem_huge_mode
+from offload.sizes import round_up
 from tests.harness import free_port, has_our_traceback, run_on_free_port, tail
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +43,13 @@ def our_tracebacks(proc: subprocess.CompletedProcess[str]) -> bool:
     return has_our_traceback(proc.stderr)
 
 
+def slot_of(payload: int, bpc: int = 16, page: int = 4096) -> int:
+    """The plan's slot formula for the main job's synthetic KV: ``bpc`` blocks of the payload
+    (8-byte aligned), then their page checksums' trailer, rounded up to the page."""
+    return round_up(round_up(bpc * payload, 8) + trailer_bytes(split_payload(payload), bpc),
+                    page)
+
+
 def test_tp2_pp2_report_matches_the_plan_formula(tmp_path: Path, shm_dir: str) -> None:
     report_path = tmp_path / "r.json"
     proc = torchrun(4, "--tp", "2", "--pp", "2", "--cpu-bytes", "64MiB",
@@ -51,7 +61,8 @@ def test_tp2_pp2_report_matches_the_plan_formula(tmp_path: Path, shm_dir: str) -
     assert len(report["nodes"]) == 1 and report["nodes"][0]["leader_rank"] == 0
     assert report["nodes"][0]["ranks"] == [0, 1, 2, 3]
     plan = report["plan"]
-    slot = 16 * 64 * 1024
+    slot = slot_of(64 * 1024)
+    assert slot == 16 * 64 * 1024 + 4096  # the trailer takes one more page
     assert plan["slot_bytes"] == {str(r): slot for r in range(4)}
     (row,) = plan["row_bytes"].values()
     assert row == 4 * slot and plan["chunk_count"] == (64 << 20) // row
@@ -83,7 +94,7 @@ def test_dp2_gives_each_replica_its_own_verified_tier(tmp_path: Path, shm_dir: s
     assert [r["replica"] for r in replicas] == [0, 1]
     assert [r["world_ranks"] for r in replicas] == [[0, 1], [2, 3]]
     assert len({r["tier_id"] for r in replicas}) == 2
-    slot = 16 * 64 * 1024
+    slot = slot_of(64 * 1024)
     for r in replicas:  # the whole budget per node, per replica
         assert r["plan"]["chunk_count"] == (64 << 20) // (2 * slot)
         assert [(x["rank"], x["tp_rank"], x["slot"]) for x in r["ranks"]] == [(0, 0, 0),
@@ -112,8 +123,9 @@ def test_heterogeneous_stages_share_one_chunk_count(tmp_path: Path) -> None:
                     "--cpu-bytes", "16MiB", "--report-json", str(report_path))
     assert proc.returncode == 0, tail(proc)
     plan = json.loads(report_path.read_text())["plan"]
-    assert plan["slot_bytes"] == {"0": 16 * 64 * 1024, "1": 16 * 16 * 1024}
-    assert plan["chunk_count"] == (16 << 20) // (16 * 80 * 1024)
+    slots = slot_of(64 * 1024), slot_of(16 * 1024)
+    assert plan["slot_bytes"] == {"0": slots[0], "1": slots[1]}
+    assert plan["chunk_count"] == (16 << 20) // sum(slots)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -128,7 +140,7 @@ def test_replicated_pipeline_stages_verify_with_their_own_slots(tp: int, tmp_pat
     assert proc.returncode == 0, tail(proc)
     report = json.loads(report_path.read_text())
     plan, transfer = report["plan"], report["transfer"]
-    slots = [16 * 64 * 1024, 16 * 16 * 1024]  # stage 0, stage 1
+    slots = [slot_of(64 * 1024), slot_of(16 * 1024)]  # stage 0, stage 1
     assert plan["slot_bytes"] == {str(r): slots[r // tp] for r in range(2 * tp)}
     assert list(plan["row_bytes"].values()) == [sum(slots)]  # one node: this host
     assert plan["chunk_count"] == (16 << 20) // sum(slots)
@@ -141,7 +153,7 @@ def test_replicated_pipeline_stages_verify_with_their_own_slots(tp: int, tmp_pat
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--cpu-bytes", "1MiB"], "holds no chunk: one chunk needs 2097152 B"),
+    (["--cpu-bytes", "1MiB"], f"holds no chunk: one chunk needs {2 * slot_of(64 * 1024)} B"),
     (["--tp", "3"], "--tp 3 x --pp 1 = 3 but the world has 2 ranks"),
     (["--cpu-bytes", "12 parsecs"], "--cpu-bytes '12 parsecs' is not a size"),
     (["--stage-kv-bytes", "64KiB,32KiB,1KiB"], "--stage-kv-bytes gives 3 payloads but --pp is 1"),
@@ -212,7 +224,9 @@ def test_more_than_the_hosts_memory_is_one_line_before_anything_is_created(layou
     assert proc.returncode == 1
     errors = our_errors(proc)
     assert len(errors) == 1, proc.stderr[-3000:]
-    assert "the node's regions need 70368744177664 B (64.00 TiB) but only" in errors[0]
+    row = 2 * slot_of(64 * 1024)  # both ranks' slots, in one row or in two private regions
+    need = (64 << 40) // row * row
+    assert f"the node's regions need {need} B (64.00 TiB) but only" in errors[0]
     assert "of memory is available (MemAvailable in /proc/meminfo); lower --cpu-bytes or free " \
         "memory" in errors[0]
     assert not our_tracebacks(proc), proc.stderr[-3000:]
@@ -262,7 +276,7 @@ def test_two_simulated_nodes_elect_two_leaders_and_size_rows_per_node(
         {"node_id": "host0", "leader_rank": 0, "ranks": first},
         {"node_id": "host1", "leader_rank": nprocs[0],
          "ranks": list(range(nprocs[0], sum(nprocs)))}]
-    slot = 16 * 64 * 1024
+    slot = slot_of(64 * 1024)
     rows = ({"host0": nprocs[0] * slot, "host1": nprocs[1] * slot} if layout == "shared"
             else {"host0": slot, "host1": slot})  # replicated: one stage per node here
     assert report["plan"]["row_bytes"] == rows

@@ -18,7 +18,7 @@ from tests.test_main_job import our_errors, our_tracebacks, torchrun
 
 # 2 ranks x 256 KiB slots: a 512 KiB row, 8 chunks of host memory; 16 chunks per round
 GEOMETRY = ("--cpu-bytes", "4MiB", "--num-gpu-blocks", "256", "--blocks-per-chunk", "16",
-            "--kv-bytes-per-block", "16KiB")
+            "--kv-bytes-per-block", "16KiB", "--fs-bytes", "16MiB")  # a bounded disk budget
 
 
 @pytest.fixture
@@ -54,7 +54,9 @@ def test_spill_restart_corruption_and_geometry_isolation(fs_dir: Path, tmp_path:
     assert transfer["checked_blocks"] == 2 * 2 * 256
     assert fs["o_direct"] is True and fs["dir"] == str(fs_dir) and fs["writers"] == 2
     assert fs["written_bytes"] > 0 and fs["hits"] > 0 and fs["corrupt"] == 0
-    assert fs["read_bytes"] == fs["hits"] * (256 * 1024 + 4096)
+    slot = first["plan"]["slot_bytes"]["0"]  # the pages, then their checksums' trailer
+    assert slot == 256 * 1024 + 4096
+    assert fs["read_bytes"] == fs["hits"] * (slot + 4096)  # a file: one header page + the slot
     assert "fs tier: " + str(fs_dir) in out and "O_DIRECT" in out
     files = _chunk_files(fs_dir)
     assert len({p.parent for p in files}) == 2  # one fingerprint directory per rank
@@ -71,7 +73,9 @@ def test_spill_restart_corruption_and_geometry_isolation(fs_dir: Path, tmp_path:
     assert sum(r["missed_chunks"] for r in third["transfer"]["per_round"]) >= 1
 
     before = {p.name for p in _chunk_files(fs_dir)}
-    other, _ = _run(fs_dir, tmp_path, "--kv-bytes-per-block", "8KiB", name="4.json")
+    # another geometry, with room for a whole round in host memory: it reads no file at all
+    other, _ = _run(fs_dir, tmp_path, "--kv-bytes-per-block", "8KiB", "--cpu-bytes", "8MiB",
+                    name="4.json")
     fs = other["fs_tier"]
     assert other["transfer"]["verified"]
     assert (fs["hits"], fs["read_bytes"], fs["corrupt"]) == (0, 0, 0)
@@ -124,12 +128,27 @@ def test_replicated_writes_one_copy_per_stage(fs_dir: Path, tmp_path: Path) -> N
     assert len({p.parent for p in _chunk_files(fs_dir)}) == 1
 
 
-@pytest.mark.parametrize("problem", ["missing", "file", "small"])
+def test_dp_replicas_on_one_host_get_their_own_folders(fs_dir: Path, tmp_path: Path) -> None:
+    """Two DP replicas of equal geometry on one host: each keeps its own fingerprint folder
+    (before, both took the same one and the second failed with "in use by another
+    process")."""
+    report, _ = _run(fs_dir, tmp_path, "--dp", "2", "--rounds", "1",
+                     "--cpu-bytes", "2MiB")  # one rank per replica: half the rows spill
+    assert report["dp"] == 2 and report["transfer"]["verified"]
+    for replica in report["replicas"]:
+        fs = replica["fs_tier"]
+        assert replica["transfer"]["verified"] and fs["written_bytes"] > 0 and fs["hits"] > 0
+    assert len({p.parent for p in _chunk_files(fs_dir)}) == 2
+
+
+@pytest.mark.parametrize("problem", ["missing", "file", "small", "timeout"])
 def test_an_unusable_fs_tier_is_one_line(problem: str, fs_dir: Path, tmp_path: Path) -> None:
-    path = {"missing": fs_dir / "nope", "file": fs_dir / "f", "small": fs_dir}[problem]
+    path = {"missing": fs_dir / "nope", "file": fs_dir / "f", "small": fs_dir,
+            "timeout": fs_dir}[problem]
     if problem == "file":
         path.write_text("")
-    extra = ("--fs-bytes", "300KiB") if problem == "small" else ()
+    extra = {"small": ("--fs-bytes", "300KiB"),
+             "timeout": ("--fs-io-timeout", "0")}.get(problem, ())
     proc = torchrun(2, *GEOMETRY, "--fs-tier", str(path), *extra)
     assert proc.returncode == 1
     errors = our_errors(proc)
@@ -137,7 +156,8 @@ def test_an_unusable_fs_tier_is_one_line(problem: str, fs_dir: Path, tmp_path: P
     needle = {"missing": f"fs_dir (--fs-tier) {path} does not exist",
               "file": f"fs_dir (--fs-tier) {path} is not a directory",
               "small": "file tier budget fs_bytes = 307200 B (300.00 KiB) per node holds no "
-                       "chunk: one chunk needs 532480 B"}[problem]
+                       "chunk: one chunk needs ",  # (its size depends on --no-integrity)
+              "timeout": "fs_io_timeout_s (--fs-io-timeout) = 0.0 must be positive"}[problem]
     assert needle in errors[0], errors[0]
     assert not our_tracebacks(proc), proc.stderr[-3000:]
     assert [p for p in os.listdir(fs_dir) if p != "f"] == []

@@ -36,6 +36,30 @@ def test_free_chunks_first_then_least_recently_used() -> None:
     assert m.stats().evictions == 2
 
 
+def test_a_key_whose_bytes_a_load_found_damaged_is_dropped_once_unheld() -> None:
+    """Two loads hold "a"; the first finds its bytes damaged (an integrity mismatch): "a" is
+    gone at once (no lookup finds it, a new store of it takes another chunk), while its old
+    chunk stays out of use until the second load lets go of it."""
+    m = ChunkManager(3)
+    assert stored(m, ["a", "b"]) == {"a": 0, "b": 1}
+    first, second = m.prepare_load(["a"]), m.prepare_load(["a", "b"])
+    m.complete_load(first.job_id, fence=5, damaged=["a"])
+    assert m.lookup_prefix(["a"]) == 0
+    with pytest.raises(NotReadableError):
+        m.prepare_load(["a"])
+    assert stored(m, ["a"]) == {"a": 2}  # chunk 0 is still held by the second load
+    assert m.stats().quarantined == 1
+    m.drained(5)  # the first load's hold ends at its fence
+    assert m.stats().quarantined == 1
+    m.complete_load(second.job_id)
+    s = m.stats()
+    assert (s.quarantined, s.free, s.readable) == (0, 1, 2)
+    assert stored(m, ["c"]) == {"c": 0}  # the damaged chunk is free again
+    load = m.prepare_load(["a"])  # the new "a" is held and released as usual
+    m.complete_load(load.job_id)
+    assert m.lookup_prefix(["a", "b", "c"]) == 3
+
+
 def test_held_chunks_are_not_evicted() -> None:
     m = ChunkManager(2)
     stored(m, ["a", "b"])

@@ -154,8 +154,29 @@ def test_a_taken_metrics_port_fails_every_rank_with_one_line() -> None:
     out = run_group(_taken_port, 2, args=(port,), timeout=90)
     for o in out:
         assert o.ok and o.value is not None, o.error
-        assert f"cannot serve metrics on 0.0.0.0:{port + 1}" in o.value
+        assert f"cannot serve metrics on 127.0.0.1:{port + 1}" in o.value
         assert "\n" not in o.value
+
+
+def _past_the_last_port(rank: int) -> object:
+    import torch
+
+    from offload import HostTier, OffloadError
+
+    try:  # rank 1 would serve on 65536
+        HostTier.create([torch.ones((4, 512), dtype=torch.uint8)],
+                        TierConfig(cpu_bytes_per_node=4 * MiB, blocks_per_chunk=2, tp=2,
+                                   timeout_s=20, metrics_port=65535))
+    except OffloadError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_metrics_port_past_65535_fails_every_rank_at_once() -> None:
+    out = run_group(_past_the_last_port, 2, timeout=60, pg_timeout=15)
+    for o in out:
+        assert o.ok and o.value is not None, o.error
+        assert "cannot serve metrics on 127.0.0.1:65536 (port 65536 is past 65535)" in o.value
 
 
 def test_the_core_imports_and_runs_without_prometheus_client() -> None:

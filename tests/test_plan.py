@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from offload.config import LAYOUTS, TierConfig
 from offload.errors import OffloadError
+from offload.integrity import UNIT_BYTES
 from offload.plan import Plan, RankDescriptor, compute_plan
 from offload.sizes import round_up
 
@@ -56,17 +57,30 @@ def grids(draw: st.DrawFn, layout: str | None = None, feasible: bool = True
     pages = st.tuples(*[st.integers(1, 70_000)] * tensors)
     stage_pages = [draw(pages) for _ in range(pp)]  # stages differ; a stage's ranks agree
     nodes = draw(node_split(tp * pp))
-    worst_row = max(_reference_rows(layout, nodes, tp, stage_pages, bpc, page).values())
+    integrity = draw(st.booleans())
+    worst_row = max(_reference_rows(layout, nodes, tp, stage_pages, bpc, page,
+                                    integrity).values())
     low = worst_row if feasible else 1
     high = worst_row * 40 if feasible else max(1, worst_row - 1)
     config = TierConfig(cpu_bytes_per_node=draw(st.integers(low, high)), layout=layout,
-                        blocks_per_chunk=bpc, tp=tp, pp=pp, page_size=page)
+                        blocks_per_chunk=bpc, tp=tp, pp=pp, page_size=page,
+                        integrity=integrity)
     return build_descriptors(config, nodes, stage_pages)
 
 
+def reference_slot(pages: Sequence[int], bpc: int, page: int, integrity: bool) -> int:
+    """Slot bytes from the definition: the chunk's pages, then (integrity) an 8-byte aligned
+    trailer of one 8-byte sum per 16 KiB unit of every page, rounded up to the page."""
+    payload = bpc * sum(pages)
+    if not integrity:
+        return round_up(payload, page)
+    units = sum(-(-p // UNIT_BYTES) for p in pages)
+    return round_up(round_up(payload, 8) + 8 * bpc * units, page)
+
+
 def _reference_rows(layout: str, nodes: Sequence[int], tp: int,
-                    stage_pages: Sequence[tuple[int, ...]], bpc: int, page: int
-                    ) -> dict[str, int]:
+                    stage_pages: Sequence[tuple[int, ...]], bpc: int, page: int,
+                    integrity: bool) -> dict[str, int]:
     """Row bytes per node, straight from the definition in DESIGN.md section 2: the node's
     ranks' slots, or (replicated) one slot per pipeline stage present on the node."""
     rows: dict[str, int] = {}
@@ -75,7 +89,8 @@ def _reference_rows(layout: str, nodes: Sequence[int], tp: int,
         stages = [(rank + i) // tp for i in range(size)]
         if layout == "replicated":
             stages = sorted(set(stages))
-        rows[f"node{n}"] = sum(round_up(bpc * sum(stage_pages[s]), page) for s in stages)
+        rows[f"node{n}"] = sum(reference_slot(stage_pages[s], bpc, page, integrity)
+                               for s in stages)
         rank += size
     return rows
 
@@ -120,7 +135,14 @@ def test_slots(descriptors: list[RankDescriptor]) -> None:
         slot = plan.slots[d.rank]
         assert (slot.rank, slot.node_id, slot.page_bytes) == (d.rank, d.node_id, d.page_bytes)
         assert slot.slot_bytes % page == 0
-        assert bpc * d.payload <= slot.slot_bytes < bpc * d.payload + page
+        assert slot.slot_bytes == reference_slot(d.page_bytes, bpc, page, config.integrity)
+        if config.integrity:
+            units = sum(-(-p // UNIT_BYTES) for p in d.page_bytes)
+            assert slot.trailer_offset == round_up(bpc * d.payload, 8)
+            assert slot.trailer_offset + 8 * bpc * units <= slot.slot_bytes
+        else:
+            assert slot.trailer_offset is None
+            assert bpc * d.payload <= slot.slot_bytes < bpc * d.payload + page
         assert slot.tensor_offsets == tuple(bpc * sum(d.page_bytes[:t])
                                             for t in range(len(d.page_bytes)))
         assert slot.tensor_offsets[-1] + bpc * d.page_bytes[-1] == bpc * d.payload
@@ -194,7 +216,7 @@ def test_replicated_stage_slots(tp: int, pp: int, nodes: list[int],
     """Stages with unequal payloads (64, 16, 32, 8 KiB a chunk) get their own slots."""
     KiB = 1 << 10
     config = TierConfig(cpu_bytes_per_node=1 << 20, layout="replicated", tp=tp, pp=pp,
-                        blocks_per_chunk=4)
+                        blocks_per_chunk=4, integrity=False)
     stage_pages = [(8 * KiB, 8 * KiB), (4 * KiB,), (8 * KiB,), (2 * KiB,)][:pp]
     plan = compute_plan(build_descriptors(config, nodes, stage_pages))
     assert [(s.slot, s.slot_offset // KiB) for s in plan.slots] == slots
@@ -203,7 +225,8 @@ def test_replicated_stage_slots(tp: int, pp: int, nodes: list[int],
 
 
 def test_heterogeneous_stages_share_one_chunk_count_limited_by_the_heaviest_node() -> None:
-    config = TierConfig(cpu_bytes_per_node=10 << 20, tp=2, pp=2, blocks_per_chunk=4)
+    config = TierConfig(cpu_bytes_per_node=10 << 20, tp=2, pp=2, blocks_per_chunk=4,
+                        integrity=False)
     stage_pages = [(16384, 16384), (4096,)]  # stage 0: 128 KiB a chunk, stage 1: 16 KiB
     plan = compute_plan(build_descriptors(config, [2, 2], stage_pages))
     assert [s.slot_bytes for s in plan.slots] == [128 << 10] * 2 + [16 << 10] * 2
@@ -211,8 +234,37 @@ def test_heterogeneous_stages_share_one_chunk_count_limited_by_the_heaviest_node
     assert plan.chunk_count == (10 << 20) // (256 << 10) == 40
 
 
+def test_integrity_trailer_follows_the_pages_and_may_add_a_page() -> None:
+    """The same stages with integrity on: stage 0's 128 KiB of pages fill whole pages, so its
+    trailer (4 blocks x 2 pages x 8 B) needs one more 4 KiB page; stage 1's 16 KiB likewise.
+    A page of 40,000 B is three units, so its trailer holds 3 sums per block."""
+    config = TierConfig(cpu_bytes_per_node=10 << 20, tp=2, pp=2, blocks_per_chunk=4)
+    plan = compute_plan(build_descriptors(config, [2, 2], [(16384, 16384), (4096,)]))
+    assert [s.slot_bytes for s in plan.slots] == [132 << 10] * 2 + [20 << 10] * 2
+    assert [s.trailer_offset for s in plan.slots] == [128 << 10] * 2 + [16 << 10] * 2
+    config = TierConfig(cpu_bytes_per_node=10 << 20, tp=1, blocks_per_chunk=3)
+    slot = compute_plan(build_descriptors(config, [1], [(40_000, 1)])).slots[0]
+    assert slot.trailer_offset == round_up(3 * 40_001, 8) == 120_008
+    assert slot.slot_bytes == round_up(120_008 + 3 * (3 + 1) * 8, 4096)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_integrity_seeds_tell_slots_apart_and_survive_a_restart(layout: str) -> None:
+    """TP2 x PP2 on one node: every slot has its own seed, the ranks of a replicated stage
+    (who share a slot) share it, and planning again (a restart) gives the same seeds."""
+    config = TierConfig(cpu_bytes_per_node=64 << 20, layout=layout, tp=2, pp=2)
+    descriptors = build_descriptors(config, [4], [(4096,), (4096,)])
+    seeds = [s.integrity_seed for s in compute_plan(descriptors).slots]
+    assert seeds == [s.integrity_seed for s in compute_plan(descriptors[::-1]).slots]
+    expected = 2 if layout == "replicated" else 4
+    assert len(set(seeds)) == expected and all(0 <= s < 1 << 63 for s in seeds)
+    if layout == "replicated":
+        assert seeds[0] == seeds[1] != seeds[2] == seeds[3]
+
+
 def test_shared_rows_count_local_ranks_not_the_world() -> None:
-    config = TierConfig(cpu_bytes_per_node=1 << 20, layout="shared", tp=8, blocks_per_chunk=1)
+    config = TierConfig(cpu_bytes_per_node=1 << 20, layout="shared", tp=8, blocks_per_chunk=1,
+                        integrity=False)
     plan = compute_plan(build_descriptors(config, [4, 4], [(4096,)]))
     assert dict(plan.row_bytes) == {"node0": 4 * 4096, "node1": 4 * 4096}
     assert [s.slot for s in plan.slots] == [0, 1, 2, 3] * 2
@@ -220,7 +272,8 @@ def test_shared_rows_count_local_ranks_not_the_world() -> None:
 
 def test_page_rounding_never_exceeds_the_budget() -> None:
     # 3 × 1000 B rounds to one 4 KiB page; a budget of 3 pages minus one byte holds 2 chunks
-    config = TierConfig(cpu_bytes_per_node=3 * 4096 - 1, blocks_per_chunk=3, tp=1)
+    config = TierConfig(cpu_bytes_per_node=3 * 4096 - 1, blocks_per_chunk=3, tp=1,
+                        integrity=False)
     plan = compute_plan(build_descriptors(config, [1], [(1000,)]))
     assert plan.slots[0].slot_bytes == 4096 and plan.chunk_count == 2
 
@@ -231,7 +284,7 @@ def test_zero_chunks_names_the_bytes_one_chunk_needs(descriptors: list[RankDescr
     config = descriptors[0].config
     rows = _reference_rows(config.layout, [len(m) for m in by_node(descriptors).values()],
                            config.tp, [d.page_bytes for d in descriptors[::config.tp]],
-                           config.blocks_per_chunk, config.page_size)
+                           config.blocks_per_chunk, config.page_size, config.integrity)
     worst_node, worst = max(rows.items(), key=lambda item: item[1])
     with pytest.raises(OffloadError) as info:
         compute_plan(descriptors)

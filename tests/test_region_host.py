@@ -37,10 +37,11 @@ SLOW_PAGES = (12 * KiB, 4 * KiB)
 
 
 def tier_config(layout: str, cpu_bytes: int, tp: int = 1, **overrides: Any) -> TierConfig:
+    # no checksum trailer: these tests check region geometry against the plain page math
     settings: dict[str, Any] = dict(
         cpu_bytes_per_node=cpu_bytes, layout=layout, blocks_per_chunk=4, tp=tp,
         segment_threshold=1 * MiB, min_segment_bytes=512 * KiB, max_segments=4,
-        prefault_threads=2)
+        prefault_threads=2, integrity=False)
     settings.update(overrides)
     return TierConfig(**settings)
 

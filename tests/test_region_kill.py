@@ -103,6 +103,7 @@ def kill_job_during_setup(shm_dir: str | None, where: str, log: Path,
            str(ROOT / "launch" / "run.py"), "--device", "cpu", "--layout", "shared",
            "--cpu-bytes", str(BUDGET), "--segment-bytes", "256MiB", "--prefault-threads", "1",
            "--rounds", "100000", "--timeout", "60",
+           "--no-integrity",  # rows of exactly 2 MiB: segments of whole 256 MiB files
            *(("--shm-dir", shm_dir) if shm_dir else ())]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,

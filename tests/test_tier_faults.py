@@ -123,3 +123,75 @@ def test_a_rank_that_stops_polling_is_named_then_recovers() -> None:
     assert message.startswith("job 3: ranks [1] have not completed it"), message
     assert TIMEOUT_S - 0.5 <= waited < TIMEOUT_S + 3  # not before the timeout, soon after
     assert decided == [(3, True)] and out[1].value == [[(3, True)]]
+
+
+def _corrupted_host_row(rank: int) -> object:
+    import torch
+    import torch.distributed as dist
+
+    from offload import CopyJob, HostTier, JobFailed
+
+    kv = _kv(rank)
+    tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=4 * MiB, blocks_per_chunk=4, tp=2,
+                                          timeout_s=20))
+    manager = tier.manager
+    keys = ("prefix-a", "prefix-b")
+    box = [manager.prepare_store(list(keys)) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    store = box[0]
+    blocks = list(range(8))
+    chunks = [c for _, c in store.chunks for _ in range(4)]
+    positions = [p for _ in store.chunks for p in range(4)]
+    tier.submit(CopyJob(1, "store", blocks, chunks, positions))
+    tier.wait([1])
+    if rank == 0:
+        manager.complete_store(store.job_id, ok=True)
+    if rank == 1:  # one byte of rank 1's copy of block 6 (chunk b, position 2) rots
+        tier.actor.region.tensor_view(0)[chunks[6], 2, 100] ^= 0x10
+    original = kv[0].clone()
+    kv[0].zero_()
+    box = [manager.prepare_load(list(keys)) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    load = box[0]
+    tier.submit(CopyJob(2, "load", blocks, chunks, positions))
+    result = None
+    if rank == 0:
+        while not (decided := tier.finished()):
+            time.sleep(0.001)
+        (result,) = decided
+    box = [tier.mark if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    if rank == 1:
+        (result,) = tier.finished(box[0])
+    lookup = None
+    if rank == 0:
+        manager.complete_load(load.job_id, fence=tier.submitted,
+                              damaged=list(keys) if result.damaged else ())
+        lookup = manager.lookup_prefix(list(keys))
+    # the driven path raises the same decision as JobFailed
+    blocks_ok = torch.equal(kv[0][:6], original[:6])
+    driven = None
+    if rank == 0:
+        try:
+            tier.run(CopyJob(3, "load", [6], [chunks[6]], [2]))
+        except JobFailed as exc:
+            driven = (exc.rank, exc.damaged)
+        tier.release()
+    else:
+        tier.serve()
+    mismatches = tier.actor.engine.mismatches
+    tier.close()
+    return (result.success, result.failed_rank, result.error, result.damaged, lookup,
+            blocks_ok, driven, mismatches)
+
+
+def test_a_host_row_corrupted_between_store_and_load_fails_the_load_on_every_rank() -> None:
+    out = run_group(_corrupted_host_row, 2, timeout=90)
+    assert all(o.ok for o in out), [o.error for o in out]
+    (ok, rank, error, damaged, lookup, _, driven, mismatches0), rest = (o.value for o in out)
+    assert rest[:4] == (ok, rank, error, damaged)  # the same decision on both ranks
+    assert (ok, rank, damaged) == (False, 1, True)
+    assert error.startswith("integrity: tensor 0 chunk 1 position 2"), error
+    assert lookup == 0  # the damaged keys are dropped from the manager
+    assert driven == (1, True)
+    assert (mismatches0, rest[7]) == (0, 2)  # counted on the rank that found it

@@ -158,6 +158,6 @@ def test_unequal_nodes_share_their_rows_by_their_own_ranks(shm_dir: str) -> None
     assert all(o.ok for o in out), [o.error for o in out]
     assert all(o.value[0] for o in out)
     rows = out[0].value[1]
-    slot = 4 * 4096
+    slot = 4 * 4096 + 4096  # four pages, then their checksums' trailer (one more page)
     assert rows == {"a": 3 * slot, "b": slot}
     assert out[0].value[2] == (2 * MiB) // (3 * slot)  # the fuller node bounds the chunk count

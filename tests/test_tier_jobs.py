@@ -192,3 +192,39 @@ def test_ranks_reusing_ids_at_random_steps_agree_on_every_result() -> None:
     refused = [job for job in decided if not job[1]]
     assert refused and all(rank is not None for _, _, rank in refused)
     assert len(refused) < len(decided)
+
+
+def _wait_on_an_id_live_twice(rank: int) -> object:
+    """Job 5 is decided and returned by the decider's `finished`; both ranks reuse id 5 before
+    rank 1 learned that (so rank 1 refuses it) and `wait` for it: `wait` takes the newest job
+    of the id on both ranks, and rank 1 still gets the old job from `finished(mark)`."""
+    import torch.distributed as dist
+
+    from offload import CopyJob, HostTier, JobFailed, OffloadError
+
+    tier = HostTier.create(_kv(rank), TierConfig(cpu_bytes_per_node=4 * MiB, blocks_per_chunk=4,
+                                                 tp=2, timeout_s=20))
+    tier.submit(CopyJob(5, "store", (0,), (0,), (0,)))
+    first: list = []
+    while rank == 0 and not first:
+        first = [(r.job_id, r.success) for r in tier.finished()]
+    box = [tier.mark if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    with contextlib.suppress(OffloadError):
+        tier.submit(CopyJob(5, "store", (1,), (1,), (0,)))
+    waited = None
+    try:
+        tier.wait([5])
+    except JobFailed as exc:
+        waited = (exc.rank, exc.job_id)
+    if rank == 1:
+        first = [(r.job_id, r.success) for r in tier.finished(box[0])]
+    live = tier.actor.jobs.live
+    tier.close()
+    return first, waited, live
+
+
+def test_wait_takes_the_newest_job_of_an_id_live_twice() -> None:
+    out = run_group(_wait_on_an_id_live_twice, 2, timeout=90)
+    assert all(o.ok for o in out), [o.error for o in out]
+    assert [o.value for o in out] == [([(5, True)], (1, 5), 0)] * 2

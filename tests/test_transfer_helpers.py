@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from offload import integrity
 from offload.config import TierConfig
 from offload.plan import RankDescriptor, compute_plan
 from offload.transfer import SlotLayout
@@ -52,10 +53,12 @@ def engine_kv_set(num_blocks: int, pages: Sequence[int], device: str = "cpu",
     return out
 
 
-def slot_layout(pages: Sequence[int], bpc: int, rank: int = 1) -> SlotLayout:
+def slot_layout(pages: Sequence[int], bpc: int, rank: int = 1,
+                integrity: bool = True) -> SlotLayout:
     """Rank ``rank``'s slot in a two-rank shared-layout plan, so the slot does not start at the
     row's first byte."""
-    config = TierConfig(cpu_bytes_per_node=1 << 30, layout="shared", blocks_per_chunk=bpc, tp=2)
+    config = TierConfig(cpu_bytes_per_node=1 << 30, layout="shared", blocks_per_chunk=bpc, tp=2,
+                        integrity=integrity)
     plan = compute_plan([RankDescriptor(r, "n0", r, 2, r, 0, tuple(pages), config)
                          for r in range(2)])
     return SlotLayout.from_plan(plan, rank)
@@ -74,9 +77,12 @@ def scattered_job(rng: np.random.Generator, n: int, num_blocks: int, chunk_count
 
 
 def expected_region(before: torch.Tensor, kv: Sequence[torch.Tensor], layout: SlotLayout,
-                    job: Job) -> torch.Tensor:
-    """The region after storing ``job``, written one page at a time from the slot formula."""
+                    job: Job, sums: bool = True) -> torch.Tensor:
+    """The region after storing ``job``, written one page at a time from the slot formula,
+    and (``sums`` and a layout with integrity) each page's sums at their place in the
+    trailer."""
     region = before.clone()
+    keys = layout.tensor_keys()
     for t, tensor in enumerate(kv):
         page = layout.page_bytes[t]
         raw = tensor.cpu().reshape(tensor.shape[0], -1).view(torch.uint8)
@@ -84,6 +90,13 @@ def expected_region(before: torch.Tensor, kv: Sequence[torch.Tensor], layout: Sl
             start = (chunk * layout.row_stride + layout.slot_offset + layout.tensor_offsets[t]
                      + pos * page)
             region[start:start + page] = raw[block]
+            if sums and layout.integrity:
+                stored = integrity.page_sums(raw[block].numpy()[None, :], keys[t], [chunk],
+                                             [pos])
+                at = (int(layout.trailer_offsets()[t]) + chunk * layout.row_stride
+                      + 8 * pos * layout.units[t])
+                region[at:at + stored.nbytes] = torch.from_numpy(
+                    stored.reshape(-1).view(np.uint8))
     return region
 
 
@@ -92,7 +105,7 @@ def round_trip(engine: TransferEngine, kv: list[torch.Tensor], region: torch.Ten
     """Store ``job``, check the region byte for byte, wipe the KV tensors, load the job back and
     check the loaded blocks match and the others stayed wiped."""
     original = [t.clone() for t in kv]
-    expected = expected_region(region, kv, layout, job)
+    expected = expected_region(region, kv, layout, job, engine.integrity)
     engine.submit(1, "store", *job)
     assert engine.wait_all() == [1]
     assert torch.equal(region, expected)

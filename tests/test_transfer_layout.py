@@ -107,7 +107,12 @@ def test_from_plan_matches_the_ranks_slot(layout_name: str) -> None:
         layout = SlotLayout.from_plan(plan, rank)
         slot = plan.slots[rank]
         assert layout == SlotLayout(plan.row_stride(rank), slot.slot_offset, 4, pages,
-                                    slot.tensor_offsets)
+                                    slot.tensor_offsets, slot.trailer_offset,
+                                    slot.integrity_seed)
+        assert layout.trailer_offset == 4 * sum(pages) and layout.integrity
+        trailer_end = (layout.slot_offset + layout.trailer_offset
+                       + 8 * 4 * sum(layout.units))
+        assert trailer_end <= slot.slot_offset + slot.slot_bytes
         assert layout.region_bytes(plan.chunk_count) == plan.region_bytes(rank)
     if layout_name == "shared":
         assert SlotLayout.from_plan(plan, 1).slot_offset > 0
@@ -141,6 +146,9 @@ def test_bad_jobs_raise_one_line_errors(job: tuple[list[object], ...], message: 
     (dict(page_bytes=(512, 0)), "positive blocks_per_chunk and page sizes"),
     (dict(row_stride=2000), "must lie inside its row"),
     (dict(slot_offset=-1), "must lie inside its row"),
+    (dict(trailer_offset=2048), "trailer at slot byte 2048 overlaps the pages"),
+    (dict(trailer_offset=2292), "not 8-byte aligned"),
+    (dict(trailer_offset=9880), "must lie inside its row"),
 ])
 def test_bad_layouts_raise(fields: dict[str, object], message: str) -> None:
     base = dict(row_stride=10_000, slot_offset=100, blocks_per_chunk=4, page_bytes=(512, 60),

@@ -8,7 +8,7 @@ asks.  Linux 6.1+ reports that alignment through ``statx(STATX_DIOALIGN)`` on a 
 on older kernels (or filesystems that do not report it) an ``O_DIRECT`` open plus one aligned
 write of a page is the probe, and the page is then taken as the alignment (512-byte and 4 KiB
 logical blocks both divide it).  Whatever the check says, a file tier whose header and rows are
-page multiples only needs alignment ≤ the page size.
+page multiples only needs alignment <= the page size.
 
 `transfer_all` moves a list of buffers with ``pwritev``/``preadv`` straight from/to them (in
 O_DIRECT mode the kernel DMAs into the caller's memory: no bounce buffer).
@@ -20,6 +20,7 @@ import ctypes
 import errno
 import mmap
 import os
+import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ _STX_DIO_OFFSET_ALIGN = 156  # u32 stx_dio_offset_align
 PROBE_PREFIX = ".dio-probe-"  # the probe file's name; a crash can leave one behind
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_statx = getattr(_libc, "statx", None)  # glibc ≥ 2.28
+_statx = getattr(_libc, "statx", None)  # glibc >= 2.28
 if _statx is not None:
     _statx.restype = ctypes.c_int
     _statx.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint,
@@ -84,14 +85,18 @@ def statx_dio_align(fd: int) -> tuple[int, int] | None:
     return mem, offset
 
 
-def detect_io_mode(directory: str, page_size: int) -> IoMode:
-    """Find how files in ``directory`` can be written, with a throw-away probe file.
+def detect_io_mode(dir_fd: int, page_size: int) -> IoMode:
+    """Find how files in the directory open at ``dir_fd`` can be written, with a throw-away
+    probe file.
 
-    Raises OSError when the probe file cannot be created at all (the caller turns that into a
-    "not writable" error); everything else decides between direct and buffered I/O.
+    The probe is created ``O_EXCL | O_NOFOLLOW`` under a random name (a file or symlink planted
+    in advance is never opened, let alone truncated) and removed before returning.  Raises
+    OSError when the probe file cannot be created at all (the caller turns that into a "not
+    writable" error); everything else decides between direct and buffered I/O.
     """
-    path = os.path.join(directory, f"{PROBE_PREFIX}{os.getpid()}")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    name = f"{PROBE_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600, dir_fd=dir_fd)
     try:
         reported = statx_dio_align(fd)
         if reported is not None:
@@ -103,16 +108,17 @@ def detect_io_mode(directory: str, page_size: int) -> IoMode:
                               f"direct I/O needs {max(mem, offset)}-byte alignment, more than "
                               f"the {page_size}-byte page the rows are aligned to")
             return IoMode(True, mem, offset, "statx")
-        return _probe(path, page_size)
+        return _probe(dir_fd, name, page_size)
     finally:
         os.close(fd)
-        os.unlink(path)
+        os.unlink(name, dir_fd=dir_fd)
 
 
-def _probe(path: str, page_size: int) -> IoMode:
-    """Open ``path`` with ``O_DIRECT`` and write one aligned page."""
+def _probe(dir_fd: int, name: str, page_size: int) -> IoMode:
+    """Open our probe file ``name`` again with ``O_DIRECT`` and write one aligned page."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
+        fd = os.open(name, os.O_WRONLY | os.O_DIRECT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise

@@ -81,7 +81,7 @@ def file_name(key: bytes) -> str:
 
 def chunk_file_bytes(row_bytes: int, page_size: int) -> int:
     """Disk bytes of one chunk file: a header page plus the row.  A plan that wants the same
-    number of files on every rank gives each ``capacity × chunk_file_bytes(its row)``."""
+    number of files on every rank gives each ``capacity x chunk_file_bytes(its row)``."""
     return page_size + row_bytes
 
 

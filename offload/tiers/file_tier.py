@@ -17,6 +17,17 @@ What it guarantees (DESIGN.md section 6, "File tier"):
 * **Its own budget.**  ``budget_bytes // file_bytes`` files at most, evicted least recently
   used first (``evicted``).  A write that fails (disk full, quota, I/O error) leaves that chunk a
   miss, logs one warning per kind of error and the job goes on.
+* **Faults are misses.**  A read that fails (EIO, EACCES, EMFILE...) is a miss counted in
+  ``read_errors``, never an exception.  Every read and write has a deadline (``io_timeout_s``):
+  a caller that waits past it (`wait_read`, `release`) takes the key as a miss and goes on; the
+  host row of a read that timed out stays busy until the read returns (the caller's
+  quarantine), a spill that timed out is never made visible.
+* **Trust.**  The fingerprint subdirectory is used only when this user owns it and no one else
+  can write it (`tier_dir`); every open is ``O_NOFOLLOW`` relative to its descriptor; a file is
+  written unnamed (``O_TMPFILE``, or a random ``O_EXCL`` temporary name where the filesystem
+  lacks it) and linked into place, so a killed writer leaves no partial file behind.
+* **One I/O seam.**  Every system call on the files goes through one `FileIO` object
+  (``io=``), which the fault-injection tests replace.
 
 Determinism across ranks: every rank keeps its own tier with its own slot's bytes.  All index
 decisions (what is stored, what is evicted, the LRU order) are taken when `put`, `get` and
@@ -42,7 +53,8 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Collection, Hashable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 from typing import Any
 
 from offload.errors import OffloadError
@@ -62,6 +74,7 @@ from offload.tiers.file_format import (
     pack_header,
     unpack_header,
 )
+from offload.tiers.fs_io import FileIO
 from offload.tiers.keyed_pool import KeyedPool, all_done, done
 from offload.tiers.tier_dir import check_directory, open_locked_subdir
 
@@ -69,6 +82,8 @@ log = logging.getLogger(__name__)
 
 _WRITING, _STORED, _DEAD = "writing", "stored", "dead"
 _TMP_SUFFIX = ".tmp"
+DEFAULT_IO_TIMEOUT_S = 5.0
+_NO_TMPFILE = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL)  # O_TMPFILE unsupported here
 _buffered_warned: set[str] = set()  # directories whose buffered fallback was already logged
 _warn_lock = threading.Lock()
 
@@ -90,6 +105,7 @@ class Spill:
 
     released: Future[None]
     stored: Future[bool]
+    entry: _Entry | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -99,7 +115,10 @@ class FileTierStats:
     ``hits``/``misses``: `get` calls that returned verified bytes / that did not (a miss includes
     keys never stored and corrupt files).  ``corrupt``: files found damaged, short or foreign
     (at open or on read), each removed.  ``evicted``: files removed by the LRU budget.
-    ``write_errors``: writes that failed (disk full…).  ``write_s``/``read_s``: wall time
+    ``write_errors``: writes that failed (disk full...).  ``read_errors``: reads that failed
+    with an I/O error (EIO, EACCES, EMFILE...; a miss, the file is kept until discarded).
+    ``timeouts``: reads and spills a caller stopped waiting for at the deadline (each a miss).
+    ``write_s``/``read_s``: wall time
     during which at least one write/read was in flight, so the GB/s figures are the tier's
     aggregate throughput, not one thread's.
     """
@@ -119,6 +138,8 @@ class FileTierStats:
     write_errors: int
     write_s: float
     read_s: float
+    read_errors: int = 0
+    timeouts: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """The ``fs_tier`` object of the main job's report (DESIGN.md section 10)."""
@@ -129,6 +150,7 @@ class FileTierStats:
             "files": self.files, "written_bytes": self.written_bytes,
             "read_bytes": self.read_bytes, "hits": self.hits, "misses": self.misses,
             "corrupt": self.corrupt, "evicted": self.evicted, "write_errors": self.write_errors,
+            "read_errors": self.read_errors, "timeouts": self.timeouts,
             "write_s": round(self.write_s, 6), "read_s": round(self.read_s, 6),
             "write_GBps": _gbps(self.written_bytes, self.write_s),
             "read_GBps": _gbps(self.read_bytes, self.read_s),
@@ -136,15 +158,19 @@ class FileTierStats:
 
 
 class _Entry:
-    """One key in the index: its write order and the state of its file."""
+    """One key in the index: its write order and the state of its file.  ``row_done``: its
+    spill no longer reads the host row; ``abandoned``: the caller stopped waiting for that
+    (`FileTier.release`), so the write must never be made visible."""
 
-    __slots__ = ("key", "seq", "state", "stored")
+    __slots__ = ("abandoned", "key", "row_done", "seq", "state", "stored")
 
     def __init__(self, key: bytes, seq: int, state: str, stored: Future[bool]) -> None:
         self.key = key
         self.seq = seq
         self.state = state
         self.stored = stored
+        self.row_done = False
+        self.abandoned = False
 
 
 class _Busy:
@@ -167,14 +193,24 @@ class FileTier:
     files.  ``row_bytes`` (a page multiple) is the size of every payload; ``budget_bytes``
     bounds the files (header page + row each).  ``io_threads`` is the number of row transfers
     in flight (the queue depth seen by the disk; the block layer splits each row further).
+    ``io_timeout_s`` is the deadline of one read or write (`wait_read`, `release`, `close`);
+    ``io`` the I/O seam (`FileIO`, replaced by fault-injection tests).
     Thread-safety: the methods may be called from any thread; the order of calls is the order
     of decisions.
     """
 
     def __init__(self, directory: str, budget_bytes: int, geometry: Mapping[str, object],
-                 row_bytes: int, *, io_threads: int = 8, page_size: int = 4096) -> None:
+                 row_bytes: int, *, io_threads: int = 8, page_size: int = 4096,
+                 io_timeout_s: float = DEFAULT_IO_TIMEOUT_S, io: FileIO | None = None) -> None:
         self._crc = _load_crc32c()
         _check_geometry(budget_bytes, row_bytes, io_threads, page_size)
+        if not io_timeout_s > 0:
+            raise OffloadError(f"fs_io_timeout_s = {io_timeout_s} must be positive; give the "
+                               "seconds one file-tier read or write may take, such as 5")
+        self.io_timeout_s = io_timeout_s
+        self.io_threads = io_threads
+        self._io = io if io is not None else FileIO()
+        self._tmpfile = hasattr(os, "O_TMPFILE")  # until the filesystem refuses it
         self.row_bytes = row_bytes
         self.page_size = page_size
         self.file_bytes = chunk_file_bytes(row_bytes, page_size)
@@ -192,7 +228,7 @@ class FileTier:
         self.directory = os.path.join(root, "fp-" + self.fingerprint.hex()[:16])
         self._dir_fd = open_locked_subdir(root, self.directory)
         try:
-            self.mode = detect_io_mode(self.directory, page_size)
+            self.mode = detect_io_mode(self._dir_fd, page_size)
         except OSError as exc:
             os.close(self._dir_fd)
             raise OffloadError(f"file tier directory {root} is not writable ({exc.strerror}); "
@@ -204,7 +240,8 @@ class FileTier:
         self._local = threading.local()
         self._pool = KeyedPool(io_threads, "offload-fs")  # I/O of one file in call order
         self._write_busy, self._read_busy = _Busy(), _Busy()
-        self._counts = dict.fromkeys(("hits", "misses", "corrupt", "evicted", "write_errors"), 0)
+        self._counts = dict.fromkeys(("hits", "misses", "corrupt", "evicted", "write_errors",
+                                      "read_errors", "timeouts"), 0)
         self._warned_errors: set[int] = set()
         self._closed = False
         try:
@@ -243,7 +280,48 @@ class FileTier:
             self._index.move_to_end(name)
             entry.stored = self._pool.submit(
                 name, lambda: self._write(name, entry, key_b, view, done))
-        return Spill(done, entry.stored)
+        return Spill(done, entry.stored, entry)
+
+    def release(self, spill: Spill, timeout_s: float | None = None) -> bool:
+        """Wait until ``spill`` no longer reads its host row, at most ``timeout_s`` (default
+        `io_timeout_s`).  Past the deadline the spill is abandoned: its key becomes a miss
+        (dead, counted in ``timeouts``) and its file is never made visible, however late the
+        write ends, so the row may be overwritten at once either way.  Returns True when the
+        write released the row in time."""
+        try:
+            spill.released.result(self.io_timeout_s if timeout_s is None else timeout_s)
+            return True
+        except FutureTimeout:
+            pass
+        entry = spill.entry
+        assert entry is not None  # a spill without an entry is released at once
+        with self._lock:
+            if entry.row_done:
+                return True
+            entry.abandoned = True
+            entry.state = _DEAD
+            self._counts["timeouts"] += 1
+        self._warn_once(errno.ETIMEDOUT, "spilling a chunk took longer than the "
+                        f"{self.io_timeout_s:g} s deadline (fs_io_timeout_s); that chunk is a "
+                        "miss and the job goes on")
+        return False
+
+    def wait_read(self, read: Future[bool], deadline: float) -> bool:
+        """The result of a `get`, waiting at most until ``deadline`` (`time.monotonic`); past
+        it the key is a miss (counted in ``timeouts``).  The read may still be writing into
+        its row: the caller keeps the row out of use until ``read`` is done."""
+        try:
+            return read.result(max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            with self._lock:
+                self._counts["timeouts"] += 1
+            self._warn_once(-errno.ETIMEDOUT, "reading a chunk took longer than the "
+                            f"{self.io_timeout_s:g} s deadline (fs_io_timeout_s); that chunk "
+                            "is a miss and its host row stays out of use until the read ends")
+            return False
+        except Exception:  # noqa: BLE001 -- a bug in a read is a miss, not a crashed promotion
+            log.exception("file tier %s: a read raised", self.directory)
+            return False
 
     def get(self, key: Hashable, row: Any) -> Future[bool]:
         """Read ``key``'s bytes into ``row`` (a writable host row of ``row_bytes``).
@@ -321,19 +399,39 @@ class FileTier:
                 sum(e.state != _DEAD for e in self._index.values()), self._write_busy.bytes,
                 self._read_busy.bytes, c["hits"], c["misses"], c["corrupt"], c["evicted"],
                 c["write_errors"], _busy_seconds(self._write_busy),
-                _busy_seconds(self._read_busy))
+                _busy_seconds(self._read_busy), c["read_errors"], c["timeouts"])
 
     def to_json(self) -> dict[str, Any]:
         return self.stats().to_json()
 
-    def close(self) -> None:
-        """Finish all I/O, stop the threads and release the directory.  Idempotent."""
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Finish all I/O (waiting at most ``timeout_s``, default `io_timeout_s`), stop the
+        threads and release the directory.  Returns False when some I/O was still stalled at
+        the deadline: its thread is left to end with it (a daemon thread) and the directory
+        stays locked until then.  Idempotent."""
         with self._lock:
             if self._closed:
-                return
+                return True
             self._closed = True
-        self._pool.shutdown()
+        finished = self._pool.shutdown(self.io_timeout_s if timeout_s is None else timeout_s)
+        if finished:
+            os.close(self._dir_fd)
+        else:  # the stalled operations still use the descriptor: it is closed after them
+            log.warning("file tier %s: %d file operations still stalled at close after %g s; "
+                        "left to their threads", self.directory, self._pool.pending(),
+                        self.io_timeout_s if timeout_s is None else timeout_s)
+            threading.Thread(target=self._close_when_drained, name="offload-fs-closer",
+                             daemon=True).start()
+        return finished
+
+    def _close_when_drained(self) -> None:
+        self._pool.drain()
         os.close(self._dir_fd)
+
+    def wait_idle(self) -> None:
+        """Block until every file operation has returned, stalled ones included (after a
+        `close` that gave up on them, before the rows they read into may be unmapped)."""
+        self._pool.drain()
 
     def __enter__(self) -> FileTier:
         return self
@@ -363,38 +461,72 @@ class FileTier:
 
     def _write(self, name: str, entry: _Entry, key_b: bytes, row: memoryview,
                released: Future[None]) -> bool:
-        tmp = f".{name}.{uuid.uuid4().hex[:12]}{_TMP_SUFFIX}"
         fd = -1
-        ok = False
+        tmp: str | None = None
+        ok = intact = False
         self._begin(self._write_busy)
         try:
             try:
+                with self._lock:
+                    if entry.abandoned:  # the row may hold another chunk's bytes by now
+                        return False
                 page = self._header_page()
                 pack_header(page, Header(self.page_size, self.row_bytes, self._crc(row, 0, 1),
                                          entry.seq, self.fingerprint, key_b), self._crc)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-                             | self.mode.open_flags, 0o600, dir_fd=self._dir_fd)
-                transfer_all(os.pwritev, fd, [page, row])
+                fd, tmp = self._create(name)
+                transfer_all(self._io.pwritev, fd, [page, row])
             finally:
+                with self._lock:  # from here on `release` can no longer abandon this write
+                    intact = not entry.abandoned
+                    entry.row_done = True
                 released.set_result(None)
-            os.fdatasync(fd)
-            os.close(fd)
-            fd = -1
-            os.rename(tmp, name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
-            os.fsync(self._dir_fd)
-            ok = True
+            if intact:
+                self._io.fdatasync(fd)
+                self._publish(fd, tmp, name)
+                ok = True
         except OSError as exc:
             self._write_failed(name, exc)
         finally:
             if fd >= 0:
-                os.close(fd)
-            if not ok:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp, dir_fd=self._dir_fd)
+                with contextlib.suppress(OSError):
+                    self._io.close(fd)
+            if not ok and tmp is not None:
+                with contextlib.suppress(OSError):
+                    self._io.unlink(tmp, self._dir_fd)
             self._end(self._write_busy, self.file_bytes if ok else 0)
             with self._lock:
                 entry.state = _STORED if ok else _DEAD
         return ok
+
+    def _create(self, name: str) -> tuple[int, str | None]:
+        """A new file to write ``name``'s bytes into: unnamed (``O_TMPFILE``: a process killed
+        mid-write leaves nothing) where the filesystem allows it, else under a random
+        temporary name (removed at the next start if the process dies).  Returns the
+        descriptor and the temporary name (None when unnamed)."""
+        flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | self.mode.open_flags
+        if self._tmpfile:
+            try:
+                return self._io.open(".", flags | os.O_TMPFILE, 0o600, self._dir_fd), None
+            except OSError as exc:
+                if exc.errno not in _NO_TMPFILE:
+                    raise
+                self._tmpfile = False
+        tmp = f".{name}.{uuid.uuid4().hex[:12]}{_TMP_SUFFIX}"
+        fd = self._io.open(tmp, flags | os.O_CREAT | os.O_EXCL, 0o600, self._dir_fd)
+        return fd, tmp
+
+    def _publish(self, fd: int, tmp: str | None, name: str) -> None:
+        """Give the written file its name, replacing an older file of the key, and make the
+        directory entry durable."""
+        if tmp is not None:
+            self._io.rename(tmp, name, self._dir_fd)
+        else:
+            try:
+                self._io.link_fd(fd, name, self._dir_fd)
+            except FileExistsError:  # a dead file of the key (failed write, damage): replace
+                self._io.unlink(name, self._dir_fd)
+                self._io.link_fd(fd, name, self._dir_fd)
+        self._io.fsync(self._dir_fd)
 
     def _read(self, name: str, entry: _Entry, key_b: bytes, row: memoryview) -> bool:
         with self._lock:
@@ -402,14 +534,16 @@ class FileTier:
                 self._counts["misses"] += 1
                 return False
         self._begin(self._read_busy)
-        problem = ""
+        problem = error = ""
+        header: Header | None = None
         try:
             page = self._header_page()
-            problem = self._read_file(name, [page, row])
+            problem, error = self._read_file(name, [page, row])
             if not problem:
                 header = unpack_header(page, self._crc)
                 problem = self._mismatch(header, name, key_b)
-            if not problem and self._crc(row, 0, 1) != header.payload_crc:
+            if not problem and header is not None and \
+                    self._crc(row, 0, 1) != header.payload_crc:
                 problem = "payload checksum mismatch"
         except FormatError as exc:
             problem = str(exc)
@@ -421,28 +555,35 @@ class FileTier:
                 self._counts["misses"] += 1
             else:
                 self._counts["hits"] += 1
-        if problem:
+        if error:
+            self._read_failed(name, error)
+        elif problem:
             self._corrupt(name, problem)
         return not problem
 
-    def _read_file(self, name: str, views: list[memoryview]) -> str:
-        """Fill ``views`` from the start of a file of the right size; a non-empty string says
-        why it is not a valid file (missing, wrong size, read error)."""
+    def _read_file(self, name: str, views: list[memoryview]) -> tuple[str, str]:
+        """Fill ``views`` from the start of a file of the right size.  Returns ``(problem,
+        error)``: ``problem`` non-empty says why the file is not valid (missing, wrong size,
+        unreadable); ``error`` is set too when the cause is an I/O error rather than the
+        file's contents (the file may be fine: it is not counted as damaged)."""
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | self.mode.open_flags,
-                         dir_fd=self._dir_fd)
+            fd = self._io.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+                               | self.mode.open_flags, 0, self._dir_fd)
         except FileNotFoundError:
-            return "the file is missing"
-        try:
-            size = os.fstat(fd).st_size
-            if size != self.file_bytes:
-                return f"{size} bytes instead of {self.file_bytes}"
-            transfer_all(os.preadv, fd, views)
-            return ""
+            return "the file is missing", ""
         except OSError as exc:
-            return f"read failed: {exc.strerror or exc}"
+            return "open failed", _errno_text(exc)
+        try:
+            size = self._io.fstat(fd).st_size
+            if size != self.file_bytes:
+                return f"{size} bytes instead of {self.file_bytes}", ""
+            transfer_all(self._io.preadv, fd, views)
+            return "", ""
+        except OSError as exc:
+            return "read failed", _errno_text(exc)
         finally:
-            os.close(fd)
+            with contextlib.suppress(OSError):
+                self._io.close(fd)
 
     def _mismatch(self, header: Header, name: str, key_b: bytes | None) -> str:
         """Why a verified header does not belong to this tier (or to ``key_b``); "" if it does."""
@@ -457,8 +598,13 @@ class FileTier:
         return ""
 
     def _unlink(self, name: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(name, dir_fd=self._dir_fd)
+        try:
+            self._io.unlink(name, self._dir_fd)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # the file stays; a later write of the key replaces it
+            log.warning("file tier %s: removing %s failed (%s)", self.directory, name,
+                        _errno_text(exc))
 
     def _corrupt(self, name: str, problem: str) -> None:
         with self._lock:
@@ -467,19 +613,31 @@ class FileTier:
                     self.directory, name, problem)
         self._unlink(name)
 
+    def _read_failed(self, name: str, error: str) -> None:
+        with self._lock:
+            self._counts["read_errors"] += 1
+        self._warn_once(-1, f"reading {name} failed ({error}); that chunk is a miss and the "
+                        "job goes on (later read errors are only counted in read_errors)")
+
     def _write_failed(self, name: str, exc: OSError) -> None:
         code = exc.errno or 0
         with self._lock:
             self._counts["write_errors"] += 1
-            first = code not in self._warned_errors
-            self._warned_errors.add(code)
+        what = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is spent",
+                errno.EFBIG: "the file size limit is reached"}.get(code, "it failed")
+        self._warn_once(code, f"writing {name} failed because {what} ({_errno_text(exc)}); "
+                        "that chunk stays a miss and the job goes on (later "
+                        f"{errno.errorcode.get(code, code)} errors are only counted in "
+                        "write_errors)")
+
+    def _warn_once(self, kind: int, message: str) -> None:
+        """Log ``message`` the first time a kind of fault happens (a failing disk must not
+        flood the log)."""
+        with self._lock:
+            first = kind not in self._warned_errors
+            self._warned_errors.add(kind)
         if first:
-            what = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is spent",
-                    errno.EFBIG: "the file size limit is reached"}.get(code, "it failed")
-            log.warning("file tier %s: writing %s failed because %s (%s); that chunk stays a "
-                        "miss and the job goes on (later %s errors are only counted in "
-                        "write_errors)", self.directory, name, what, exc.strerror,
-                        errno.errorcode.get(code, code))
+            log.warning("file tier %s: %s", self.directory, message)
 
     def _header_page(self) -> memoryview:
         """This thread's page-aligned header buffer (an anonymous mapping is page-aligned, as
@@ -517,8 +675,7 @@ class FileTier:
         for name, (header, problem) in zip(chunk_files, headers, strict=True):
             if problem:
                 self._corrupt(name, problem)
-            else:
-                assert header is not None
+            elif header is not None:  # (None: unreadable, counted in read_errors, kept)
                 found.append((header.seq, name, header.key))
         found.sort()
         for _, name, _ in found[:max(0, len(found) - self.capacity)]:
@@ -531,7 +688,10 @@ class FileTier:
     def _header_of(self, name: str) -> tuple[Header | None, str]:
         """Read and check only the header page of one file."""
         page = self._header_page()
-        problem = self._read_file(name, [page])
+        problem, error = self._read_file(name, [page])
+        if error:
+            self._read_failed(name, error)
+            return None, ""
         if problem:
             return None, problem
         try:
@@ -582,7 +742,7 @@ def _load_crc32c() -> Crc:
 
 def _check_geometry(budget_bytes: int, row_bytes: int, io_threads: int, page_size: int) -> None:
     if page_size < 512 or page_size & (page_size - 1):
-        raise OffloadError(f"page_size = {page_size} is not a power of two ≥ 512; use 4096")
+        raise OffloadError(f"page_size = {page_size} is not a power of two >= 512; use 4096")
     if row_bytes < 1 or row_bytes % page_size:
         raise OffloadError(f"row_bytes = {row_bytes} is not a positive multiple of the "
                            f"{page_size}-byte page; pass the plan's page-rounded slot or row")
@@ -600,6 +760,12 @@ def _warn_buffered(root: str, reason: str) -> None:
         _buffered_warned.add(root)
     log.warning("file tier %s: %s, so chunk files use buffered I/O (slower, through the page "
                 "cache)", root, reason)
+
+
+def _errno_text(exc: OSError) -> str:
+    code = errno.errorcode.get(exc.errno or 0, "")
+    text = exc.strerror or str(exc)
+    return f"{code}: {text}" if code else text
 
 
 def _address(view: memoryview) -> int:

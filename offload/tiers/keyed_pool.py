@@ -5,13 +5,20 @@ threads; operations on *different* files may run in any order and in parallel, b
 *one* file must not overtake each other (an eviction's unlink must not remove a newer write, a
 read must see the write it was promised).  Chaining each task behind the previous task of its
 key with a done-callback gives that order without a caller or a pool thread ever blocking.
+
+NOTE: the workers are daemon threads and `shutdown` waits at most a deadline.  A stalled file
+system can hold a thread in a system call indefinitely; the tier's close and the process's exit
+must not hang with it (the tier's callers already treated that I/O as a miss).
 """
 
 from __future__ import annotations
 
+import functools
+import queue
 import threading
+import time
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -21,7 +28,11 @@ class KeyedPool:
     """``threads`` worker threads; `submit` runs tasks of the same key in order."""
 
     def __init__(self, threads: int, name: str) -> None:
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
+                         for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
         self._lock = threading.Lock()
         self._tails: dict[Hashable, Future[Any]] = {}  # the last task submitted per key
 
@@ -37,7 +48,7 @@ class KeyedPool:
                 result.set_exception(exc)
 
         def start(_: object = None) -> None:
-            self._pool.submit(run)
+            self._queue.put(run)
 
         def forget(_: object) -> None:
             with self._lock:
@@ -54,22 +65,54 @@ class KeyedPool:
             previous.add_done_callback(start)  # runs at once if it is already done
         return result
 
-    def drain(self) -> None:
-        """Wait until every task submitted so far (and any chained behind them) has run."""
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait until every task submitted so far (and any chained behind them) has run, or
+        ``timeout_s`` passed (None: no limit).  Returns True when nothing is left."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             with self._lock:
                 pending = list(self._tails.values())
             if not pending:
-                return
-            wait(pending)
+                return True
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            wait(pending, timeout=left)
+
+    def pending(self) -> int:
+        """Keys with a task queued or running."""
+        with self._lock:
+            return len(self._tails)
 
     def map(self, fn: Callable[[Any], T], items: list[Any]) -> list[T]:
         """``fn`` over ``items`` in parallel, ignoring keys (start-up work)."""
-        return list(self._pool.map(fn, items))
+        futures = [self.submit(object(), functools.partial(fn, item)) for item in items]
+        return [f.result() for f in futures]
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float | None = None) -> bool:
+        """Finish the tasks (waiting at most ``timeout_s``) and stop the threads; a thread
+        still inside a task is left to end with it.  Returns True when every task ran."""
+        drained = self.drain(timeout_s)
+        if drained:
+            self._stop()
+        else:  # tasks chained behind a stalled one must still run once it returns
+            threading.Thread(target=self._stop_when_drained, name="offload-pool-stopper",
+                             daemon=True).start()
+        return drained
+
+    def _stop(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join()
+
+    def _stop_when_drained(self) -> None:
         self.drain()
-        self._pool.shutdown(wait=True)
+        self._stop()
+
+    def _work(self) -> None:
+        while (task := self._queue.get()) is not None:
+            task()
 
 
 def done(value: T) -> Future[T]:

@@ -2,7 +2,7 @@
 
 Pure arithmetic on an installed `Plan`, no I/O.  Every writing rank keeps its own `FileTier`
 over its own slot of each row (``row_bytes`` = its slot bytes, the view at ``slot_offset`` in
-the row), so all ranks must hold the *same number* of files — otherwise their LRUs would evict
+the row), so all ranks must hold the *same number* of files: otherwise their LRUs would evict
 different keys and a chunk could be on disk on one rank and gone on another.  The capacity is
 therefore sized like the host tier's chunk count: per node, the node's budget over the bytes
 one chunk costs on that node's disk (each writer's slot plus its header page), and the minimum
@@ -28,12 +28,15 @@ def rank_geometry(plan: Plan, rank: int, extra: Mapping[str, object]) -> dict[st
     return {"layout": plan.layout, "blocks_per_chunk": plan.blocks_per_chunk,
             "page_size": plan.page_size, "rank": rank, "slot": slot.slot,
             "slot_bytes": slot.slot_bytes, "page_bytes": list(slot.page_bytes),
-            "tensor_offsets": list(slot.tensor_offsets), "extra": dict(extra)}
+            "tensor_offsets": list(slot.tensor_offsets),
+            "trailer_offset": slot.trailer_offset, "integrity_seed": slot.integrity_seed,
+            "extra": dict(extra)}
 
 
 def file_capacity(plan: Plan, fs_bytes_per_node: int, writers: Collection[int]) -> int:
-    """Files per writing rank: ``min over nodes floor(fs_bytes_per_node / Σ file bytes of the
-    node's writers)``; a one-line OffloadError when a node's budget holds no chunk."""
+    """Files per writing rank: ``min over nodes floor(fs_bytes_per_node / sum of the file
+    bytes of the node's writers)``; a one-line OffloadError when a node's budget holds no
+    chunk."""
     per_node: dict[str, int] = {}
     for rank in writers:
         slot = plan.slots[rank]

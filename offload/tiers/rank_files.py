@@ -11,28 +11,57 @@ ranks' `FileTier` LRUs take the same decisions (DESIGN.md section 6, "File tier"
   being written out;
 * **promote** ``(key, chunk)``: read ``key``'s file into the rank's slot of row ``chunk``;
   True when the bytes are verified.  The key is readable in host memory only when every rank
-  says True (the caller's decision), otherwise every rank `discard`s it;
+  says True (the caller's decision), otherwise every rank `discard`s it.  A read that fails or
+  passes its deadline (``io_timeout_s``) is False, never an exception; a read that timed out
+  may still write into its row, so the row is *busy* (`busy_rows`) until it returns: the chunk
+  manager keeps it quarantined and `wait_rows` refuses to hand it out;
 * **discard** ``key``: forget it and remove its file.
+
+Page checksums (`offload.integrity`) live in a trailer of the slot and mix in the chunk id, so a
+file must not depend on the chunk it was spilled from: a spill re-mixes the row's trailer to
+`FILE_CHUNK` before writing it (the row is being evicted, nothing reads it any more), and a
+verified promotion re-mixes it to the row's own chunk before the key becomes readable.  The raw
+sums are kept all the way, so a page damaged on disk or in memory still fails its check.
 
 Who writes: in the private and shared layouts every rank owns its slot and keeps its own files;
 in the replicated layout a pipeline stage's ranks share one slot of the node's rows and only
-the stage writer (`Topology.is_stage_writer`) keeps files — the other ranks hold no tier and
+the stage writer (`Topology.is_stage_writer`) keeps files; the other ranks hold no tier and
 answer every item as done.  Every writer gets the same file capacity (`file_capacity`), so
 their LRUs stay in step.
 """
 
 from __future__ import annotations
 
+import errno
+import math
+import time
 from collections.abc import Collection, Hashable, Iterable, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from offload.integrity import move_sums, trailer_bytes
 from offload.plan import Plan
-from offload.tiers.file_tier import FileTier, host_view
+from offload.tiers.file_tier import DEFAULT_IO_TIMEOUT_S, FileTier, Spill, host_view
+from offload.tiers.fs_io import FileIO
 from offload.tiers.plan_files import file_capacity, rank_budget, rank_geometry
 from offload.topology import Topology
 
 WorkItem = tuple[Hashable, int]  # (chunk key, chunk id)
+FILE_CHUNK = -1  # the chunk id a file's checksums are mixed with: no row's
+
+
+@dataclass(frozen=True)
+class SlotSums:
+    """Where a slot's checksum trailer lies (its offset in the slot) and what it mixes in."""
+
+    offset: int
+    page_bytes: tuple[int, ...]
+    blocks_per_chunk: int
+    seed: int
 
 
 def file_writers(plan: Plan, topology: Topology) -> tuple[int, ...]:
@@ -54,17 +83,21 @@ class RankFiles:
     ``base + c * row_stride + slot_offset`` and spans ``slot_bytes``."""
 
     def __init__(self, tier: FileTier | None, base: int, row_stride: int, slot_offset: int,
-                 slot_bytes: int) -> None:
+                 slot_bytes: int, sums: SlotSums | None = None) -> None:
         self.tier = tier
         self._base, self._stride = base, row_stride
         self._offset, self._bytes = slot_offset, slot_bytes
-        self._releasing: dict[int, list[Future[None]]] = {}  # chunk -> spills reading it
+        self._sums = sums
+        self._releasing: dict[int, list[Spill]] = {}  # chunk -> spills reading it
+        self._reading: dict[int, Future[bool]] = {}  # chunk -> a read past its deadline
 
     @classmethod
     def open(cls, plan: Plan, topology: Topology, directory: str, fs_bytes_per_node: int,
-             region_address: int, extra: dict[str, object], io_threads: int = 8) -> RankFiles:
+             region_address: int, extra: dict[str, object], io_threads: int = 8,
+             io_timeout_s: float = DEFAULT_IO_TIMEOUT_S, io: FileIO | None = None) -> RankFiles:
         """Open this rank's tier under ``directory`` (none for a replicated non-writer).
-        ``extra`` joins the geometry fingerprint (e.g. the KV dtypes, tp and pp)."""
+        ``extra`` joins the geometry fingerprint (e.g. the KV dtypes, tp and pp, and what
+        tells apart tiers of one node with equal geometry, such as DP replicas)."""
         rank = topology.rank
         slot = plan.slots[rank]
         tier = None
@@ -72,9 +105,12 @@ class RankFiles:
             capacity = disk_capacity(plan, topology, fs_bytes_per_node)
             tier = FileTier(directory, rank_budget(plan, rank, capacity),
                             rank_geometry(plan, rank, extra), slot.slot_bytes,
-                            io_threads=io_threads, page_size=plan.page_size)
+                            io_threads=io_threads, page_size=plan.page_size,
+                            io_timeout_s=io_timeout_s, io=io)
+        sums = (SlotSums(slot.trailer_offset, slot.page_bytes, plan.blocks_per_chunk,
+                         slot.integrity_seed) if slot.trailer_offset is not None else None)
         return cls(tier, region_address, plan.row_stride(rank), slot.slot_offset,
-                   slot.slot_bytes)
+                   slot.slot_bytes, sums)
 
     def row(self, chunk: int) -> memoryview:
         """This rank's slot of host row ``chunk`` (page-aligned: rows and slots are page
@@ -88,14 +124,44 @@ class RankFiles:
         if self.tier is None:
             return
         for key, chunk in items:
+            self._move_sums(chunk, chunk, FILE_CHUNK)
             spill = self.tier.put(key, self.row(chunk))
-            self._releasing.setdefault(chunk, []).append(spill.released)
+            self._releasing.setdefault(chunk, []).append(spill)
 
     def wait_rows(self, chunks: Iterable[int]) -> None:
-        """Block until no spill reads any of ``chunks`` any more (call before writing them)."""
-        for chunk in set(chunks):
-            for released in self._releasing.pop(chunk, ()):
-                released.result()
+        """Block until no spill reads any of ``chunks`` any more (call before writing them).
+        A spill past its deadline is abandoned (its key a miss) and the row is free.  Raises
+        OSError (ETIMEDOUT) when a read that timed out earlier still fills one of the rows
+        after one more deadline: nothing may be copied into it yet."""
+        wanted = set(chunks)
+        spills = [(chunk, self._releasing.pop(chunk, [])) for chunk in wanted]
+        if self.tier is None or not (any(s for _, s in spills) or wanted & set(self._reading)):
+            return
+        # one deadline for the call, as for a promotion's reads: spills queued behind each
+        # other on the I/O threads get their turn, and k stalled ones cost one timeout, not k
+        count = sum(len(s) for _, s in spills) + len(wanted & set(self._reading))
+        deadline = time.monotonic() + self.tier.io_timeout_s * math.ceil(
+            count / self.tier.io_threads)
+        for _, released in spills:
+            for spill in released:
+                self.tier.release(spill, max(0.0, deadline - time.monotonic()))
+        for chunk in wanted:
+            read = self._reading.get(chunk)
+            if read is None:
+                continue
+            try:
+                read.exception(max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                raise OSError(errno.ETIMEDOUT, f"host row {chunk} is still being filled by a "
+                              "file-tier read that passed its deadline") from None
+            del self._reading[chunk]
+
+    def busy_rows(self) -> list[int]:
+        """Chunks whose row a timed-out read may still write into (the chunk manager keeps
+        them quarantined until a later call no longer lists them)."""
+        for chunk in [c for c, read in self._reading.items() if read.done()]:
+            del self._reading[chunk]
+        return sorted(self._reading)
 
     def promote(self, items: Sequence[WorkItem], spills: Sequence[WorkItem] = ()
                 ) -> list[bool]:
@@ -113,7 +179,27 @@ class RankFiles:
         self.spill(spills)
         self.wait_rows(chunk for _, chunk in items)
         reads = [self.tier.get(key, self.row(chunk)) for key, chunk in items]
-        return [read.result() for read in reads]
+        # every read has its deadline; queued behind others it waits its turn on the threads
+        deadline = time.monotonic() + self.tier.io_timeout_s * math.ceil(
+            max(1, len(reads)) / self.tier.io_threads)
+        verified = []
+        for (_, chunk), read in zip(items, reads, strict=True):
+            ok = self.tier.wait_read(read, deadline)
+            if not read.done():
+                self._reading[chunk] = read
+            elif ok:
+                self._move_sums(chunk, FILE_CHUNK, chunk)
+            verified.append(ok)
+        return verified
+
+    def _move_sums(self, chunk: int, from_chunk: int, to_chunk: int) -> None:
+        """Re-mix the checksum trailer of this rank's slot of row ``chunk``."""
+        if self._sums is not None:
+            s = self._sums
+            view = host_view(self._base + chunk * self._stride + self._offset + s.offset,
+                             trailer_bytes(s.page_bytes, s.blocks_per_chunk))
+            move_sums(np.frombuffer(view, dtype=np.uint64), s.page_bytes, s.blocks_per_chunk,
+                      s.seed, from_chunk, to_chunk)
 
     def discard(self, keys: Sequence[Hashable]) -> None:
         """Forget ``keys`` (a promotion failed on some rank) and remove their files."""
@@ -142,11 +228,19 @@ class RankFiles:
         self.tier.flush()  # written_bytes and write_GBps include spills still in flight
         return self.tier.to_json()
 
-    def close(self) -> None:
-        """Finish every write and read (before the region is unmapped).  Idempotent."""
+    def close(self) -> bool:
+        """Finish every write and read (before the region is unmapped), waiting at most the
+        I/O deadline for stalled ones.  Returns False when some were still stalled: a read
+        may then still write into its row, so the region must stay mapped until `wait_idle`
+        returns.  Idempotent."""
         self._releasing.clear()
+        self._reading.clear()
+        return self.tier.close() if self.tier is not None else True
+
+    def wait_idle(self) -> None:
+        """Block until every file operation has returned, stalled ones included."""
         if self.tier is not None:
-            self.tier.close()
+            self.tier.wait_idle()
 
 
 def agree_on_files(names: Sequence[frozenset[str] | None]) -> frozenset[str]:
@@ -156,7 +250,7 @@ def agree_on_files(names: Sequence[frozenset[str] | None]) -> frozenset[str]:
 
 
 _SUMMED = ("files", "written_bytes", "read_bytes", "hits", "misses", "corrupt", "evicted",
-           "write_errors")
+           "write_errors", "read_errors", "timeouts")
 
 
 def combine_reports(directory: str, per_rank: Sequence[dict[str, Any] | None]

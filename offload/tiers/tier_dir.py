@@ -1,9 +1,16 @@
-"""The directory of a file tier: checked, created without following links, locked.
+# SPDX-License-Identifier: Apache-2.0
+"""The directory of a file tier: checked, created without following links, owned, locked.
 
 The user's directory must exist and be a directory (one-line errors otherwise); the tier works
 in its fingerprint subdirectory, created mode 0700, opened with ``O_NOFOLLOW`` (a symlink
 planted there is refused, not followed) and locked with ``flock`` so two processes with the same
 geometry never share files.  The lock dies with the process, whatever kills it.
+
+NOTE: the fingerprint is predictable, so another local user can create ``fp-<fingerprint>``
+before us in a shared directory (``/tmp``) and fill it with files of their choosing.  The
+subdirectory is therefore used only when this user owns it and no one else may write it
+(checked on the opened descriptor, so a swap after the check changes nothing); otherwise the
+tier refuses to start with a one-line error naming the folder.
 """
 
 from __future__ import annotations
@@ -44,7 +51,8 @@ def check_fs_dir(directory: str, name: str) -> None:
 
 def open_locked_subdir(root: str, path: str) -> int:
     """Create (0700) and open the fingerprint subdirectory without following a planted
-    symlink, and lock it so a second process with the same geometry cannot share it."""
+    symlink, check that it is ours and that no one else can write it, and lock it so a second
+    process with the same geometry cannot share it.  Returns the directory's descriptor."""
     try:
         with contextlib.suppress(FileExistsError):
             os.mkdir(path, 0o700)
@@ -56,9 +64,29 @@ def open_locked_subdir(root: str, path: str) -> int:
         raise OffloadError(f"file tier directory {path} cannot be opened ({exc.strerror}); "
                            "remove it or pass another directory") from None
     try:
+        check_owned(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         raise OffloadError(f"file tier directory {path} is in use by another process with the "
                            "same geometry; give each job its own directory") from None
     return fd
+
+
+def check_owned(fd: int, path: str) -> None:
+    """A one-line OffloadError unless the directory open at ``fd`` belongs to this user and
+    neither its group nor others may write it."""
+    st = os.fstat(fd)
+    uid = os.geteuid()
+    if st.st_uid != uid:
+        raise OffloadError(f"file tier directory {path} belongs to uid {st.st_uid}, not to this "
+                           f"user (uid {uid}), so its files cannot be trusted; remove it or pass "
+                           "a directory of your own")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise OffloadError(f"file tier directory {path} is writable by others (mode "
+                           f"{stat.S_IMODE(st.st_mode):o}), so its files cannot be trusted; "
+                           f"run chmod 700 {path} or remove it")

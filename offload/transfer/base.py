@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from offload.errors import OffloadError
+from offload.integrity import UNIT_BYTES, WORD, trailer_bytes
 from offload.transfer.fast_check import FastCheck, Target, checker_library
 from offload.transfer.layout import IndexArray, Job, SlotLayout, UniqueDestinations, check_job
 from offload.transfer.tensors import KVGeometry, kv_geometry, page_view, region_pages
@@ -38,9 +39,15 @@ class TransferEngine(Protocol):
     them).  ``submit`` returns the job's completion event: a compute stream that
     ``wait_event``-s it may read loaded blocks (or overwrite stored ones) without a host round
     trip.  The host backend finishes the job inside ``submit`` and returns ``None``.
+
+    Integrity (a layout with a checksum trailer): a store writes every page's checksum, a load
+    checks it.  A finished job whose check failed is still reported by ``poll``/``wait_all``;
+    ``job_error`` then names what did not match, and ``mismatches`` counts such jobs.
     """
 
     name: str
+    integrity: bool
+    mismatches: int
 
     def submit(self, job_id: int, direction: Direction, gpu_blocks: object, chunk_ids: object,
                positions: object, after: After = None) -> torch.cuda.Event | None: ...
@@ -50,6 +57,8 @@ class TransferEngine(Protocol):
     def poll(self) -> list[int]: ...
 
     def wait_all(self) -> list[int]: ...
+
+    def job_error(self, job_id: int) -> str | None: ...
 
     def close(self) -> None: ...
 
@@ -99,6 +108,12 @@ class EngineBase:
         self._geometry = check_geometry(kv_tensors, layout)
         self._kv = list(kv_tensors)
         self._region = region_bytes_view(region, layout, chunk_count)
+        if layout.trailer_offset is not None and (self._region.data_ptr() + layout.slot_offset
+                                                  + layout.trailer_offset) % WORD:
+            raise OffloadError(
+                f"the region starts at {self._region.data_ptr():#x}, so the checksum trailers "
+                f"do not lie on {WORD}-byte boundaries; map the region page-aligned (HostTier "
+                "does) or plan without integrity")
         self._layout = layout
         self._chunk_count = chunk_count
         self._kv_bases: IndexArray = np.array([t.data_ptr() for t in kv_tensors], dtype=np.int64)
@@ -110,6 +125,9 @@ class EngineBase:
                                        layout.blocks_per_chunk)}
         self._pack_target: Target | None = None  # kernel engines: their staging buffer
         self._closed = False
+        self.integrity = layout.integrity  # whether this engine's jobs write and check sums
+        self.mismatches = 0  # finished jobs whose checksums did not match
+        self._errors: dict[int, str] = {}
 
     @cached_property
     def _fast(self) -> FastCheck | None:
@@ -171,6 +189,37 @@ class EngineBase:
 
     def wait_all(self) -> list[int]:
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ integrity
+    def job_error(self, job_id: int) -> str | None:
+        """Why finished job ``job_id`` failed (and forget it), or None when it succeeded.
+
+        Args:
+            job_id: a job ``poll`` or ``wait_all`` reported.
+
+        Returns:
+            e.g. ``"integrity: tensor 3 chunk 17 position 2 does not match what was stored"``,
+            or None.
+        """
+        return self._errors.pop(job_id, None)
+
+    def _mismatch(self, job_id: int, tensor: int, host_page: int, unit: int) -> None:
+        """Record that job ``job_id`` loaded a unit whose checksum did not match."""
+        chunk, position = divmod(host_page, self._layout.blocks_per_chunk)
+        piece = f" (bytes from {unit * UNIT_BYTES})" if unit else ""
+        self.mismatches += 1
+        self._errors[job_id] = (f"integrity: tensor {tensor} chunk {chunk} position {position}"
+                                f"{piece} does not match what was stored")
+
+    def _trailers(self) -> np.ndarray:
+        """The region's checksum trailers as a ``[chunks, words]`` uint64 view (one row per
+        chunk; `SlotLayout.trailer_offsets` places each sum)."""
+        layout = self._layout
+        start = int(layout.trailer_offsets()[0])
+        words = trailer_bytes(layout.page_bytes, layout.blocks_per_chunk) // WORD
+        return np.ndarray((self._chunk_count, words), dtype=np.uint64,
+                          buffer=self._region.numpy(), offset=start,
+                          strides=(layout.row_stride, WORD))
 
     def close(self) -> None:
         """Finish in-flight jobs and refuse new ones; idempotent."""

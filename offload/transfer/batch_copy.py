@@ -8,13 +8,18 @@ object per page (DESIGN.md section 7: building per-pointer Python lists through
 coalesced first (`layout.coalesce`), so a chunk of consecutive blocks is one descriptor.
 
 Needs a driver with the CUDA 13 entry point ``cuMemcpyBatchAsync_v2`` and host memory
-registered with CUDA (the engine is only chosen for a pinned region).
+registered with CUDA (the engine is only chosen for a pinned region).  With integrity on, the
+Triton kernel in sum-only mode writes (store, before the DMA) or checks (load, after it) the
+pages' checksums over the GPU pages (`offload.transfer.kernel`); without Triton the engine runs
+without checksums and says so once.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,6 +28,11 @@ from offload.cuda_driver import driver_call, has_entry_point
 from offload.transfer.base import Direction
 from offload.transfer.cuda import StreamEngine
 from offload.transfer.layout import Job, SlotLayout, coalesce, page_addresses
+
+log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from offload.transfer.kernel import KernelCopier
 
 CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
 BATCH_ENTRY = "cuMemcpyBatchAsync_v2"
@@ -85,6 +95,22 @@ class BatchCopyEngine(StreamEngine):
                  layout: SlotLayout, chunk_count: int, priority: int = 0) -> None:
         super().__init__(kv_tensors, region, layout, chunk_count, priority)
         self.batch = BatchCopier(self._stream)
+        self.kernel: KernelCopier | None = None
+        if layout.integrity:
+            from offload.transfer.engine import triton_available
+            if triton_available():
+                from offload.transfer.kernel import kernel_copier
+                self.kernel = kernel_copier(self)
+            else:
+                log.warning("transfer backend 'copy_engine' without triton cannot checksum "
+                            "pages: integrity is off for this rank's jobs; install triton")
+                self.integrity = False
 
-    def _launch(self, direction: Direction, job: Job) -> tuple[np.ndarray, ...]:
-        return self.batch.launch_runs(*page_copies(self, direction, job))
+    def _launch(self, direction: Direction, job: Job) -> object:
+        sums = None
+        if self.kernel is not None and direction == "store":
+            sums = self.kernel.launch(direction, job, copy=False)
+        copies = self.batch.launch_runs(*page_copies(self, direction, job))
+        if self.kernel is not None and direction == "load":
+            sums = self.kernel.launch(direction, job, copy=False)
+        return copies if sums is None else (sums, copies)

@@ -3,11 +3,14 @@
 Every job runs on the engine's own stream, ordered after the caller's stream or event (default:
 the current stream when the job was submitted): a store then sees the compute kernels' pending
 writes and a load does not overtake them.  One event per job, queried without blocking, reports
-completion and is handed back so a compute stream can wait for the job on the GPU.
+completion and is handed back so a compute stream can wait for the job on the GPU.  A job's
+checksum result (`Lease.failure`) is read when the job is found complete, before its lease is
+released.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Sequence
 
@@ -16,6 +19,8 @@ import torch
 from offload.errors import OffloadError
 from offload.transfer.base import After, Direction, EngineBase
 from offload.transfer.layout import Job, SlotLayout
+
+log = logging.getLogger(__name__)
 
 # Programs (so SMs) the kernel may occupy, per direction.  Stores are posted writes that, issued
 # from many SMs, back up the memory system and stall concurrent compute.  Measured on an H200
@@ -34,6 +39,11 @@ class Lease:
     (`offload.transfer.kernel.StagingSlot`).  Other objects `_launch` returns are only kept
     alive until then."""
 
+    def failure(self) -> tuple[int, int, int] | None:
+        """For a completed load whose checksums were checked: (job entry, tensor, piece of
+        the page) of a unit that did not match, or None."""
+        return None
+
     def release(self) -> None:
         """The job's copy is complete: nothing on the GPU reads this any more."""
 
@@ -51,7 +61,7 @@ class StreamEngine(EngineBase):
         self._ordered = torch.cuda.Event()  # re-recorded per job: the caller's stream point
         self._ordered.record(self._stream)  # created now: native launches use its handle
         self._caller: tuple[int, torch.cuda.Stream] | None = None  # (raw handle, stream)
-        self._pending: deque[tuple[int, torch.cuda.Event, object]] = deque()
+        self._pending: deque[tuple[int, torch.cuda.Event, object, Job]] = deque()
 
     @property
     def stream(self) -> torch.cuda.Stream:
@@ -89,7 +99,7 @@ class StreamEngine(EngineBase):
                 keep = self._launch(direction, job)
         done = torch.cuda.Event()
         done.record(stream)
-        self._pending.append((job_id, done, keep))
+        self._pending.append((job_id, done, keep, job))
         return done
 
     def _wait_for(self, caller: int) -> None:
@@ -114,22 +124,31 @@ class StreamEngine(EngineBase):
     def poll(self) -> list[int]:
         finished = []
         while self._pending and self._pending[0][1].query():
-            finished.append(_retire(*self._pending.popleft()))
+            finished.append(self._retire(*self._pending.popleft()))
         return finished
 
     def wait_all(self) -> list[int]:
         if self._pending:
             self._pending[-1][1].synchronize()
-        finished = [_retire(*entry) for entry in self._pending]
+        finished = [self._retire(*entry) for entry in self._pending]
         self._pending.clear()
         return finished
 
-
-def _retire(job_id: int, done: torch.cuda.Event, keep: object) -> int:
-    """A completed job: release what it held (a `Lease`); return its id."""
-    if isinstance(keep, Lease):
-        keep.release()
-    return job_id
+    def _retire(self, job_id: int, done: torch.cuda.Event, keep: object, job: Job) -> int:
+        """A completed job: read its checksum result, release what it held (`Lease`s, alone
+        or in a tuple); return its id.  The job's index arrays may live in the lease's
+        staging buffer, so they are read first."""
+        leases = [k for k in (keep if isinstance(keep, tuple) else (keep,))
+                  if isinstance(k, Lease)]
+        for lease in leases:
+            failed = lease.failure()
+            if failed is not None:
+                entry, tensor, piece = failed
+                self._mismatch(job_id, tensor, int(job.host_pages[entry]), piece)
+                break
+        for lease in leases:
+            lease.release()
+        return job_id
 
 
 class PerBlockEngine(StreamEngine):
@@ -142,6 +161,12 @@ class PerBlockEngine(StreamEngine):
                  layout: SlotLayout, chunk_count: int, priority: int = 0) -> None:
         super().__init__(kv_tensors, region, layout, chunk_count, priority)
         self._pages = self._page_views()
+        if layout.integrity:
+            # NOTE: the region is not registered, so no GPU pass can reach its trailer; this
+            # path is the fallback for unpinned memory and runs without checksums.
+            log.warning("transfer backend 'per_block' (unpinned region) does not checksum "
+                        "pages: integrity is off for this rank's jobs; pin the region")
+        self.integrity = False
 
     def _launch(self, direction: Direction, job: Job) -> None:
         bpc = self._layout.blocks_per_chunk

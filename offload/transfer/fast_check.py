@@ -30,16 +30,15 @@ import os
 import sysconfig
 from collections.abc import Callable, Mapping
 from functools import cache
-from pathlib import Path
 
 import numpy as np
 
+from offload.transfer.build_cache import SOURCES, load
 from offload.transfer.layout import Job, SlotLayout, UniqueDestinations
-from offload.transfer.native import load
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("job_check.c")
+SOURCE = SOURCES["job_check"]
 FIELDS = {"blocks": 0, "host_pages": 1}  # job_check.c's ``field``
 LAST_STAMP = 2**31 - 1
 
@@ -68,7 +67,7 @@ def checker_library() -> ctypes.CDLL | None:
     if not os.path.exists(os.path.join(include, "Python.h")):
         log.info("no Python.h under %r: job checks keep the numpy path", include)
         return None
-    lib = load(SOURCE, "job checks", [f"-I{include}"], ctypes.PyDLL)
+    lib = load(SOURCE, "job checks", "offload_check_job", [f"-I{include}"], ctypes.PyDLL)
     if lib is not None:
         lib.offload_check_job.argtypes = [ctypes.c_void_p, *[ctypes.py_object] * 4,
                                           ctypes.c_int32]

@@ -18,6 +18,17 @@ its indices and launches the compiled kernel with ``cuLaunchKernel`` over a para
 built once (`offload.transfer.launcher`); without the native library the same calls are made
 from Python, and where the launch cannot be reproduced exactly, the compiled kernel's own
 launcher runs.
+
+Integrity (a layout with a checksum trailer, `offload.integrity`): the same pass sums every work
+item it copies -- a work item is one checksum unit -- and, on a store, writes the sum into the
+slot's trailer in host memory (the region is registered, so the kernel reaches it directly);
+on a load it compares the sum of the bytes it read with the trailer and, on a mismatch, writes
+the failing work item into the job's pinned result word (`StagingSlot.failed`), which the
+engine reads when it finds the job complete.  The copy engines' jobs get the same kernel in
+sum-only mode (``COPY`` off: it reads the GPU pages at HBM speed and moves nothing): before
+their DMA on a store, after it on a load.  The result word's address travels with the job's
+indices (two words after them), so the native and bound launch paths pass no new argument
+per job.
 """
 
 from __future__ import annotations
@@ -33,6 +44,8 @@ import triton
 import triton.language as tl
 
 from offload.cuda_driver import bound_function, check
+from offload.errors import OffloadError
+from offload.integrity import UNIT_BYTES
 from offload.transfer.base import Direction
 from offload.transfer.cuda import DEFAULT_COPY_PROGRAMS, Lease, StreamEngine
 from offload.transfer.launcher import BoundKernel, bind, hooks_active
@@ -40,7 +53,7 @@ from offload.transfer.layout import Job, SlotLayout, common_alignment
 from offload.transfer.native import NativeIssuer, driver_entry_points, library
 
 STEP_BYTES = 32 << 10  # per program and step in flight
-MAX_TILE_BYTES = 16 << 10  # one work item: a page, or a 16 KiB piece of a larger one
+MAX_TILE_BYTES = UNIT_BYTES  # one work item: a page, or a piece of a larger one (a checksum unit)
 NUM_WARPS = 4
 # Widest access in bytes.  16 (two int64 lanes, vectorised) moved no more than 8 on 160 x 16 KiB
 # pages (H200: 48.4 / 47.3 GB/s store / load either way) but stores of pages split into several
@@ -48,19 +61,56 @@ NUM_WARPS = 4
 # understood; ``max_word=16`` keeps the option.
 MAX_WORD = 8
 STAGING_SLOTS = 4  # pinned staging buffers made at first; more only while all are in flight
+# Programs of a sum-only pass: it reads GPU memory only, so it is short with many programs.
+SUM_PROGRAMS = 264
 _ELEMENTS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _SCALARS = ("n", "items", "num_tensors", "row_stride", "bpc")
+TABLE_COLUMNS = 8
+
+
+@triton.jit
+def _mix(z):
+    """splitmix64's finaliser (`offload.integrity.mix`) over uint64."""
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9  # the constants of offload.integrity.mix
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+    return z ^ (z >> 31)
+
+
+@triton.jit
+def _unsigned(data, ELEMENT: tl.constexpr):
+    """Elements read as signed integers of ``ELEMENT`` bytes, zero-extended to uint64."""
+    if ELEMENT == 8:
+        wide = data.to(tl.uint64, bitcast=True)
+    elif ELEMENT == 4:
+        wide = data.to(tl.uint32, bitcast=True).to(tl.uint64)
+    elif ELEMENT == 2:
+        wide = data.to(tl.uint16, bitcast=True).to(tl.uint64)
+    else:
+        wide = data.to(tl.uint64)
+    return wide
 
 
 @triton.jit(do_not_specialize=_SCALARS)  # one compilation whatever the job's size
-def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc,
+def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc, sums,
                 LOAD: tl.constexpr, PIECES: tl.constexpr, ROWS: tl.constexpr,
-                TILE: tl.constexpr, VEC: tl.constexpr):
-    """Addresses are element offsets from ``anchor``.  ``table`` is [tensors, 4]: KV base,
-    block stride, page, host base; ``job`` is [2, n]: block ids, then host pages.  Work item
-    ``w`` = (entry, tensor, piece) in row-major order; a program copies ROWS items per step."""
+                TILE: tl.constexpr, VEC: tl.constexpr, COPY: tl.constexpr,
+                INTEGRITY: tl.constexpr, ELEMENT: tl.constexpr):
+    """Addresses are element offsets from ``anchor``.  ``table`` is [tensors, 8]: KV base,
+    block stride, page, host base (elements); then, for integrity, units per page, the trailer
+    word of (chunk 0, position 0, unit 0) counted from ``sums`` (``anchor`` as 64-bit words),
+    the tensor's identity key and the row stride in words.  ``job`` is [2, n]: block ids, then
+    host pages, and for a checked load the result word's offset from ``sums`` as two 32-bit
+    halves.  Work item ``w`` = (entry, tensor, piece) in row-major order; a program handles
+    ROWS items per step.  ``COPY`` off: only sum the GPU pages (copy-engine jobs)."""
     rows = tl.arange(0, ROWS)
     cols = tl.arange(0, TILE)[None, :]
+    if INTEGRITY:
+        byte = cols.to(tl.int64) * ELEMENT
+        weight = ((byte >> 3) * 2 + 1).to(tl.uint64)  # word i of the unit weighs 2i + 1
+        shift = ((byte & 7) * 8).to(tl.uint64)  # the element's place in its word
+        if LOAD:
+            low = tl.load(job + 2 * n).to(tl.int64) & 0xFFFFFFFF
+            failed = low + (tl.load(job + 2 * n + 1).to(tl.int64) << 32)
     first = tl.program_id(0).to(tl.int64) * ROWS
     step = tl.num_programs(0).to(tl.int64) * ROWS
     for start in range(first, items, step):
@@ -72,7 +122,7 @@ def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc,
         i = rest // num_tensors
         block = tl.load(job + i, mask=valid, other=0).to(tl.int64)
         host_page = tl.load(job + n + i, mask=valid, other=0).to(tl.int64)
-        entry = table + t * 4
+        entry = table + t * 8
         kv_base = tl.load(entry, mask=valid, other=0)
         stride = tl.load(entry + 1, mask=valid, other=0)
         page = tl.load(entry + 2, mask=valid, other=0)
@@ -82,6 +132,16 @@ def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc,
         kv = kv_base + block * stride + skip
         host = host_base + chunk * row_stride + (host_page - chunk * bpc) * page + skip
         count = tl.where(valid, page - skip, 0)
+        if INTEGRITY:  # noqa: SIM102 (constexpr branches, kept as the other one below)
+            if LOAD:  # the stored sum is read before the page, so the two reads overlap
+                has = count > 0
+                units = tl.load(entry + 4, mask=valid, other=0)
+                trailer = tl.load(entry + 5, mask=valid, other=0)
+                key = tl.load(entry + 6, mask=valid, other=0).to(tl.uint64, bitcast=True)
+                row_words = tl.load(entry + 7, mask=valid, other=0)
+                position = host_page - chunk * bpc
+                where = trailer + chunk * row_words + position * units + piece
+                expect = tl.load(sums + where, mask=has, other=0)
         if LOAD:
             src = tl.multiple_of(host, VEC)
             dst = tl.multiple_of(kv, VEC)
@@ -89,12 +149,58 @@ def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc,
             src = tl.multiple_of(kv, VEC)
             dst = tl.multiple_of(host, VEC)
         mask = cols < count[:, None]
-        data = tl.load(anchor + src[:, None] + cols, mask=mask)
-        tl.store(anchor + dst[:, None] + cols, data, mask=mask)
+        if COPY:
+            data = tl.load(anchor + src[:, None] + cols, mask=mask, other=0)
+            tl.store(anchor + dst[:, None] + cols, data, mask=mask)
+        else:
+            data = tl.load(anchor + tl.multiple_of(kv, VEC)[:, None] + cols, mask=mask, other=0)
+        if INTEGRITY:
+            if not LOAD:  # after the page's copy: this order keeps stores at copy speed
+                has = count > 0
+                units = tl.load(entry + 4, mask=valid, other=0)
+                trailer = tl.load(entry + 5, mask=valid, other=0)
+                key = tl.load(entry + 6, mask=valid, other=0).to(tl.uint64, bitcast=True)
+                row_words = tl.load(entry + 7, mask=valid, other=0)
+                position = host_page - chunk * bpc
+            total = tl.sum((_unsigned(data, ELEMENT) << shift) * weight, axis=1)
+            ident = _mix(_mix(_mix(key ^ chunk.to(tl.uint64)) ^ position.to(tl.uint64))
+                         ^ piece.to(tl.uint64))
+            stored = (total + ident).to(tl.int64, bitcast=True)
+            if LOAD:
+                tl.store(sums + failed + rows * 0, item, mask=has & (expect != stored))
+            else:
+                where = trailer + chunk * row_words + position * units + piece
+                tl.store(sums + where, stored, mask=has)
 
 
 def _ceil_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
+
+
+def kernel_table(kv_bases: Sequence[int], block_strides: Sequence[int], layout: SlotLayout,
+                 region_address: int, anchor: int, element: int) -> list[list[int]]:
+    """The kernel's per-tensor table (`_copy_pages`), ``TABLE_COLUMNS`` int64 values a row;
+    the integrity columns are 0 for a layout without a checksum trailer."""
+    host_bases = [region_address + o for o in layout.host_page_offsets().tolist()]
+    rows = [[(b - anchor) // element, s // element, p // element, (h - anchor) // element]
+            for b, s, p, h in zip(kv_bases, block_strides, layout.page_bytes, host_bases,
+                                  strict=True)]
+    if not layout.integrity:
+        return [row + [0] * (TABLE_COLUMNS - 4) for row in rows]
+    trailers = [(region_address + o - anchor) // 8 for o in layout.trailer_offsets().tolist()]
+    keys = [k - (1 << 64) if k >= 1 << 63 else k for k in layout.tensor_keys()]  # as int64
+    return [row + [units, trailer, key, layout.row_stride // 8]
+            for row, units, trailer, key in zip(rows, layout.units, trailers, keys,
+                                                strict=True)]
+
+
+def kernel_shape(layout: SlotLayout, element: int, tile_bytes: int, step_bytes: int
+                 ) -> tuple[int, int, int]:
+    """(tile, pieces, rows): elements of one work item, work items per page of the largest
+    tensor, work items per program and step."""
+    max_page = max(layout.page_bytes) // element
+    tile = min(_ceil_pow2(max_page), tile_bytes // element)
+    return tile, -(-max_page // tile), max(1, (step_bytes // element) // tile)
 
 
 class StagingSlot(Lease):
@@ -104,14 +210,38 @@ class StagingSlot(Lease):
     goes back to its copier's free list.  Replaces an event record and query per job."""
 
     def __init__(self, owner: KernelCopier, capacity: int, index_type: torch.dtype) -> None:
-        self.pinned = torch.empty(2 * capacity, dtype=index_type, pin_memory=True)
+        # the job's indices, then the result word's offset for a checked load
+        self.pinned = torch.empty(2 * capacity + 2, dtype=index_type, pin_memory=True)
         self.staged = self.pinned.numpy()
         self.address = self.pinned.data_ptr()
         self.item_bytes = self.pinned.element_size()
         self.capacity = capacity
         self._owner = owner
+        self._result = torch.full((1,), -1, dtype=torch.int64, pin_memory=True)
+        self.result = self._result.numpy()  # the failing work item of a checked load, or -1
+        offset = (self._result.data_ptr() - owner.anchor) // 8
+        low = offset & 0xFFFFFFFF
+        if index_type == torch.int32 and low >= 1 << 31:
+            low -= 1 << 32  # the same 32 bits, as the int32 the array holds
+        self._marker = (low, offset >> 32)
+        self.checked = False
+
+    def arm(self, n: int) -> None:
+        """Make this slot's job a checked load of ``n`` entries: clear the result word and
+        put its offset after the indices."""
+        self.result[0] = -1
+        self.staged[2 * n], self.staged[2 * n + 1] = self._marker
+        self.checked = True
+
+    def failure(self) -> tuple[int, int, int] | None:
+        """For a completed checked load: (entry, tensor, piece) of a work item whose sum did
+        not match, or None."""
+        if not self.checked or self.result[0] < 0:
+            return None
+        return self._owner.work_item(int(self.result[0]))
 
     def release(self) -> None:
+        self.checked = False
         self._owner._free_slot(self)
 
 
@@ -133,22 +263,23 @@ class KernelCopier:
         self._stream = stream
         self._ordered = ordered
         self._wait_for = wait_for
+        self.integrity = layout.integrity
+        if self.integrity and tile_bytes != UNIT_BYTES:
+            raise OffloadError(
+                f"tile_bytes = {tile_bytes} with integrity on; a work item must be one checksum "
+                f"unit, so use {UNIT_BYTES} (or a layout without a checksum trailer)")
         self._anchor = torch.empty(32, dtype=torch.uint8, device=device)
-        anchor = self._anchor.data_ptr()
+        anchor = self.anchor = self._anchor.data_ptr()
         host_bases = [region_address + o for o in layout.host_page_offsets().tolist()]
         self.word = common_alignment(
             [*kv_bases, *block_strides, *layout.page_bytes, *host_bases, layout.row_stride,
              anchor], cap=max_word)
         element = min(self.word, 8)
         self._element = element
-        rows = [[(b - anchor) // element, s // element, p // element, (h - anchor) // element]
-                for b, s, p, h in zip(kv_bases, block_strides, layout.page_bytes, host_bases,
-                                      strict=True)]
+        rows = kernel_table(kv_bases, block_strides, layout, region_address, anchor, element)
         self._table = torch.tensor(rows, dtype=torch.int64).to(device)  # once per engine
-        max_page = max(layout.page_bytes) // element
-        self._tile = min(_ceil_pow2(max_page), tile_bytes // element)
-        self._pieces = -(-max_page // self._tile)
-        self._rows = max(1, (step_bytes // element) // self._tile)
+        self._tile, self._pieces, self._rows = kernel_shape(layout, element, tile_bytes,
+                                                            step_bytes)
         self._vec = self.word // element
         self._num_tensors = len(rows)
         self._row_stride = layout.row_stride // element
@@ -162,9 +293,9 @@ class KernelCopier:
         self._next: StagingSlot | None = None  # handed to the job check by `staging`
         self.slots_made = 0
         self._device_index = torch.empty(0, dtype=self._index_type, device=device)
-        self._compiled: dict[bool, Any] = {}
-        self._bound: dict[bool, BoundKernel | None] = {}
-        self._native: dict[bool, NativeIssuer] = {}
+        self._compiled: dict[tuple[bool, bool], Any] = {}  # by (load, copy)
+        self._bound: dict[tuple[bool, bool], BoundKernel | None] = {}
+        self._native: dict[tuple[bool, bool], NativeIssuer] = {}
         self._upload = bound_function("cuMemcpyHtoDAsync_v2", ctypes.c_uint64, ctypes.c_void_p,
                                       ctypes.c_size_t, ctypes.c_void_p)
         self.launches = {"native": 0, "bound": 0, "triton": 0}  # each job's launch path
@@ -205,9 +336,16 @@ class KernelCopier:
         if slot.capacity == self._capacity:
             self._free.append(slot)
 
-    def launch(self, direction: Direction, job: Job, caller: int | None = None
-               ) -> StagingSlot:
-        """Enqueue ``job``, first ordered after the raw stream ``caller`` when given."""
+    def work_item(self, item: int) -> tuple[int, int, int]:
+        """Work item ``item`` of a job as (entry, tensor, piece)."""
+        rest, piece = divmod(item, self._pieces)
+        entry, tensor = divmod(rest, self._num_tensors)
+        return entry, tensor, piece
+
+    def launch(self, direction: Direction, job: Job, caller: int | None = None,
+               copy: bool = True) -> StagingSlot:
+        """Enqueue ``job``, first ordered after the raw stream ``caller`` when given;
+        ``copy`` off: only write (store) or check (load) its checksums over the GPU pages."""
         n = len(job)
         if n > self._capacity:
             self._grow(n)
@@ -221,20 +359,25 @@ class KernelCopier:
             np.copyto(slot.staged[:n], job.blocks, casting="unsafe")
             np.copyto(slot.staged[n:2 * n], job.host_pages, casting="unsafe")
         items = n * self._num_tensors * self._pieces
-        grid = max(1, min(self._programs[direction], -(-items // self._rows)))
+        programs = self._programs[direction] if copy else SUM_PROGRAMS
+        grid = max(1, min(programs, -(-items // self._rows)))
         load = direction == "load"
-        native = self._native.get(load)
+        staged = 2 * n
+        if load and self.integrity:
+            slot.arm(n)
+            staged += 2
+        native = self._native.get((load, copy))
         if (native is not None and not self._hooked()
                 and native.issue(caller is not None, caller or 0, slot.address,
-                                 2 * n * slot.item_bytes, n, items, grid)):
+                                 staged * slot.item_bytes, n, items, grid)):
             self.launches["native"] += 1
             return slot
         if caller is not None:
             self._wait_for(caller)
         stream = self._stream.cuda_stream
         check(self._upload(self._device_index.data_ptr(), slot.address,
-                           2 * n * slot.item_bytes, stream), "cuMemcpyHtoDAsync_v2")
-        self._run(load, grid, stream, n, items)
+                           staged * slot.item_bytes, stream), "cuMemcpyHtoDAsync_v2")
+        self._run(load, copy, grid, stream, n, items)
         return slot
 
     @staticmethod
@@ -243,13 +386,15 @@ class KernelCopier:
         Triton's launcher, where they run."""
         return hooks_active(_launch_hooks())
 
-    def _run(self, load: bool, grid: int, stream: int, n: int, items: int) -> None:
+    def _run(self, load: bool, copy: bool, grid: int, stream: int, n: int, items: int
+             ) -> None:
         """The first launch of a direction compiles the kernel through Triton's normal path;
         later ones go through the native issue call (`launch`) or the `BoundKernel` made
         from it (``cuLaunchKernel``, the two sizes updated in place; `_grow` updates the index
         buffer's pointer) or, where binding was refused or a size outgrew the compiled integer
         type, the compiled kernel's own launcher."""
-        bound = self._bound.get(load)
+        key = (load, copy)
+        bound = self._bound.get(key)
         knobs = _triton_knobs()
         hooks = _launch_hooks()
         if (bound is not None and bound.fits(3, n) and bound.fits(4, items)
@@ -260,10 +405,12 @@ class KernelCopier:
             self.launches["bound"] += 1
             return
         self.launches["triton"] += 1
-        constants = (load, self._pieces, self._rows, self._tile, self._vec)
-        compiled: Any = self._compiled.get(load)
+        constants = (load, self._pieces, self._rows, self._tile, self._vec, copy,
+                     self.integrity, self._element)
+        compiled: Any = self._compiled.get(key)
         args = (self._anchor.data_ptr(), self._table.data_ptr(), self._device_index.data_ptr(),
-                n, items, self._num_tensors, self._row_stride, self._bpc)
+                n, items, self._num_tensors, self._row_stride, self._bpc,
+                self._anchor.data_ptr())
         if compiled is not None and knobs is not None:
             launcher = compiled.run
             meta = compiled.launch_metadata((grid, 1, 1), stream, *args, *constants)
@@ -274,14 +421,15 @@ class KernelCopier:
         with torch.cuda.stream(self._stream):
             compiled = _copy_pages[(grid,)](
                 self._anchor.view(_ELEMENTS[self._element]), self._table, self._device_index,
-                n, items, self._num_tensors, self._row_stride, self._bpc, LOAD=load,
-                PIECES=self._pieces, ROWS=self._rows, TILE=self._tile, VEC=self._vec,
-                num_warps=self._num_warps)
-        self._compiled[load] = compiled
-        bound = self._bound[load] = bind(compiled, args, hooks)
+                n, items, self._num_tensors, self._row_stride, self._bpc,
+                self._anchor.view(torch.int64), LOAD=load, PIECES=self._pieces,
+                ROWS=self._rows, TILE=self._tile, VEC=self._vec, COPY=copy,
+                INTEGRITY=self.integrity, ELEMENT=self._element, num_warps=self._num_warps)
+        self._compiled[key] = compiled
+        bound = self._bound[key] = bind(compiled, args, hooks)
         lib, entry_points = library(), driver_entry_points()
         if bound is not None and lib is not None and entry_points is not None:
-            self._native[load] = NativeIssuer(
+            self._native[key] = NativeIssuer(
                 lib, entry_points, bound, 3, self._stream.cuda_stream,
                 self._ordered.cuda_event, self._device_index.data_ptr())
 
@@ -325,6 +473,19 @@ class TritonEngine(StreamEngine):
 
     def _launch_after(self, caller: int, direction: Direction, job: Job) -> StagingSlot:
         return self.kernel.launch(direction, job, caller)
+
+    def compile_all(self) -> None:
+        """Compile every variant a tier's jobs will launch -- copy in both directions and,
+        with checksums, the sum-only passes of copy-engine jobs -- by running each over block
+        0 and host page 0 (the caller's scratch buffers), so no first job pays for the JIT."""
+        zero = np.zeros(1, dtype=np.int64)
+        for direction in ("store", "load"):
+            self.submit(0, direction, zero, zero, zero)
+            if self.kernel.integrity:
+                job = self._check(zero, zero, zero, direction)
+                self.kernel.launch(direction, job, copy=False)
+        self._stream.synchronize()
+        self.wait_all()
 
 
 def kernel_copier(engine: StreamEngine, programs: Mapping[Direction, int] | None = None,

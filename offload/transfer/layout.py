@@ -13,6 +13,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from offload import integrity
 from offload.errors import OffloadError
 from offload.plan import Plan
 
@@ -26,13 +27,16 @@ class SlotLayout:
     """One rank's view of its region: rows of ``row_stride`` bytes (one per chunk); its slot
     starts ``slot_offset`` bytes into each row; inside the slot KV tensor ``t`` holds
     ``blocks_per_chunk`` pages of ``page_bytes[t]`` bytes back to back from
-    ``tensor_offsets[t]``."""
+    ``tensor_offsets[t]``; with ``trailer_offset`` set, the slot's page checksums follow at
+    that offset in the slot (`offload.integrity`), mixed with ``seed``."""
 
     row_stride: int
     slot_offset: int
     blocks_per_chunk: int
     page_bytes: tuple[int, ...]
     tensor_offsets: tuple[int, ...]
+    trailer_offset: int | None = None
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if len(self.page_bytes) != len(self.tensor_offsets) or not self.page_bytes:
@@ -49,6 +53,13 @@ class SlotLayout:
             o + self.blocks_per_chunk * p
             for o, p in zip(self.tensor_offsets, self.page_bytes, strict=True)
         )
+        if self.trailer_offset is not None:
+            if self.trailer_offset % integrity.WORD or self.trailer_offset + self.slot_offset < end:
+                raise OffloadError(
+                    f"checksum trailer at slot byte {self.trailer_offset} overlaps the pages or "
+                    f"is not {integrity.WORD}-byte aligned; rebuild the plan")
+            end = (self.slot_offset + self.trailer_offset
+                   + integrity.trailer_bytes(self.page_bytes, self.blocks_per_chunk))
         if self.slot_offset < 0 or min(self.tensor_offsets) < 0 or end > self.row_stride:
             raise OffloadError(
                 f"slot layout spans bytes {self.slot_offset}..{end} of a {self.row_stride}-byte "
@@ -59,11 +70,36 @@ class SlotLayout:
     def from_plan(cls, plan: Plan, rank: int) -> SlotLayout:
         slot = plan.slots[rank]
         return cls(plan.row_stride(rank), slot.slot_offset, plan.blocks_per_chunk,
-                   slot.page_bytes, slot.tensor_offsets)
+                   slot.page_bytes, slot.tensor_offsets, slot.trailer_offset,
+                   slot.integrity_seed)
 
     @property
     def num_tensors(self) -> int:
         return len(self.page_bytes)
+
+    @property
+    def integrity(self) -> bool:
+        """Whether the slot carries page checksums."""
+        return self.trailer_offset is not None
+
+    @property
+    def units(self) -> tuple[int, ...]:
+        """Per tensor, the checksum units of one page."""
+        return tuple(integrity.units(p) for p in self.page_bytes)
+
+    def trailer_offsets(self) -> IndexArray:
+        """Per tensor, the byte offset in the region of its sum of (chunk 0, position 0,
+        unit 0); tensor ``t``'s sum of (chunk, position, unit) is ``8 * (position *
+        units[t] + unit)`` bytes further, plus ``chunk * row_stride``."""
+        if self.trailer_offset is None:
+            raise OffloadError("this slot layout has no checksum trailer (integrity is off)")
+        starts = np.asarray(integrity.unit_offsets(self.page_bytes), dtype=np.int64)
+        return (self.slot_offset + self.trailer_offset
+                + integrity.WORD * self.blocks_per_chunk * starts)
+
+    def tensor_keys(self) -> list[int]:
+        """Per tensor, the first stage of its units' identities (`integrity.tensor_key`)."""
+        return [integrity.tensor_key(self.seed, t) for t in range(self.num_tensors)]
 
     def region_bytes(self, chunk_count: int) -> int:
         """Bytes a region must span to hold ``chunk_count`` rows."""

@@ -45,11 +45,11 @@ BACKENDS = [pytest.param("hybrid", marks=[needs_triton, needs_batch]),
 
 @contextmanager
 def cuda_engine(backend: str, kv: list[torch.Tensor], chunk_count: int, bpc: int = 4,
-                skew: int = 0, **options: Any
+                skew: int = 0, integrity: bool = True, **options: Any
                 ) -> Iterator[tuple[Any, list[torch.Tensor], torch.Tensor]]:
     """An engine over CUDA KV tensors ``kv`` and a random host region starting ``skew`` bytes
     into its allocation; registered with CUDA for the pinned backends only."""
-    layout = slot_layout(page_sizes(kv), bpc)
+    layout = slot_layout(page_sizes(kv), bpc, integrity=integrity)
     buffer = torch.randint(0, 256, (layout.region_bytes(chunk_count) + skew,), dtype=torch.uint8)
     region = buffer[skew:]
     pinned = backend in ("hybrid", "triton", "copy_engine")
@@ -89,11 +89,12 @@ def test_round_trip_is_byte_exact(backend: str, page: int) -> None:
 @pytest.mark.parametrize("skew", [0, 1, 4, 8])
 def test_hybrid_pages_and_unaligned_regions(backend: str, skew: int) -> None:
     """Odd page sizes (60 B) and a region that starts off 16-byte alignment force narrower
-    words in the kernel."""
+    words in the kernel.  Checksum trailers need 8-byte alignment: off it, without integrity."""
     kv = kv_set(40, HYBRID_PAGES, "cuda")
-    with cuda_engine(backend, kv, 12, skew=skew) as (engine, kv, region):
+    aligned = skew % 8 == 0
+    with cuda_engine(backend, kv, 12, skew=skew, integrity=aligned) as (engine, kv, region):
         job = scattered_job(np.random.default_rng(skew), 30, 40, 12, 4)
-        round_trip(engine, kv, region, slot_layout(HYBRID_PAGES, 4), job)
+        round_trip(engine, kv, region, slot_layout(HYBRID_PAGES, 4, integrity=aligned), job)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -190,12 +191,13 @@ def test_jobs_after_the_first_launch_skip_tritons_launcher(path: str) -> None:
         engine.submit(1, "load", *scattered_job(rng, 2, 320, 80, 4))
         engine.wait_all()
         kernel = engine.kernel
-        assert all(kernel._bound[load] is not None for load in (False, True))
-        assert set(kernel._native) == ({False, True} if library() is not None else set())
+        keys = {(False, True), (True, True)}  # (load, copy): both directions, copying
+        assert all(kernel._bound[key] is not None for key in keys)
+        assert set(kernel._native) == (keys if library() is not None else set())
         if path != "native":
             kernel._native = {}
         if path == "triton":
-            kernel._bound = {False: None, True: None}
+            kernel._bound = dict.fromkeys(keys)
         for size in (1, 7, 300):  # 300 grows the device index buffer: a new pointer
             round_trip(engine, kv, region, layout, scattered_job(rng, size, 320, 80, 4))
         expected = {"native": 0, "bound": 0, "triton": 2}
@@ -442,3 +444,78 @@ def test_hybrid_never_routes_strided_tensors_to_copy_engines() -> None:
         round_trip(engine, kv, region, slot_layout(page_sizes(kv), 16),
                    (np.arange(16), np.full(16, 1), np.arange(16)))
         assert engine.routes == {"kernel": 2, "copy_engine": 0}
+
+
+# ------------------------------------------------------------------ integrity
+INTEGRITY_PATHS = [
+    pytest.param("hybrid", "kernel", marks=[needs_triton, needs_batch]),
+    pytest.param("hybrid", "copy_engine", marks=[needs_triton, needs_batch]),
+    pytest.param("triton", "kernel", marks=needs_triton),
+    pytest.param("copy_engine", "copy_engine", marks=[needs_triton, needs_batch]),
+]
+
+
+@pytest.mark.parametrize(("backend", "route"), INTEGRITY_PATHS)
+def test_a_flipped_byte_fails_the_load_on_every_path(backend: str, route: str) -> None:
+    """Store a whole chunk (its trailer must hold the CPU definition's sums), load it back
+    cleanly, flip one byte of one page in host memory, load it three times (the kernel's
+    launch paths: Triton's, then bound or native): each load finishes, names the damaged
+    unit and is counted; a clean load after that still passes."""
+    kv = kv_set(64, [64 * KiB, 32 * KiB], "cuda")
+    with cuda_engine(backend, kv, 4, bpc=16) as (engine, kv, region):
+        assert engine.integrity
+        layout = engine.layout
+        store = (np.arange(16, 32), np.full(16, 2), np.arange(16))
+        # whole chunk in order: the copy engines' route; positions shuffled: the kernel's
+        rng = np.random.default_rng(0)
+        order = np.arange(16) if route == "copy_engine" else rng.permutation(16)
+        load = (np.arange(40, 56), np.full(16, 2), order)
+        expected = expected_region(region, kv, layout, store)
+        engine.submit(1, "store", *store)
+        assert engine.wait_all() == [1] and engine.job_error(1) is None
+        assert torch.equal(region, expected)
+        engine.submit(2, "load", *load)
+        assert engine.wait_all() == [2] and engine.job_error(2) is None
+        for t in kv:  # block 40 + i holds position order[i], stored from block 16 + order[i]
+            pages = t.view(torch.uint8)
+            assert torch.equal(pages[40:56], pages[16:32][torch.from_numpy(order).cuda()])
+        start = (2 * layout.row_stride + layout.slot_offset + layout.tensor_offsets[1]
+                 + 5 * 32 * KiB)
+        region[start + 20_000] ^= 0x04
+        for job_id in (3, 4, 5):
+            engine.submit(job_id, "load", *load)
+            assert engine.wait_all() == [job_id]
+            assert engine.job_error(job_id) == (
+                "integrity: tensor 1 chunk 2 position 5 (bytes from 16384) does not match "
+                "what was stored")
+        assert engine.mismatches == 3
+        region[start + 20_000] ^= 0x04
+        engine.submit(6, "load", *load)
+        assert engine.wait_all() == [6] and engine.job_error(6) is None
+        if backend == "hybrid":
+            assert engine.routes[route] > 0
+
+
+@needs_triton
+def test_a_page_of_another_chunk_fails_the_kernels_load() -> None:
+    """Chunk 1's page and its sum copied over chunk 2's: valid bytes, the wrong identity."""
+    kv = kv_set(32, [16 * KiB], "cuda")
+    with cuda_engine("triton", kv, 4) as (engine, kv, region):
+        layout = engine.layout
+        engine.submit(1, "store", list(range(8)), [1] * 4 + [2] * 4, [0, 1, 2, 3] * 2)
+        engine.wait_all()
+        row, page = layout.row_stride, layout.slot_offset
+        region[2 * row + page:2 * row + page + 16 * KiB] = region[row + page:row + page + 16 * KiB]
+        at = int(layout.trailer_offsets()[0])
+        region[2 * row + at:2 * row + at + 8] = region[row + at:row + at + 8]
+        engine.submit(2, "load", [20, 21], [2, 2], [0, 1])
+        engine.wait_all()
+        assert engine.job_error(2) == ("integrity: tensor 0 chunk 2 position 0 does not match "
+                                       "what was stored")
+
+
+def test_per_block_runs_without_checksums_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    kv = kv_set(16, [16 * KiB], "cuda")
+    with caplog.at_level("WARNING"), cuda_engine("per_block", kv, 4) as (engine, kv, region):
+        assert engine.layout.integrity and not engine.integrity
+    assert "does not checksum pages" in caplog.text

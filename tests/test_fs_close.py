@@ -1,0 +1,73 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Closing a tier while a file-tier read is stalled: the read still writes into its host row
+when it returns, so the region must stay mapped until then (a close that unmapped it would let
+the late read write into freed address space).  One real rank, the read stalled through the
+tier's I/O seam (`FileIO`)."""
+
+from __future__ import annotations
+
+from tests.harness import run_group
+
+KiB = 1 << 10
+BPC, PAGE = 2, 4 * KiB
+IO_TIMEOUT = 0.5
+
+
+def _mapped(address: int) -> bool:
+    with open("/proc/self/maps") as f:
+        return any(int(line.split("-", 1)[0], 16) <= address
+                   < int(line.split("-", 1)[1].split()[0], 16) for line in f)
+
+
+def _close_while_a_read_stalls(rank: int, fs_dir: str) -> object:
+    import threading
+    import time
+
+    import torch
+
+    from offload import CopyJob, HostTier
+    from offload.config import TierConfig
+    from offload.tiers.fs_io import FileIO
+
+    gate = threading.Event()
+    plain_read = FileIO.preadv
+
+    def stalled_read(self, fd, buffers, offset):  # type: ignore[no-untyped-def]
+        gate.wait(30)
+        return plain_read(self, fd, buffers, offset)
+
+    kv = [torch.randint(0, 256, (3 * BPC, PAGE), dtype=torch.uint8)]
+    tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=2 * BPC * PAGE + 2 * 4096,
+                                          blocks_per_chunk=BPC, timeout_s=10, fs_dir=fs_dir,
+                                          fs_bytes=1 << 20, fs_io_timeout_s=IO_TIMEOUT))
+    manager = tier.manager
+    for key in range(3):  # two host chunks: the third store spills key 0 to disk
+        job = manager.prepare_store([key])
+        blocks = [key * BPC + p for p in range(BPC)]
+        for _, chunk in job.chunks:
+            tier.submit(CopyJob(job.job_id, "store", blocks, [chunk] * BPC, list(range(BPC)),
+                                spills=job.spills))
+        tier.wait([job.job_id])
+        manager.complete_store(job.job_id, ok=True)
+    FileIO.preadv = stalled_read  # type: ignore[method-assign]
+    missed = tier.collective_promote(manager.prepare_promote([0]))
+    address = tier.actor.region.address
+    began = time.monotonic()
+    tier.close()
+    closed_s = time.monotonic() - began
+    closer = [t for t in threading.enumerate() if t.name == "offload-region-closer"]
+    kept_while_stalled = _mapped(address)
+    gate.set()
+    for t in closer:
+        t.join(10)
+    return missed, closed_s, len(closer), kept_while_stalled, _mapped(address)
+
+
+def test_a_region_outlives_a_read_still_stalled_at_close(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    out = run_group(_close_while_a_read_stalls, 1, args=(str(tmp_path),), timeout=90)
+    assert out[0].ok, out[0].error
+    missed, closed_s, closers, kept, after = out[0].value
+    assert missed == [0]  # the stalled read is a miss at the deadline
+    assert closed_s < 5 * IO_TIMEOUT + 2  # close does not wait for the stall
+    assert closers == 1 and kept  # the region stays mapped while the read may still write
+    assert not after  # and is unmapped once it returned

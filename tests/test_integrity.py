@@ -1,0 +1,334 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Page checksums (`offload.integrity`) and the host backend's checks (DESIGN.md section 6,
+"Trust").
+
+First the definition: `raw_sums` against the byte-by-byte formula, and each kind of damage
+the sum must see (one flipped bit, swapped words, a zeroed page) and each identity it mixes
+in.  Then the host engine end to end: a store writes the sums into the slot's trailer; a
+load of damaged bytes -- a flipped bit, a zeroed page, two swapped pages, a stale page, a
+page (with its sum) from another chunk, tensor or rank -- still finishes but `job_error`
+names the tensor, chunk and position, and `mismatches` counts it; integrity off writes no
+trailer and checks nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from offload import integrity
+from offload.config import TierConfig
+from offload.errors import OffloadError
+from offload.plan import RankDescriptor, compute_plan
+from offload.report import integrity_block, render_table
+from offload.transfer import SlotLayout, make_engine
+from offload.transfer.base import TransferEngine
+from tests.test_transfer_helpers import kv_set
+
+PAGES = (512, 40_000, 60, 512)  # one unit, three units (16 KiB pieces), odd sizes, a twin
+BPC, CHUNKS, BLOCKS = 4, 6, 32
+
+
+# ------------------------------------------------------------------ the definition
+@settings(max_examples=200, deadline=None)
+@given(page=st.integers(1, 40_000), n=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+def test_raw_sums_follow_the_byte_definition(page: int, n: int, seed: int) -> None:
+    pages = np.random.default_rng(seed).integers(0, 256, (n, page), dtype=np.uint8)
+    sums = integrity.raw_sums(pages)
+    assert sums.shape == (n, integrity.units(page)) and sums.dtype == np.uint64
+    for i in range(n):
+        for u in range(sums.shape[1]):
+            unit = pages[i, u * integrity.UNIT_BYTES:(u + 1) * integrity.UNIT_BYTES]
+            assert int(sums[i, u]) == integrity.reference_sum(unit.tobytes())
+
+
+@settings(max_examples=300, deadline=None)
+@given(page=st.integers(1, 40_000), data=st.data())
+def test_any_single_flipped_bit_changes_the_sum(page: int, data: st.DataObject) -> None:
+    """An odd weight times a power of two below 2**64 is never 0 mod 2**64."""
+    seed = data.draw(st.integers(0, 2**32 - 1))
+    pages = np.random.default_rng(seed).integers(0, 256, (1, page), dtype=np.uint8)
+    byte, bit = data.draw(st.integers(0, page - 1)), data.draw(st.integers(0, 7))
+    flipped = pages.copy()
+    flipped[0, byte] ^= 1 << bit
+    unit = byte // integrity.UNIT_BYTES
+    before, after = integrity.raw_sums(pages), integrity.raw_sums(flipped)
+    assert before[0, unit] != after[0, unit]
+    assert np.array_equal(np.delete(before, unit, axis=1), np.delete(after, unit, axis=1))
+
+
+def test_swapped_words_and_a_zeroed_page_change_the_sum() -> None:
+    pages = np.random.default_rng(0).integers(0, 256, (1, 4096), dtype=np.uint8)
+    swapped = pages.copy().view(np.uint64)
+    swapped[0, [3, 17]] = swapped[0, [17, 3]]
+    assert integrity.raw_sums(pages)[0, 0] != integrity.raw_sums(swapped.view(np.uint8))[0, 0]
+    stored = integrity.page_sums(pages, 7, [1], [2])
+    assert stored[0, 0] != integrity.page_sums(np.zeros_like(pages), 7, [1], [2])[0, 0]
+
+
+@pytest.mark.parametrize("other", [
+    dict(seed=2), dict(tensor=1), dict(chunk=4), dict(position=1),
+])
+def test_the_same_bytes_elsewhere_have_another_sum(other: dict[str, int]) -> None:
+    """A valid page of another slot (seed), tensor, chunk or position does not match."""
+    pages = np.random.default_rng(1).integers(0, 256, (1, 40_000), dtype=np.uint8)
+    where = dict(seed=1, tensor=0, chunk=3, position=0)
+    moved = {**where, **other}
+
+    def stored(w: dict[str, int]) -> np.ndarray:
+        key = integrity.tensor_key(w["seed"], w["tensor"])
+        return integrity.page_sums(pages, key, [w["chunk"]], [w["position"]])
+
+    assert (stored(where) != stored(moved)).all()  # every unit of the page
+
+
+def test_mix_is_the_same_on_ints_and_arrays() -> None:
+    values = [0, 1, 2**63, 2**64 - 1, 12345678901234567]
+    array = integrity.mix(np.array(values, dtype=np.uint64))
+    assert [int(v) for v in array] == [integrity.mix(v) for v in values]
+    assert integrity.mix(0) == 0 and integrity.mix(1) != 1
+
+
+# ------------------------------------------------------------------ the host engine
+def make_layout(config: TierConfig, rank: int = 0, pages: tuple[int, ...] = PAGES
+                ) -> tuple[SlotLayout, int]:
+    plan = compute_plan([RankDescriptor(r, "n0", r, 2, r, 0, pages, config) for r in range(2)])
+    return SlotLayout.from_plan(plan, rank), plan.chunk_count
+
+
+def make_engine_for(integrity_on: bool = True, rank: int = 0,
+                    region: torch.Tensor | None = None, pages: tuple[int, ...] = PAGES
+                    ) -> tuple[TransferEngine, list[torch.Tensor], torch.Tensor, SlotLayout]:
+    config = TierConfig(cpu_bytes_per_node=CHUNKS * 2 * 200_000, layout="shared",
+                        blocks_per_chunk=BPC, tp=2, integrity=integrity_on)
+    layout, chunk_count = make_layout(config, rank, pages)
+    assert chunk_count >= CHUNKS
+    if region is None:
+        region = torch.zeros(layout.region_bytes(CHUNKS), dtype=torch.uint8)
+    kv = [t.view(torch.uint8).reshape(BLOCKS, -1) for t in kv_set(BLOCKS, pages, seed=rank)]
+    return make_engine(kv, region, None, layout, CHUNKS, pinned=False), kv, region, layout
+
+
+def page_at(layout: SlotLayout, tensor: int, chunk: int, position: int) -> slice:
+    page = layout.page_bytes[tensor]
+    start = (chunk * layout.row_stride + layout.slot_offset + layout.tensor_offsets[tensor]
+             + position * page)
+    return slice(start, start + page)
+
+
+def sums_at(layout: SlotLayout, tensor: int, chunk: int, position: int) -> slice:
+    units = layout.units[tensor]
+    start = (int(layout.trailer_offsets()[tensor]) + chunk * layout.row_stride
+             + 8 * position * units)
+    return slice(start, start + 8 * units)
+
+
+def store_all(engine: TransferEngine, job_id: int = 1, first_block: int = 0) -> None:
+    """Blocks first_block.. into chunks 0..2, every position (a large job: one gather per
+    tensor), then one small job into chunk 3 (page by page)."""
+    n = 3 * BPC
+    engine.submit(job_id, "store", np.arange(first_block, first_block + n),
+                  np.repeat(np.arange(3), BPC), np.tile(np.arange(BPC), 3))
+    engine.submit(job_id + 1, "store", [first_block + n], [3], [1])
+    assert engine.wait_all() == [job_id, job_id + 1]
+    assert engine.job_error(job_id) is None and engine.job_error(job_id + 1) is None
+
+
+def load_chunk(engine: TransferEngine, chunk: int, job_id: int = 9) -> str | None:
+    engine.submit(job_id, "load", list(range(20, 20 + BPC)), [chunk] * BPC, list(range(BPC)))
+    assert engine.wait_all() == [job_id]  # finished, and its failure is on record
+    return engine.job_error(job_id)
+
+
+def flip(region: torch.Tensor, layout: SlotLayout, byte: int) -> None:
+    region[page_at(layout, 1, 2, 3).start + byte] ^= 0x10
+
+
+def zero(region: torch.Tensor, layout: SlotLayout, byte: int) -> None:
+    region[page_at(layout, 1, 2, 3)] = 0
+
+
+def swap(region: torch.Tensor, layout: SlotLayout, byte: int) -> None:
+    a, b = page_at(layout, 1, 2, 3), page_at(layout, 1, 2, 1)
+    region[a], region[b] = region[b].clone(), region[a].clone()
+
+
+def other_chunk(region: torch.Tensor, layout: SlotLayout, byte: int) -> None:
+    """Chunk 1's page and its sums copied over chunk 2's: a valid page, the wrong chunk."""
+    region[page_at(layout, 1, 2, 3)] = region[page_at(layout, 1, 1, 3)]
+    region[sums_at(layout, 1, 2, 3)] = region[sums_at(layout, 1, 1, 3)]
+
+
+def other_tensor(region: torch.Tensor, layout: SlotLayout, byte: int) -> None:
+    """Tensor 0's page and sum over tensor 3's (same page size)."""
+    region[page_at(layout, 3, 2, 3)] = region[page_at(layout, 0, 2, 3)]
+    region[sums_at(layout, 3, 2, 3)] = region[sums_at(layout, 0, 2, 3)]
+
+
+def bad_sum(region: torch.Tensor, layout: SlotLayout, byte: int) -> None:
+    region[sums_at(layout, 1, 2, 3).start + byte % 24] ^= 0x01
+
+
+DAMAGE: dict[str, tuple[Callable[[torch.Tensor, SlotLayout, int], None], str]] = {
+    "flipped bit": (flip, "tensor 1 chunk 2 position 3"),
+    "zeroed page": (zero, "tensor 1 chunk 2 position 3"),
+    "swapped pages": (swap, "tensor 1 chunk 2 position 1"),
+    "page of another chunk": (other_chunk, "tensor 1 chunk 2 position 3"),
+    "page of another tensor": (other_tensor, "tensor 3 chunk 2 position 3"),
+    "damaged sum": (bad_sum, "tensor 1 chunk 2 position 3"),
+}
+
+
+@pytest.mark.parametrize("pages", [PAGES, (512, 16384, 64, 512)], ids=["pieces", "one-unit"])
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damaged_loads_fail_naming_tensor_chunk_and_position(damage: str,
+                                                             pages: tuple[int, ...]) -> None:
+    """Store chunks 0..3, damage chunk 2, load chunk 0 (fine), chunk 2 (fails), chunk 1 (fine):
+    the failed job is reported finished, its error names the first damaged unit, the counter
+    counts one job, and the error is handed out once.  Pages of one unit each take the
+    engine's all-tensors-at-once path."""
+    engine, _, region, layout = make_engine_for(pages=pages)
+    store_all(engine)
+    apply, where = DAMAGE[damage]
+    apply(region, layout, 5)
+    assert load_chunk(engine, 0, 10) is None
+    error = load_chunk(engine, 2, 11)
+    assert error is not None and error.startswith(f"integrity: {where}")
+    assert error.endswith("does not match what was stored")
+    assert engine.mismatches == 1 and engine.job_error(11) is None
+    assert load_chunk(engine, 1, 12) is None and engine.mismatches == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(byte=st.integers(0, 39_999), bit=st.integers(0, 7))
+def test_a_flipped_bit_anywhere_in_a_large_page_fails_its_load(byte: int, bit: int) -> None:
+    """Tensor 1's 40,000-byte pages are three units; the error says which piece."""
+    engine, _, region, layout = make_engine_for()
+    store_all(engine)
+    region[page_at(layout, 1, 2, 3).start + byte] ^= 1 << bit
+    error = load_chunk(engine, 2)
+    piece = byte // integrity.UNIT_BYTES
+    where = f" (bytes from {piece * integrity.UNIT_BYTES})" if piece else ""
+    assert error == (f"integrity: tensor 1 chunk 2 position 3{where} does not match what was "
+                     "stored")
+
+
+def test_a_stale_page_fails_its_load() -> None:
+    """Chunk 2 stored twice from different blocks; the first store's page put back."""
+    engine, _, region, layout = make_engine_for()
+    store_all(engine)
+    stale = region[page_at(layout, 0, 2, 2)].clone()
+    store_all(engine, job_id=3, first_block=14)
+    region[page_at(layout, 0, 2, 2)] = stale
+    assert load_chunk(engine, 2) == ("integrity: tensor 0 chunk 2 position 2 does not match "
+                                     "what was stored")
+
+
+def test_a_slot_of_another_rank_fails_its_load() -> None:
+    """Two ranks of a shared region: rank 0's whole slot of chunk 2 (pages and trailer, all
+    valid) copied into rank 1's slot does not load on rank 1 (another seed)."""
+    engine0, _, region, layout0 = make_engine_for(rank=0)
+    engine1, _, _, layout1 = make_engine_for(rank=1, region=region)
+    store_all(engine0)
+    store_all(engine1)
+    assert load_chunk(engine1, 2) is None
+    size = layout1.slot_offset - layout0.slot_offset
+    start = 2 * layout0.row_stride
+    region[start + size:start + 2 * size] = region[start:start + size]
+    error = load_chunk(engine1, 2)
+    assert error is not None and error.startswith("integrity: tensor 0 chunk 2 position 0")
+
+
+def test_a_replicated_stage_loads_what_its_writer_stored() -> None:
+    """Two ranks of one pipeline stage share a slot (and its seed): the writer's sums check
+    on the other rank."""
+    config = TierConfig(cpu_bytes_per_node=CHUNKS * 200_000, layout="replicated",
+                        blocks_per_chunk=BPC, tp=2)
+    plan = compute_plan([RankDescriptor(r, "n0", r, 2, r, 0, PAGES, config) for r in range(2)])
+    layouts = [SlotLayout.from_plan(plan, r) for r in range(2)]
+    assert layouts[0] == layouts[1]
+    region = torch.zeros(layouts[0].region_bytes(CHUNKS), dtype=torch.uint8)
+    kv = [[t.view(torch.uint8).reshape(BLOCKS, -1) for t in kv_set(BLOCKS, PAGES, seed=r)]
+          for r in range(2)]
+    writer, reader = (make_engine(kv[r], region, None, layouts[r], CHUNKS, pinned=False)
+                      for r in range(2))
+    store_all(writer)
+    assert load_chunk(reader, 2) is None and reader.mismatches == 0
+    assert all(torch.equal(kv[1][t][20:20 + BPC], kv[0][t][2 * BPC:3 * BPC])
+               for t in range(len(PAGES)))
+
+
+@pytest.mark.parametrize("moved", [True, False])
+def test_a_slot_copied_to_another_chunk_loads_once_its_sums_are_moved(moved: bool) -> None:
+    """What the file tier does on a promotion: chunk 1's whole slot (pages and trailer) lands
+    in chunk 4.  With `move_sums` it loads there; without, every page is from another chunk."""
+    engine, _, region, layout = make_engine_for()
+    store_all(engine)
+    assert layout.trailer_offset is not None
+    size = layout.trailer_offset + 8 * BPC * sum(layout.units)  # the slot's bytes in use
+    start = layout.row_stride + layout.slot_offset
+    src = slice(start, start + size)
+    dst = slice(src.start + 3 * layout.row_stride, src.stop + 3 * layout.row_stride)
+    region[dst] = region[src]
+    if moved:
+        at = int(layout.trailer_offsets()[0]) + 4 * layout.row_stride
+        words = region[at:at + 8 * BPC * sum(layout.units)].numpy().view(np.uint64)
+        integrity.move_sums(words, layout.page_bytes, BPC, layout.seed, 1, 4)
+    error = load_chunk(engine, 4)
+    assert (error is None) == moved
+    if not moved:
+        assert error == ("integrity: tensor 0 chunk 4 position 0 does not match what was "
+                         "stored")
+
+
+def test_small_and_large_jobs_write_the_same_sums() -> None:
+    """The page-by-page path (small jobs) and the gather path write identical trailers."""
+    small, _, small_region, layout = make_engine_for()
+    large, _, large_region, _ = make_engine_for()
+    blocks, chunks, positions = np.arange(12), np.repeat(np.arange(3), 4), np.tile(np.arange(4), 3)
+    for i in range(12):
+        small.submit(i, "store", [int(blocks[i])], [int(chunks[i])], [int(positions[i])])
+    large.submit(0, "store", blocks, chunks, positions)
+    assert torch.equal(small_region, large_region)
+    assert small_region[int(layout.trailer_offsets()[0]):].any()
+
+
+def test_a_region_off_word_alignment_is_refused_with_integrity() -> None:
+    config = TierConfig(cpu_bytes_per_node=CHUNKS * 2 * 200_000, layout="shared",
+                        blocks_per_chunk=BPC, tp=2)
+    layout, _ = make_layout(config)
+    buffer = torch.zeros(layout.region_bytes(CHUNKS) + 8, dtype=torch.uint8)
+    kv = [t.view(torch.uint8).reshape(BLOCKS, -1) for t in kv_set(BLOCKS, PAGES)]
+    with pytest.raises(OffloadError, match="do not lie on 8-byte boundaries"):
+        make_engine(kv, buffer[4:4 + layout.region_bytes(CHUNKS)], None, layout, CHUNKS,
+                    pinned=False)
+    make_engine(kv, buffer[8:], None, layout, CHUNKS, pinned=False)
+
+
+def test_integrity_off_writes_no_trailer_and_checks_nothing() -> None:
+    engine, kv, region, layout = make_engine_for(integrity_on=False)
+    assert not layout.integrity
+    store_all(engine)
+    written = torch.zeros_like(region, dtype=torch.bool)
+    for t in range(len(PAGES)):
+        for c in range(4):
+            for p in range(BPC):
+                written[page_at(layout, t, c, p)] = True
+    assert not region[~written].any()  # nothing but pages
+    flip(region, layout, 5)
+    assert load_chunk(engine, 2) is None and engine.mismatches == 0
+
+
+def test_report_block_renders() -> None:
+    block = integrity_block(True, 2)
+    assert block == {"enabled": True, "mismatches": 2}
+    report = {"world_size": 1, "tp": 1, "pp": 1, "layout": "private", "device": "cpu",
+              "nodes": ["n0"], "shm_files_left": 0, "ranks": [], "integrity": block,
+              "plan": {"chunk_count": 1, "blocks_per_chunk": 1, "cpu_bytes_per_node": 1,
+                       "row_bytes": {}}}
+    assert "integrity: on, 2 job(s) failed the page checksum check" in render_table(report)
