@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds any rank waits for a peer before failing the job")
     p.add_argument("--no-integrity", dest="integrity", action="store_false",
                    help="do not checksum pages on store nor check them on load")
+    p.add_argument("--no-numa", dest="numa", action="store_false",
+                   help="do not place each rank's pages on its GPU's NUMA node")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve live Prometheus metrics (offload_*) at /metrics on PORT + each "
                         "rank's local rank (needs offload[metrics]); default off")
@@ -164,6 +166,7 @@ def config_from_args(args: argparse.Namespace, world: int) -> TierConfig:
         prefault_threads=args.prefault_threads, timeout_s=args.timeout, fs_dir=args.fs_tier,
         private_memory=args.private_memory, fs_io_timeout_s=args.fs_io_timeout,
         integrity=args.integrity, metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
+        numa=args.numa,
         fs_bytes=None if args.fs_bytes is None else parse_size(args.fs_bytes, "--fs-bytes"))
 
 

@@ -25,6 +25,7 @@ from offload.jobs import JobBook
 from offload.plan import Plan, RankDescriptor
 from offload.quorum import Quorum
 from offload.region.host_region import HostRegion
+from offload.region.numa import cuda_numa_node
 from offload.region.pin import Registrar, choose_registrar
 from offload.tiers.rank_files import RankFiles
 from offload.topology import Topology
@@ -93,8 +94,10 @@ class RankActor:
     # ------------------------------------------------------------------ set-up
     def describe(self) -> RankDescriptor:
         t = self.topology
+        node = (cuda_numa_node(self.kv_tensors[0].device)
+                if self.config.numa and self.kv_tensors else None)
         return RankDescriptor(t.rank, t.node_id, t.local_rank, t.local_world_size, t.tp_rank,
-                              t.pp_rank, kv_page_bytes(self.kv_tensors), self.config)
+                              t.pp_rank, kv_page_bytes(self.kv_tensors), self.config, node)
 
     def install_plan(self, plan: Plan) -> str:
         """Adopt the plan rank 0 computed and return its digest (the ack)."""
@@ -290,6 +293,7 @@ class RankActor:
             "registrations": stats.registrations, "segments": stats.segments,
             "memory": stats.memory, "shmem_huge": stats.shmem_huge,
             "pinned": region.pinned,
+            "numa_node": stats.numa_node, "numa_bytes": stats.numa_bytes,
             "engine": self.engine.name if self.engine else None,
             "audit": self.auditor.to_json() if self.auditor else None,
             "integrity": {"enabled": bool(getattr(self.engine, "integrity", False)),

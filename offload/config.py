@@ -71,6 +71,9 @@ class TierConfig:
     keep the sums in a trailer of each slot and check them on every load: a mismatch fails the
     job (DESIGN.md section 6, "Trust").  False (``--no-integrity``) leaves the trailer out."""
 
+    numa: bool = True
+    """Pre-fault each rank's pages from threads on its GPU's NUMA node, preferring that node's
+    memory (`offload.region.numa`); False (``--no-numa``) leaves placement to the kernel."""
     metrics_port: int | None = None
     """Serve live Prometheus metrics (``offload_*``, `offload.metrics`) on this port plus the
     rank's local rank (``--metrics-port``); needs ``offload[metrics]``.  None: not served."""
@@ -144,7 +147,8 @@ _FLAGS = {"cpu_bytes_per_node": "--cpu-bytes", "blocks_per_chunk": "--blocks-per
           "timeout_s": "--timeout", "fs_dir": "--fs-tier", "fs_bytes": "--fs-bytes",
           "fs_io_timeout_s": "--fs-io-timeout",
           "private_memory": "--private-memory", "integrity": "--no-integrity",
-          "metrics_port": "--metrics-port", "metrics_addr": "--metrics-addr"}
+          "metrics_port": "--metrics-port", "metrics_addr": "--metrics-addr",
+          "numa": "--no-numa"}
 
 
 def _describe(name: str) -> str:

@@ -43,6 +43,7 @@ class RankDescriptor:
     pp_rank: int
     page_bytes: tuple[int, ...]
     config: TierConfig
+    numa_node: int | None = None  # its GPU's NUMA node (None: no GPU, no NUMA, or numa off)
 
     @property
     def payload(self) -> int:
@@ -64,6 +65,9 @@ class RankSlot:
     """Where the slot's checksum trailer starts in the slot; None with integrity off."""
     integrity_seed: int = 0
     """The tier seed mixed into every checksum of this slot (`integrity_seed`)."""
+    numa_node: int | None = None
+    """The NUMA node this slot's pages are placed on: its rank's GPU's (replicated: the
+    stage writer's, whose copy the stage shares); None: no placement."""
 
 
 @dataclass(frozen=True)
@@ -190,6 +194,10 @@ def compute_plan(descriptors: Sequence[RankDescriptor]) -> Plan:
                     for d in members}
         sizes = {d.rank: round_up(_slot_end(d, bpc, trailers[d.rank]), page) for d in members}
         offsets, row_bytes[node_id] = _place(config.layout, members, index, sizes)
+        # a replicated stage's ranks share their writer's copy: it goes on the writer's node
+        writer = {index[m.rank]: m for m in sorted(members, key=lambda m: -m.rank)}
+        placed = {d.rank: (writer[index[d.rank]] if config.layout == "replicated" else d)
+                  .numa_node for d in members}
         for d in members:
             tensor_offsets = tuple(
                 bpc * sum(d.page_bytes[:t]) for t in range(len(d.page_bytes))
@@ -199,7 +207,7 @@ def compute_plan(descriptors: Sequence[RankDescriptor]) -> Plan:
                                   bpc, d.page_bytes)
             slots.append(RankSlot(d.rank, node_id, index[d.rank], offsets[d.rank],
                                   sizes[d.rank], d.page_bytes, tensor_offsets,
-                                  trailers[d.rank], seed))
+                                  trailers[d.rank], seed, placed[d.rank]))
 
     budget = config.cpu_bytes_per_node
     chunk_count = min(budget // row for row in row_bytes.values())

@@ -57,6 +57,7 @@ from offload.geometry import (
 from offload.plan import Plan
 from offload.region.hugepages import shmem_huge_mode, small_page_hint
 from offload.region.nameless import FdOffer, check_sizes, create_memfds, fetch_fds, socket_name
+from offload.region.numa import Placement, bytes_on_node
 from offload.region.pin import Pinner, Registrar
 from offload.region.pipeline import PinPipeline
 from offload.region.prefault import ProgressFn, plan_pieces, prefault
@@ -96,6 +97,8 @@ class RegionStats:
     pin_error: str | None = None
     memory: str = ""  # "anonymous" (private default), "memfd" or "file" (--shm-dir)
     shmem_huge: str | None = None  # memfd regions: the host's shmem_enabled mode (hugepages)
+    numa_node: int | None = None  # where its pages were placed (None: no placement)
+    numa_bytes: int | None = None  # bytes of the region this rank maps found on that node
     timings_s: dict[str, float] = field(default_factory=dict)
 
 
@@ -272,12 +275,19 @@ class HostRegion:
         pipeline = self._pipeline = PinPipeline(pinner, registrations,
                                                 pieces if pipelined else (),
                                                 held=() if pipelined else registrations)
+        placement = Placement.for_node(self.plan.slots[topology.rank].numa_node)
+
         def populate() -> None:
             result = prefault(self.address, pieces, threads=config.prefault_threads,
                               on_piece=pipeline.piece_done if pipelined else None,
-                              progress=progress)
+                              progress=progress,
+                              on_thread_start=placement.enter if placement else None)
             self.stats.prefault_fallback = result.fallback
             self.stats.timings_s["prefault"] = result.seconds
+            if placement is not None:
+                self.stats.numa_node = placement.node
+                self.stats.numa_bytes = bytes_on_node(self.address, self.geometry.total_bytes,
+                                                      placement.node)
 
         def pin() -> None:
             pipeline.release()

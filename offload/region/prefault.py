@@ -104,9 +104,11 @@ class _Populator:
 def prefault(base: int, pieces: Sequence[ByteRange], *, threads: int,
              populate: PopulateFn = madvise_populate,
              on_piece: Callable[[ByteRange], None] | None = None,
-             progress: ProgressFn | None = None, interval_s: float = 2.0) -> PrefaultResult:
+             progress: ProgressFn | None = None, interval_s: float = 2.0,
+             on_thread_start: Callable[[], None] | None = None) -> PrefaultResult:
     """Populate ``pieces`` (offsets from ``base``) with ``threads`` workers.
 
+    ``on_thread_start`` runs first in each worker (NUMA placement binds the thread there);
     ``on_piece`` runs in the worker right after each piece (the pipelined pinner uses it);
     ``progress`` runs in the calling thread every ``interval_s`` and once at the end.  The
     first failure cancels the pieces not yet started and propagates.
@@ -124,8 +126,8 @@ def prefault(base: int, pieces: Sequence[ByteRange], *, threads: int,
             on_piece(piece)
 
     start = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(max(1, threads),
-                                               thread_name_prefix="prefault") as pool:
+    with concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="prefault",
+                                               initializer=on_thread_start) as pool:
         futures = [pool.submit(work, p) for p in pieces]
         pending = set(futures)
         try:
