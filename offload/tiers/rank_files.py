@@ -124,6 +124,9 @@ class RankFiles:
         if self.tier is None:
             return
         for key, chunk in items:
+            # NOTE: the row is being evicted: the manager never hands its key back to host
+            # memory without a promotion (which re-mixes the sums again), so re-mixing here,
+            # even for a store that is then refused, never leaves a readable row unreadable.
             self._move_sums(chunk, chunk, FILE_CHUNK)
             spill = self.tier.put(key, self.row(chunk))
             self._releasing.setdefault(chunk, []).append(spill)
