@@ -127,7 +127,7 @@ def blocks_for(tokens: int, block_tokens: int) -> int:
 
 
 def to_pages(x: torch.Tensor, block_tokens: int) -> torch.Tensor:
-    """``[heads, T, dim]`` → ``[blocks, block_tokens, heads, dim]``, the last block zero-padded."""
+    """``[heads, T, dim]`` -> ``[blocks, block_tokens, heads, dim]``, the last block zero-padded."""
     heads, tokens, dim = x.shape
     padded = x.new_zeros((heads, blocks_for(tokens, block_tokens) * block_tokens, dim))
     padded[:, :tokens] = x
@@ -135,14 +135,14 @@ def to_pages(x: torch.Tensor, block_tokens: int) -> torch.Tensor:
 
 
 def from_pages(pages: torch.Tensor, tokens: int) -> torch.Tensor:
-    """``[blocks, block_tokens, heads, dim]`` → ``[heads, tokens, dim]`` (contiguous)."""
+    """``[blocks, block_tokens, heads, dim]`` -> ``[heads, tokens, dim]`` (contiguous)."""
     blocks, block_tokens, heads, dim = pages.shape
     flat = pages.permute(2, 0, 1, 3).reshape(heads, blocks * block_tokens, dim)
     return flat[:, :tokens].contiguous()
 
 
 def first_difference(expected: torch.Tensor, got: torch.Tensor) -> tuple[int, ...] | None:
-    """Index of the first element whose bytes differ (byte-exact: -0.0 ≠ 0.0), else None."""
+    """Index of the first element whose bytes differ (byte-exact: -0.0 != 0.0), else None."""
     a, b = expected.contiguous().view(torch.uint8), got.contiguous().view(torch.uint8)
     where = (a != b).nonzero()
     if where.shape[0] == 0:
@@ -324,7 +324,7 @@ class Engine:
         return time.perf_counter()
 
     def gather_heads(self, shares: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every rank's head share of every KV tensor → the full KV heads (one gloo all-gather
+        """Every rank's head share of every KV tensor -> the full KV heads (one gloo all-gather
         of bytes, through the CPU), in rank order = head order."""
         if self.replicated or dist.get_world_size() == 1:
             return shares
@@ -518,7 +518,7 @@ def build_report(args: argparse.Namespace, tier: HostTier, kv_heads: int,
                  heads: tuple[int, int], dtype: torch.dtype, tf_version: str,
                  prompts: list[Prompt], gathered: list[list[dict[str, Any]]]
                  ) -> dict[str, Any]:
-    """Every rank's outcomes → one verdict per reload (matched only when every rank matched),
+    """Every rank's outcomes -> one verdict per reload (matched only when every rank matched),
     job-level times (the slowest rank)."""
     per_reload = list(zip(*gathered, strict=True))
     matched = [all(o["ok"] for o in ranks) for ranks in per_reload]

@@ -38,7 +38,7 @@ def expected(seed: int, tensor: int, blocks: torch.Tensor, page: int) -> torch.T
 
 def round_seed(round_index: int, pp_rank: int, tp_rank: int, replicated: bool,
                replica: int = 0) -> int:
-    """Distinct for every (DP replica, round, stage, TP rank) — TP rank left out in the
+    """Distinct for every (DP replica, round, stage, TP rank) -- TP rank left out in the
     replicated layout, where a stage's ranks hold identical data; the replica enters so that a
     replica that loaded another replica's blocks fails verification."""
     width = 1 << 10  # more stages or TP ranks than any grid has; keeps the hash in int64

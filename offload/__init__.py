@@ -1,7 +1,7 @@
-"""offload: a host-memory tier for KV-cache blocks of TP × PP torchrun jobs.
+"""offload: a host-memory tier for KV-cache blocks of TP x PP torchrun jobs.
 
-The package mirrors the lifecycle: `topology` → `plan` (pure capacity math) → `region`
-(shm files, pre-fault, pinning) → `transfer` (batched block copies) → `quorum` → `manager` →
+The package mirrors the lifecycle: `topology` -> `plan` (pure capacity math) -> `region`
+(shm files, pre-fault, pinning) -> `transfer` (batched block copies) -> `quorum` -> `manager` ->
 `actor` / `tier` (the per-rank API).  Public names are imported lazily so that importing one
 layer does not drag in the others.
 """

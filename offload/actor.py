@@ -44,13 +44,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class CopyJob:
-    """One store or load on one rank: ``blocks[i]`` ↔ position ``positions[i]`` of chunk
+    """One store or load on one rank: ``blocks[i]`` <-> position ``positions[i]`` of chunk
     ``chunks[i]``.  ``writer_only`` (replicated stores) makes ranks other than their (node, stage)'s
     writer report the job done without copying: the node holds one copy per stage.
     ``spills`` (a store's evicted chunks, from `StoreJob.spills`): (key, chunk) pairs each rank
     with a file tier writes out before it copies, and no row is overwritten before its spill
-    released it.  The index fields take tuples, lists or 1-D numpy integer arrays; arrays cost
-    no conversion per job (three 1024-entry tuples cost > 100 µs of ``submit``)."""
+    released it.  The index fields take tuples, lists or 1-D numpy integer arrays; pass arrays:
+    they cost no conversion per job, where long tuples add to every ``submit``
+    (docs/BENCHMARKS.md, "Engine-shaped transfers")."""
 
     job_id: int
     direction: Direction
@@ -111,8 +112,9 @@ class RankActor:
     def build_region(self) -> bool:
         """Create, pre-fault and pin this rank's region; return whether it is pinned.
 
-        Meanwhile a thread compiles the copy kernel against a one-row scratch buffer: the JIT
-        (1-2 s on a cold cache) then overlaps the pre-fault instead of following it."""
+        Meanwhile a thread compiles the copy kernel against a one-row scratch buffer: the JIT,
+        seconds on a cold cache, then overlaps the pre-fault instead of following it
+        (docs/BENCHMARKS.md, "Node start-up")."""
         plan = self._installed()
         registrar = self.registrar_factory(self.kv_tensors[0].device)
         compiler = threading.Thread(target=self._compile_kernel, name="offload-jit",

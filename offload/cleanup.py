@@ -115,10 +115,10 @@ def exit_after(main: Callable[[], int | None]) -> NoReturn:
     last reference to a finished collective's tensors must take the GIL, and Python stops such
     a thread with a forced unwind through torch's noexcept destructor, so the process aborts
     ("terminate called without an active exception") after the job has succeeded.  Caught here
-    at the end of launch/prefix_reload.py on a loaded 2-core host (one job in 31 run in loops;
-    about every other full test-suite run of sessions 3 and 4, which start four): gdb shows
-    ``~AsyncAllgatherWork`` in ``ProcessGroupGloo::runLoop`` → ``decref_pyobject`` →
-    ``take_gil`` → ``pthread_exit`` while the main thread is in ``Py_FinalizeEx``; upstream
+    at the end of launch/prefix_reload.py on a loaded 2-core host (intermittent: a few
+    percent of jobs run in a loop, so a full test-suite run, which starts four, often hits it):
+    gdb shows ``~AsyncAllgatherWork`` in ``ProcessGroupGloo::runLoop`` -> ``decref_pyobject`` ->
+    ``take_gil`` -> ``pthread_exit`` while the main thread is in ``Py_FinalizeEx``; upstream
     pytorch/pytorch#190489, which ``destroy_process_group`` does not avoid.  Skipping
     finalization leaves nothing to race; the kernel reclaims mappings, memfds, sockets and CUDA
     state with the process."""

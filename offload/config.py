@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from offload.errors import OffloadError
 
-LAYOUTS = ("private", "shared", "replicated")
-PRIVATE_MEMORY = ("anonymous", "memfd")
+# The closed choices, typed for callers; the tuples are what the flags offer and what
+# `TierConfig.__post_init__` checks at run time (a value can arrive untyped from a flag or JSON).
+Layout = Literal["private", "shared", "replicated"]
+PrivateMemory = Literal["anonymous", "memfd"]
+LAYOUTS: tuple[str, ...] = get_args(Layout)
+PRIVATE_MEMORY: tuple[str, ...] = get_args(PrivateMemory)
 GiB = 1 << 30
 MiB = 1 << 20
 FS_BYTES_FACTOR = 4  # default file tier budget: this many times the host budget
@@ -20,52 +25,92 @@ FS_BYTES_FACTOR = 4  # default file tier budget: this many times the host budget
 
 @dataclass(frozen=True)
 class TierConfig:
-    """Geometry and mechanics settings of a tier.
-
-    ``segment_threshold`` / ``min_segment_bytes`` / ``max_segments`` control how a region is
-    split into several shm files (one file serialises page-cache insertion); tests shrink them
-    to MiB.  ``shm_dir`` None (the default) makes regions nameless memfds that the kernel frees
-    with the last process holding them; a directory keeps visible region files there (it must
-    exist, be writable and be memory-backed: checked here, before anything is created).
-    ``max_registration_bytes`` caps one CUDA host registration (a single call of
-    512 GiB fails on current drivers; 64 GiB is safe).
-
-    ``private_memory`` is what a nameless private region is made of: ``"anonymous"`` (the
-    default) is the process's own memory with transparent huge pages requested
-    (``MADV_HUGEPAGE``; the host's THP setting decides) and kept out of forked children
-    (``MADV_DONTFORK``, so a fork cannot turn pinned pages copy-on-write); ``"memfd"`` a
-    nameless shmem file as the node layouts use.  On an H200 host, 16 GiB in one process:
-    pre-fault 6.3-6.7 GiB/s and registration 49-50 GiB/s anonymous with huge pages, against
-    5.1-5.5 and 18-29 GiB/s for a memfd of 4 KiB pages (docs/BENCHMARKS.md).  Regions other
-    ranks map (shared, replicated) are always shmem files.
-
-    ``fs_dir`` enables the file tier behind host memory (DESIGN.md section 6): chunks evicted
-    from host memory are spilled to files under it and read back on a lookup that hits on disk.
-    It must exist and be writable (checked here).  ``fs_bytes`` is the file tier's budget per
-    node; None means `FS_BYTES_FACTOR` x ``cpu_bytes_per_node`` (`fs_bytes_per_node`).
-    """
+    """Geometry and mechanics settings of a tier.  Each field's docstring names the main job's
+    flag where it has one; `__post_init__` refuses values out of range with one line naming the
+    field, the value and the fix."""
 
     cpu_bytes_per_node: int
-    layout: str = "private"
+    """Host memory budget of the tier on each node, in bytes (``--cpu-bytes``; per DP replica).
+    The plan fits whole chunks into it and never exceeds it (page rounding only lowers the
+    chunk count)."""
+
+    layout: Layout = "private"
+    """How a node's ranks share host memory (``--layout``, docs/LAYOUTS.md): ``"private"`` one
+    region per rank, ``"shared"`` one node region whose rows interleave the ranks' slots,
+    ``"replicated"`` one node region holding one copy per pipeline stage."""
+
     blocks_per_chunk: int = 16
+    """KV blocks per chunk (``--blocks-per-chunk``): a chunk is the unit the tier caches and
+    evicts, and one row of the host regions."""
+
     tp: int | None = None
+    """Tensor-parallel degree (``--tp``); None: the world size divided by ``pp``."""
+
     pp: int = 1
+    """Pipeline-parallel degree (``--pp``); ranks are ``pp_rank * tp + tp_rank``."""
+
     page_size: int = 4096
+    """Alignment of slots in bytes: a power of two (checked here) and a multiple of the system
+    page.  Slots are page-aligned, so rows and segments are page multiples and no page holds two
+    ranks' bytes."""
+
     shm_dir: str | None = None
+    """None (the default) makes regions nameless memfds that the kernel frees with the last
+    process holding them; a directory keeps visible region files there (it must exist, be
+    writable and be memory-backed: checked here, before anything is created)."""
+
     segment_threshold: int = 2 * GiB
+    """A region of at least this many bytes (and more than one row) is split into several
+    shmem files, by whole rows: one file serialises page-cache insertion.  The main job sets
+    it to twice ``--segment-bytes``; tests shrink it to MiB."""
+
     min_segment_bytes: int = 1 * GiB
+    """Smallest file of a split region (``--segment-bytes``): it gets at most its bytes
+    divided by this many files."""
+
     max_segments: int = 32
+    """Most files one region is split into."""
+
     max_registration_bytes: int = 64 * GiB
+    """Cap on one CUDA host registration: a single call of 512 GiB fails on current drivers;
+    64 GiB is safe.  Whole-row registrations take as many rows as fit under it."""
+
     max_slot_rows: int = 65536
+    """Most rows for which a node region (shared, replicated) is registered as one range per
+    row over the rank's slot; beyond it (or with a slot as wide as the row) whole rows are
+    registered instead."""
+
     prefault_threads: int = 8
+    """Threads per rank that pre-fault its region (``--prefault-threads``)."""
+
     timeout_s: float = 300.0
+    """Seconds a rank waits for a peer (``--timeout``) -- an RPC reply, a hand-off, a job's
+    completion on every rank -- before it raises an error naming the ranks behind; positive."""
+
     fs_dir: str | None = None
+    """Enables the file tier behind host memory (``--fs-tier``, docs/FILE_TIER.md): chunks
+    evicted from host memory are spilled to files under this directory and read back on a
+    lookup that hits on disk.  It must exist and be writable (checked here).  None: no file
+    tier."""
+
     fs_bytes: int | None = None
+    """The file tier's budget per node in bytes (``--fs-bytes``; needs ``fs_dir``).  None means
+    `FS_BYTES_FACTOR` x ``cpu_bytes_per_node`` (`fs_bytes_per_node`)."""
+
     fs_io_timeout_s: float = 5.0
     """Deadline of one file-tier read or write, in seconds (``--fs-io-timeout``): past it the
     key is a miss and serving goes on; a host row that a late read may still fill stays out of
     use until the read returns."""
-    private_memory: str = "anonymous"
+
+    private_memory: PrivateMemory = "anonymous"
+    """What a nameless private region is made of (``--private-memory``).  ``"anonymous"`` (the
+    default) is the process's own memory with transparent huge pages requested
+    (``MADV_HUGEPAGE``; the host's THP setting decides) and kept out of forked children
+    (``MADV_DONTFORK``, so a fork cannot turn pinned pages copy-on-write): huge pages make
+    pre-fault and CUDA registration faster (docs/BENCHMARKS.md, "Private regions on anonymous
+    huge pages").  ``"memfd"`` is a nameless shmem file as the node layouts use.  Regions other
+    ranks map (shared, replicated) are always shmem files."""
+
     integrity: bool = True
     """Checksum every page as it is copied (mixed with its tier, tensor, chunk and position),
     keep the sums in a trailer of each slot and check them on every load: a mismatch fails the
@@ -74,9 +119,11 @@ class TierConfig:
     numa: bool = True
     """Pre-fault each rank's pages from threads on its GPU's NUMA node, preferring that node's
     memory (`offload.region.numa`); False (``--no-numa``) leaves placement to the kernel."""
+
     metrics_port: int | None = None
     """Serve live Prometheus metrics (``offload_*``, `offload.metrics`) on this port plus the
     rank's local rank (``--metrics-port``); needs ``offload[metrics]``.  None: not served."""
+
     metrics_addr: str = "127.0.0.1"
     """The address the metrics servers listen on (``--metrics-addr``): this host only by
     default; ``0.0.0.0`` lets a remote Prometheus scrape them (docs/SECURITY.md)."""

@@ -87,9 +87,9 @@ def slot_ranges(geometry: RegionGeometry) -> list[ByteRange]:
 
 def prefault_ranges(geometry: RegionGeometry, local_index: int, local_count: int
                     ) -> list[ByteRange]:
-    """What this rank populates: replicated → its shard of the node's region (a stage's ranks
+    """What this rank populates: replicated -> its shard of the node's region (a stage's ranks
     share their slot, so shards over the whole region spread the work evenly whatever the
-    stages); shared → its own slots (pages are never shared between slots); private →
+    stages); shared -> its own slots (pages are never shared between slots); private ->
     everything."""
     if geometry.layout == "replicated":
         shard = shard_range(geometry.total_bytes, local_count, local_index, geometry.page_size)

@@ -41,7 +41,7 @@ def default_store(prefix: str, timeout_s: float = 300.0) -> dist.Store:
     `torch.distributed.distributed_c10d._get_default_store`: reusing that store needs no new
     port and inherits its rendezvous (torchrun's agent store included).  Where the private
     accessor is missing (renamed in a later torch) or no default group exists, it falls back to
-    a `TCPStore` at ``MASTER_ADDR:MASTER_PORT`` — the address torchrun exports — hosted by rank
+    a `TCPStore` at ``MASTER_ADDR:MASTER_PORT`` -- the address torchrun exports -- hosted by rank
     0 unless torchrun's agent already serves it (``TORCHELASTIC_USE_AGENT_STORE``), as torch's
     own ``env://`` rendezvous does.  ``timeout_s`` bounds that fallback's connection and calls.
     """

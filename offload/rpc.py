@@ -235,7 +235,7 @@ class CollectiveRPC:
     def _await(self, pause: float) -> None:
         """Pause before the next look: with a doorbell first a few hundred looks with only a
         yield between, then (or without one) sleeps of at most ``pause`` (the caller's copies
-        may need reporting), backing off from 20 µs (0.2 ms on the store) to 50 ms, so a
+        may need reporting), backing off from 20 us (0.2 ms on the store) to 50 ms, so a
         command that follows another is picked up at once and an idle worker costs almost
         nothing.  (The store's own timed ``wait`` would block better, but every timeout logs
         two C++ warnings.)"""

@@ -56,5 +56,5 @@ def format_size(n: int | float) -> str:
 
 
 def round_up(n: int, multiple: int) -> int:
-    """Smallest multiple of ``multiple`` that is ≥ ``n``."""
+    """Smallest multiple of ``multiple`` that is >= ``n``."""
     return -(-n // multiple) * multiple

@@ -2,7 +2,7 @@
 
 Every rank of a torch.distributed job calls `HostTier.create` with its own KV tensors.  Inside,
 rank 0 gathers the ranks' descriptors, computes the plan and drives set-up through the collective
-RPC (install plan → build region → agree on pinning → start engines) while the other ranks serve;
+RPC (install plan -> build region -> agree on pinning -> start engines) while the other ranks serve;
 then every rank gets its `HostTier` back.
 
 Two ways to move blocks afterwards:
@@ -131,7 +131,7 @@ class HostTier:
         ``decider`` is the rank whose `finished` decides (the engine's scheduling rank; the
         same on every rank).
 
-        ``group`` puts the tier on a caller's process group (e.g. one DP replica's TP × PP
+        ``group`` puts the tier on a caller's process group (e.g. one DP replica's TP x PP
         ranks; None: the default group): the whole control plane then runs on that group's
         ranks, every rank number (``decider``, the topology's, the report's) is a rank of that
         group and its rank 0 drives.  The control plane needs gloo: a group of another backend
@@ -356,8 +356,9 @@ class HostTier:
     def _await(self, seq: int, deadline: float) -> Words:
         """Poll until every rank has completed job ``seq``; past ``deadline`` raise `PeerError`
         naming the ranks behind (and any node they all left).
-        Spins (yielding the CPU) for the first ~50 µs-scale polls, then backs off to at most
-        1 ms: no fixed sleep on the hot path."""
+        Spins (yielding the CPU) for the first ``_SPIN_POLLS`` polls, then sleeps from 10 us
+        doubling to at most ``_MAX_PAUSE_S``: a job that completes soon is seen at once (no fixed
+        sleep on the hot path), a long wait costs little CPU."""
         quorum = self.actor.quorum
         began = time.monotonic()
         polls = 0

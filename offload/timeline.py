@@ -1,7 +1,7 @@
 """Per-rank start-up timeline as a PNG: one row per rank, one bar per phase.
 
 The picture users want when eight ranks start unevenly: which rank waited, and in which phase.
-Phases run in order inside `HostTier.create` (plan → create → pre-fault → the part of pinning
+Phases run in order inside `HostTier.create` (plan -> create -> pre-fault -> the part of pinning
 not hidden behind pre-fault), so each bar starts where the previous one ended.  matplotlib is an
 optional extra (``pip install offload[plot]``).
 """

@@ -1,6 +1,6 @@
 """Who runs where: grid coordinates, nodes, node leaders and node-local process groups.
 
-Rank order on the TP × PP grid is ``rank = pp_rank * tp + tp_rank`` (TP ranks of one pipeline
+Rank order on the TP x PP grid is ``rank = pp_rank * tp + tp_rank`` (TP ranks of one pipeline
 stage are consecutive, as torchrun places them on one node), where ``rank`` is the rank in the
 tier's group: the default group, or a caller's group such as one DP replica's.  The node id is
 the host name unless ``OFFLOAD_NODE_ID`` overrides it, which lets one host simulate several
@@ -172,8 +172,9 @@ def discover(tp: int | None = None, pp: int = 1, timeout_s: float | None = None,
     Every rank calls ``new_group`` for every node in the same order, as torch.distributed
     requires.  Node groups wait at least 30 minutes (torch's gloo default) or ``timeout_s`` if
     longer: their exchanges follow pre-fault and pinning, which on a large host can take
-    minutes for a healthy rank (8 ranks registering 1 TiB each at ~25 GiB/s host-wide: ~330 s),
-    while dead peers are caught sooner by the RPC and quorum timeouts (and torchrun).
+    minutes for a healthy rank (registration runs at tens of GiB/s host-wide, and a node may
+    pin terabytes: docs/BENCHMARKS.md, "Nameless regions: node start-up"), while dead peers
+    are caught sooner by the RPC and quorum timeouts (and torchrun).
 
     A tier on a caller's group creates no node groups: ``new_group`` is collective over the
     whole default group, which the other groups' ranks are not calling here, and group names

@@ -20,8 +20,8 @@ tensors.
 ``--driven`` times rank 0's `run(job)` instead: the command broadcast through the store, every
 rank's copy, and the same watermark completion.
 
-On a tier without `finished()` (the store-counter quorum before the board) every rank spins on
-`done(job_id)` instead, so the same script measures the old path.
+On a tier without `finished()` (an older commit, for a before/after run) every rank spins on
+`done(job_id)` instead, so one script measures both.
 
     python scripts/bench_completion.py --ranks 2,4,8 --jobs 2000 --json out.json
 """

@@ -1,11 +1,11 @@
-"""Engine-shaped transfers: every job moves N blocks × every KV tensor (DESIGN.md sections 6, 8).
+"""Engine-shaped transfers: every job moves N blocks x every KV tensor (DESIGN.md sections 6, 8).
 
-An inference engine's KV cache is one tensor per layer and K/V (``--layers 80`` → 160 tensors)
+An inference engine's KV cache is one tensor per layer and K/V (``--layers 80`` -> 160 tensors)
 with small pages (``--page-bytes 16KiB``); each scheduler step stores or loads a few to a few
 thousand blocks.  For each backend and job size (``--blocks``), both directions, median of
 ``--reps`` jobs:
 
-* GB/s      job bytes ÷ (submit → completion), wall clock on the host;
+* GB/s      job bytes / (submit -> completion), wall clock on the host;
 * submit_us host time inside ``submit`` (checks, index upload, launch), after the host waited
             for the previous job;
 * b2b_us    the same for jobs submitted back to back, each while the one before copies;
@@ -25,8 +25,9 @@ prints the on/off ratios).
 
 Uses only ``make_engine``, ``submit``, ``wait_all`` and ``memfd_mapping`` of the library, so
 before/after figures come from one script.  The host buffer is a page-aligned memfd mapping like
-the tier's region: figures recorded before 2026-11-30 (session 3) used a 64-byte-aligned
-``torch.empty`` buffer and understate the kernel by 6-10%.
+the tier's region; ``--host-buffer torch-empty`` gives a 64-byte-aligned ``torch.empty`` buffer,
+which understates the kernel (docs/BENCHMARKS.md, "Engine-shaped transfers", the host-buffer
+table).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ MATMUL_N = 8192
 
 def kv_tensors(layers: int, page: int, num_blocks: int, layout: str, device: torch.device
                ) -> list[torch.Tensor]:
-    """2 × ``layers`` KV tensors of ``num_blocks`` pages: separate ``[blocks, page]`` tensors
+    """2 x ``layers`` KV tensors of ``num_blocks`` pages: separate ``[blocks, page]`` tensors
     or K/V views of one ``[blocks, 2, page]`` tensor per layer; random bytes."""
     out = []
     for _ in range(layers):
@@ -161,7 +162,7 @@ class Rank:
         if args.host_buffer == "memfd":  # page-aligned shmem, as the tier's regions
             self._host = memfd_mapping(f"bench-engine-{rank}", size)
             self.region = self._host.tensor
-        else:  # 64-byte aligned: what every figure before session 3 used
+        else:  # 64-byte aligned, as a large torch.empty is: understates the kernel
             self.region = torch.empty(size, dtype=torch.uint8)
         self.region.fill_(1)  # first touch, untimed
         self.rng = np.random.default_rng(rank)
@@ -195,8 +196,9 @@ class Rank:
     def back_to_back_submit(self, engine: Any, jobs: list[Any], direction: str) -> float:
         """Median host time in ``submit`` of jobs issued back to back, each while the one
         before copies: an engine's steady state, where the host never waited for a copy
-        (the timed loop above waits for each job, and on the lent VMs a CPU that waited ~50
-        ms runs every step of the next ``submit`` several times slower)."""
+        (the timed loop above waits for each job, and on a VM a CPU that waited runs every
+        step of the next ``submit`` several times slower: docs/BENCHMARKS.md, "Where a 1,024-block
+        `submit` goes on these VMs")."""
         self.sync()
         hosts = []
         for i, job in enumerate(jobs):
@@ -284,8 +286,8 @@ class Rank:
         return tflops
 
     def contention(self) -> dict[str, float]:
-        """µs from submit to done of a 16-block load queued behind ~50 ms of matmuls that it
-        does not depend on, on a normal and a high-priority copy stream, and idle."""
+        """Microseconds from submit to done of a 16-block load queued behind ~50 ms of matmuls
+        that it does not depend on, on a normal and a high-priority copy stream, and idle."""
         from offload.transfer.kernel import TritonEngine
 
         mm = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device=self.device)

@@ -9,7 +9,7 @@ host rows' own memfd (through ``/proc/PID/fd``: the very bytes the tier writes, 
 which a virtual disk may store cheaply), then ``dd iflag=direct`` back to /dev/null.  The
 tier's figures count payload bytes, like dd's.  Order per repetition: dd write, tier write, dd
 read, tier read; the best of ``--reps`` is reported, with every repetition in the JSON.
-DESIGN.md section 8's target: tier ≥ 0.9 × dd.
+DESIGN.md section 8's target: tier >= 0.9 x dd.
 
     python scripts/bench_fs.py --dir /tmp --bytes 1GiB --row-bytes 16MiB --threads 8 --json o.json
 """

@@ -2,13 +2,13 @@
 
 One run, one table.  For a budget B per node and N ranks on this host:
 
-* **ours/<layout>** — `HostTier.create` on every rank (nameless memfds, or secure files in
+* **ours/<layout>** -- `HostTier.create` on every rank (nameless memfds, or secure files in
   ``--shm-dir``; multi-segment mapping, sharded GIL-free pre-fault, selective pipelined pinning);
-* **naive** — one shared file of B bytes; every rank maps all of it, pre-faults all of it and
+* **naive** -- one shared file of B bytes; every rank maps all of it, pre-faults all of it and
   registers all of it (what a first implementation does);
-* **pin_memory** — every rank allocates its share with ``torch.empty(..., pin_memory=True)``
+* **pin_memory** -- every rank allocates its share with ``torch.empty(..., pin_memory=True)``
   (PyTorch's caching host allocator rounds each request up to a power of two);
-* **floor** — one process creating 16 files of B/16 bytes of the same kind as ours (memfds, or
+* **floor** -- one process creating 16 files of B/16 bytes of the same kind as ours (memfds, or
   files in ``--shm-dir``; ``posix_fallocate`` from 16 threads allocates their shmem pages) and
   populating them with ``MADV_POPULATE_WRITE`` from 16 threads, nothing else: how fast this host
   can make B bytes resident, without pinning.

@@ -1,13 +1,13 @@
 """Engine-shaped jobs through the public API: `HostTier.create`, `submit`, `finished`.
 
-What an engine sees (issue 9's figure of merit): every rank submits the same job — N blocks ×
-every KV tensor (``--layers`` × K/V, ``--page-bytes`` pages, whole chunks of random blocks) —
-and the decider (rank 0) spins on `finished()` until the job is decided on every rank; the
-other ranks `poll()` and learn the decider's marks from a broadcast, as an engine's step
-broadcast carries them.  Per job size and direction, median of ``--reps`` on rank 0:
+What an engine sees (the tier's figure of merit for transfers): every rank submits the same
+job -- N blocks x every KV tensor (``--layers`` x K/V, ``--page-bytes`` pages, whole chunks of
+random blocks) -- and the decider (rank 0) spins on `finished()` until the job is decided on
+every rank; the other ranks `poll()` and learn the decider's marks from a broadcast, as an
+engine's step broadcast carries them.  Per job size and direction, median of ``--reps`` on rank 0:
 
-* GB/s      bytes one rank moves ÷ (its `submit` start → decided on every rank);
-* ratio     ÷ the link: one copy of a pinned buffer as large as the largest job (CUDA), or
+* GB/s      bytes one rank moves / (its `submit` start -> decided on every rank);
+* ratio     / the link: one copy of a pinned buffer as large as the largest job (CUDA), or
             one host-to-host copy (CPU), measured in the same run;
 * submit_us host time inside `submit`; decided_us the whole span.
 
@@ -103,7 +103,7 @@ def _measure(tier: Any, args: argparse.Namespace, rank: int, arrived: Any,
     job_id = 0
 
     def one(direction: str, blocks: Any, chunks: Any, positions: Any) -> tuple[float, float]:
-        """Submit on every rank; rank 0 returns (submit s, submit → decided s)."""
+        """Submit on every rank; rank 0 returns (submit s, submit -> decided s)."""
         nonlocal mark, job_id
         box = [mark]
         dist.broadcast_object_list(box, src=0)  # the engine's step broadcast, untimed

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# On a CUDA host (e.g. the lent H200 machine), in one call: the GPU tests (in parallel, they share
-# the GPU), then the benchmarks one after another on a quiet machine — engine-shaped transfers,
-# completion latency and node start-up — and optionally the main job on CUDA in every layout.
-# Every step has a time limit so the whole call fits a lease.  Logs and JSON go to $LOGS, and after
-# every step $OUT gets them as one archive (gpu_suite.tgz) plus summary.txt: two files, which a
-# lease that brings back only a few files keeps, and a call cut short keeps the finished steps'.
+# On a CUDA host, in one call: the GPU tests (in parallel, they share the GPU), then the
+# benchmarks one after another on a quiet machine -- engine-shaped transfers, completion latency
+# and node start-up -- and optionally the main job on CUDA in every layout.  Every step has a time
+# limit so the whole call fits a time-limited machine.  Logs and JSON go to $LOGS, and after every
+# step $OUT gets them as one archive (gpu_suite.tgz) plus summary.txt: two files, which a remote
+# runner that brings back only a few files keeps, and a call cut short keeps the finished steps'.
 #   OUT=/tmp/out STARTUP_BYTES=16GiB bash scripts/gpu_suite.sh
 # Knobs: SKIP_{TESTS,ENGINE,TIER,COMPLETION,STARTUP}=1, RUN_JOBS=1, RUN_RELOAD=1, TEST_WORKERS,
 # *_LIMIT (seconds), wheels in .whl/ (installed to a temporary folder first),

@@ -457,8 +457,8 @@ def test_parallel_callers_get_their_own_bytes(tier_dir: str) -> None:
         assert tier.stats().hits == 24
 
 
-def test_readme_example_runs(tier_dir: str) -> None:
-    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
+def test_the_documented_example_runs(tier_dir: str) -> None:
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "FILE_TIER.md")) as f:
         readme = f.read()
     example = next(b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S)
                    if "FileTier(" in b)

@@ -7,14 +7,14 @@ them.  Before anything is created the node leader checks that the node's regions
 (and in ``shm_dir``): one node exchange for private regions (every rank creates its own, so the
 check must precede all of them), the first step of the protocol below for node regions.
 
-* ``private`` — the rank's own memory: anonymous by default (transparent huge pages requested,
+* ``private`` -- the rank's own memory: anonymous by default (transparent huge pages requested,
   kept out of forked children; `TierConfig.private_memory`), else its own files, nameless or
   unlinked right after creation; no hand-off, nothing to leak even on SIGKILL.
-* ``shared`` / ``replicated``, nameless — the leader binds its hand-off socket, creates and
+* ``shared`` / ``replicated``, nameless -- the leader binds its hand-off socket, creates and
   reserves the memfds; node exchange; the leader hands the descriptors to each peer over the
   socket while the peers fetch them, and every rank maps them; node exchange.  Every rank then
   closes its descriptors: only the mappings hold the memory.
-* ``shared`` / ``replicated``, named — the leader creates the files; node exchange; the others
+* ``shared`` / ``replicated``, named -- the leader creates the files; node exchange; the others
   open, verify and map them; node exchange; every rank then unlinks the paths (the leader's
   unlink is the protocol; the others' closes the window in which a leader killed right after
   the exchange would leak them).  Segment names derive from the tier id, so on any error path
@@ -26,10 +26,10 @@ rank's slot, pages only it populates) are pipelined: a pin thread registers each
 pre-fault pieces holding its pages are in.  Whole-row ranges (private; replicated, whose ranks
 register their stage's slot but pre-fault one shard; shared with wide slots) are registered
 after pre-fault and, for node layouts, the node's exchange, in as few calls as the registration
-cap allows.  Measured on an H200 host, 2 ranks x 24 GiB private (floor 2.4-2.7 s): whole ranges
-after pre-fault 3.3-3.5 s; pipelined 256 MiB runs 5.6-6.7 s, 32 MiB runs 3.4-5.8 s (4 pin
-threads: 3.5 s); shared's 8 MiB slots pipelined 3.6-3.8 s, with 4 pin threads 7.3 s
-(docs/BENCHMARKS.md).
+cap allows: registering a private region in runs behind its pre-fault hid none of the
+registration and varied more from host to host, and more pin threads slowed shared's slots
+(docs/BENCHMARKS.md, "Nameless regions: node start-up" and "Private registration in runs behind
+pre-fault").
 """
 
 from __future__ import annotations

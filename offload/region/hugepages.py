@@ -1,13 +1,13 @@
 """Whether this host backs shmem (memfd) regions with transparent huge pages.
 
 Registering a region with CUDA walks its pages; with 4 KiB pages that is what bounds a node
-region's start-up (9-10 GiB/s per process on the lent H200 hosts, against 25-50 GiB/s for huge
-pages; docs/BENCHMARKS.md, sessions 4 and 7).  Whether shmem pages are huge is a host setting,
+region's start-up, and huge pages register much faster (docs/BENCHMARKS.md, "Private
+regions on anonymous huge pages").  Whether shmem pages are huge is a host setting,
 ``/sys/kernel/mm/transparent_hugepage/shmem_enabled``, which most distributions leave at
 ``never``.  The leader allocates a node region with ``posix_fallocate`` on its memfds, which
 gets huge pages under ``always``, ``within_size`` and ``force`` but not ``advise`` (that one
-needs a mapping asking for them at fault time).  Measured on one H200 host, 48 GiB shared over
-two ranks: 6.07 s with ``never``, 2.69 s with ``within_size``.  The tier cannot change the
+needs a mapping asking for them at fault time); ``within_size`` more than halves shared
+start-up (docs/BENCHMARKS.md, "shmem huge pages for node regions").  The tier cannot change the
 setting (root's, host-wide), so it reports it and says how.
 """
 

@@ -81,8 +81,9 @@ def create_memfds(name: str, lengths: Sequence[int], threads: int) -> list[int]:
 def memfd_mapping(name: str, nbytes: int, threads: int = 8) -> Mapping:
     """One nameless mapping of ``nbytes`` (rounded up to the system page): host memory laid
     out as the tier's, page-aligned.  For benchmarks and tests that stand in for a region: a
-    large ``torch.empty`` is only 64-byte aligned, and the copy kernel over such a buffer ran
-    at 0.87 / 0.82 of the link (store / load) on an H200 against 0.94 / 0.92 page-aligned."""
+    large ``torch.empty`` is only 64-byte aligned, so every page straddles one more host page
+    than in a region and the copy kernel over it runs measurably slower (docs/BENCHMARKS.md,
+    "Engine-shaped transfers", the host-buffer table)."""
     length = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
     fds = create_memfds(name, [length], threads)
     try:

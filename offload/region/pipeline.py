@@ -3,7 +3,7 @@
 A ``PinPipeline`` counts, for every registration range, the pre-fault pieces that overlap it;
 the worker that finishes a range's last piece queues it, and one pin thread registers queued
 ranges while later pieces populate (the shared layout's slot-sized registrations).  Ranges
-registered after pre-fault instead — whole rows, or pages other processes populate — are
+registered after pre-fault instead -- whole rows, or pages other processes populate -- are
 ``held``: they wait for `release`, which the region calls once pre-fault (and the node's
 exchange) is over.  Why which ranges go which way: ``host_region``'s docstring.
 """

@@ -27,10 +27,10 @@ from offload.sizes import format_size
 
 MADV_POPULATE_WRITE = 23
 MIN_PIECE = 2 << 20
-# Chosen while private regions still registered piece-sized runs during pre-fault: on an H200
-# host (2 ranks x 24 GiB, 16 threads each) 256 MiB pieces took 5.6-6.7 s, 64 / 32 / 16 / 8 MiB
-# 3.97 / 3.39 / 3.94 / 3.84 s.  Only shared slot registrations (pieces no longer than a slot)
-# overlap pre-fault now; 32 MiB pieces populated 24 GiB in 1.0-1.3 s per rank in those runs.
+# NOTE: a pipelined registration starts once the pieces holding its pages are in, so large
+# pieces delay pinning behind pre-fault, while below a few MiB per-call overhead shows.  32 MiB
+# was the fastest of a 256-8 MiB sweep and populates as fast as larger pieces
+# (docs/BENCHMARKS.md, "Nameless regions: node start-up", the registration variants).
 MAX_PIECE = 32 << 20
 
 PopulateFn = Callable[[int, int], int]

@@ -233,10 +233,11 @@ class Mapping:
     @classmethod
     def anonymous(cls, size: int) -> Mapping:
         """``size`` bytes of this process's own memory, as one range: transparent huge pages
-        requested (2 MiB pages pre-fault faster and register with CUDA 2-3x faster; the host's
-        THP setting decides whether it gets them) and left out of forked children (a fork
-        would make pinned pages copy-on-write: the GPU would then write pages the parent no
-        longer reads).  The kernel frees it with the process, however that ends."""
+        requested (2 MiB pages pre-fault and register with CUDA faster: docs/BENCHMARKS.md,
+        "Private regions on anonymous huge pages"; the host's THP setting decides whether it
+        gets them) and left out of forked children (a fork would make pinned pages
+        copy-on-write: the GPU would then write pages the parent no longer reads).  The kernel
+        frees it with the process, however that ends."""
         if size <= 0 or size % mmap.PAGESIZE:
             raise ValueError(f"size {size} must be a positive multiple of the "
                              f"{mmap.PAGESIZE} B system page")

@@ -29,11 +29,11 @@ DIRECTIONS: tuple[Direction, ...] = ("store", "load")
 class TransferEngine(Protocol):
     """Moves one rank's blocks between its KV tensors and its host region.
 
-    ``store`` copies GPU → host, ``load`` host → GPU.  Jobs complete in submission order; a job
+    ``store`` copies GPU -> host, ``load`` host -> GPU.  Jobs complete in submission order; a job
     id is reported exactly once, by ``poll`` or ``wait_all``.
 
     Stream contract (CUDA backends): a job runs on the engine's own stream, ordered after
-    ``after`` — a ``torch.cuda.Event`` (the job waits for it), a ``torch.cuda.Stream`` (the job
+    ``after`` -- a ``torch.cuda.Event`` (the job waits for it), a ``torch.cuda.Stream`` (the job
     waits for the work queued on it so far) or ``None`` (the current stream of the KV tensors'
     device, so a store sees the compute kernels' pending writes and a load does not overtake
     them).  ``submit`` returns the job's completion event: a compute stream that

@@ -1,10 +1,11 @@
 """The copy-engine path: one ``cuMemcpyBatchAsync`` call per job.
 
 The DMA engines move a job's pages without occupying a single SM, so a copy costs concurrent
-compute nothing (a kernel-driven copy took 30% of a bf16 matmul's rate even on 4 SMs).  The
-driver takes raw arrays of destination, source and size, which numpy builds without a Python
-object per page (DESIGN.md section 7: building per-pointer Python lists through
-``cuda-bindings`` cost 67 ms for 262,144 blocks).  Copies that continue each other are
+compute nothing, where even a kernel-driven copy on a few SMs slows a concurrent matmul
+(docs/BENCHMARKS.md, "Transfers").  The driver takes raw arrays of destination, source and size,
+which numpy builds without a Python object per page: per-pointer Python lists through
+``cuda-bindings`` cost tens of milliseconds for a large job (docs/BENCHMARKS.md, "Figures moved
+from code comments").  Copies that continue each other are
 coalesced first (`layout.coalesce`), so a chunk of consecutive blocks is one descriptor.
 
 Needs a driver with the CUDA 13 entry point ``cuMemcpyBatchAsync_v2`` and host memory

@@ -23,14 +23,12 @@ from offload.transfer.layout import Job, SlotLayout
 log = logging.getLogger(__name__)
 
 # Programs (so SMs) the kernel may occupy, per direction.  Stores are posted writes that, issued
-# from many SMs, back up the memory system and stall concurrent compute.  Measured on an H200
-# (scripts/bench_engine.py --sweep-programs, 160 tensors x 16 KiB, 1024-block jobs, bf16 8192^3
-# matmul ~790 TFLOP/s alone): 8 / 16 / 32 / 64 / 132 / 264 programs all copy at 48.4-48.7 GB/s
-# store and 47.3-47.7 load (0.86-0.88x the link), while the matmul beside them ran at
-# 407 / 267 / 202 / 103 / 96 / 95 TFLOP/s during stores and 702 / 635 / 527 / 276 / 178 / 94
-# during loads.  With 4 programs loads of 64 KiB pages dropped to 0.75x.  Loads keep 32 (every
-# figure of the engine table was measured so; 8-16 cost nothing measured on 16-64 KiB pages and
-# leave compute 20-30% more).
+# from many SMs, back up the memory system and stall concurrent compute.  From 8 programs up the
+# copy rate is flat while a concurrent matmul loses more with every program added, most beside
+# stores, so stores take 8.  Loads keep 32, the budget the engine figures were measured with:
+# 8-16 copied as fast on 16-64 KiB pages and left compute more, but 4 starved loads of 64 KiB
+# pages (docs/BENCHMARKS.md, "Engine-shaped transfers", the program budget;
+# `scripts/bench_engine.py --sweep-programs` reruns it).
 DEFAULT_COPY_PROGRAMS: dict[Direction, int] = {"load": 32, "store": 8}
 
 
@@ -153,7 +151,8 @@ class StreamEngine(EngineBase):
 
 class PerBlockEngine(StreamEngine):
     """One ``copy_`` per page: correct with unpinned host memory (CUDA stages pageable copies
-    itself) but slow for small blocks (1.6 GB/s at 16 KiB, DESIGN.md section 7)."""
+    itself) but slow for small blocks: one copy call per page (docs/BENCHMARKS.md, "Transfers",
+    the ``per_blk`` column)."""
 
     name = "per_block"
 

@@ -1,10 +1,11 @@
 """A job's check and packing in one native call (``job_check.c``): the fast path of `submit`.
 
 `layout.check_job` costs ~15 whole-array numpy calls per job, and the kernel then copies the
-two checked arrays into its pinned staging slot: on the CI machine's CPU 28 µs plus 3 µs for a
-1,024-entry job, 7 µs (the plain-Python small-job path) plus 2 µs for one entry.  One C call
-reads the three columns, checks every index, marks destinations to refuse repeats and writes
-the job packed ``[blocks | host pages]``: 4.5 µs and 1.3 µs in the same run.
+two checked arrays into its pinned staging slot: fixed costs that dominate a small job's
+`submit`.  One C call reads the three columns, checks every index, marks destinations to refuse
+repeats and writes the job packed ``[blocks | host pages]`` in a fraction of that host time
+for engine-sized jobs; very large jobs are memory-bound either way (docs/BENCHMARKS.md, "Every
+job checked in one C call").
 
 The columns are read through the buffer protocol (numpy arrays of any integer type, strided or
 not) or as lists and tuples of ints, so the C holds the GIL (`ctypes.PyDLL`) and is compiled
@@ -12,8 +13,8 @@ against this interpreter's headers, which a host that runs Triton has; without t
 a compiler, with ``OFFLOAD_NATIVE=0``, or on a free-threaded Python (where another thread
 could change a list while the C reads it), every job takes the numpy path.
 
-The C never raises.  Anything it does not accept — another input type (a CPU tensor, numpy
-scalars in a list), an index out of range, a repeated destination — goes to the numpy path,
+The C never raises.  Anything it does not accept -- another input type (a CPU tensor, numpy
+scalars in a list), an index out of range, a repeated destination -- goes to the numpy path,
 which either accepts it or raises the error: one source of error messages, and the numpy path
 stays the reference the tests hold the C to.
 

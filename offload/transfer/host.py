@@ -19,8 +19,9 @@ from offload.transfer.base import After, Direction, EngineBase
 from offload.transfer.layout import Job, SlotLayout
 
 # Jobs of at most this many entries copy page by page: torch's vectorised index_put into the
-# region's [chunks, positions, page] view wakes its thread pool, which on a busy 2-core host cost
-# 1.9 ms for one 8 KiB page against ~7 us for a single page copy (and ~60 us for the gather).
+# region's [chunks, positions, page] view wakes its thread pool, which on a busy small host costs
+# far more than a few single-page copies (docs/BENCHMARKS.md, "Figures moved from code
+# comments").
 SMALL_JOB = 16
 
 

@@ -1,24 +1,23 @@
 """The default CUDA backend: the kernel, except where the copy engines' runs are long.
 
-Copy engines win only on long contiguous copies (~1 µs per descriptor, and no SM taken from
-compute); the kernel wins on pages.  Which one a job gets is decided without per-page host work,
-at engine start where possible:
+Copy engines win only on long contiguous copies (the driver's host time per descriptor
+outweighs a small copy; no SM is taken from compute); the kernel wins on pages.  Which one a
+job gets is decided without per-page host work, at engine start where possible:
 
 * every page at least ``COPY_ENGINE_MIN_RUN`` (e.g. 1 MiB pages): every job goes to the copy
   engines, one descriptor per page;
 * else, if every KV tensor holds its blocks back to back and a chunk's run (``blocks_per_chunk
-  × page``) averages at least ``COPY_ENGINE_MIN_RUN``: a chunk-granular job (whole chunks,
-  positions 0..bpc-1 from consecutive blocks — a few whole-array comparisons) is one descriptor
+  x page``) averages at least ``COPY_ENGINE_MIN_RUN``: a chunk-granular job (whole chunks,
+  positions 0..bpc-1 from consecutive blocks -- a few whole-array comparisons) is one descriptor
   per tensor per chunk by construction and goes to the copy engines;
 * anything else runs on the kernel.
 
 Both share the engine's one stream, so jobs still complete in submission order.  With
 integrity on, a copy-engine job also gets the kernel in sum-only mode over its GPU pages
 (`offload.transfer.kernel`): before the DMA on a store (it writes the trailer), after it on a
-load (it checks the loaded pages against the trailer).  Measured on an
-H200 (scripts/bench_engine.py): 64 tensors × 64 KiB whole-chunk jobs of consecutive blocks, copy
-engines 0.91-0.97× the link, the kernel 0.86-0.89× loads; 160 × 16 KiB jobs of scattered
-blocks, the kernel 0.81-0.88×, the copy engines 0.09-0.43×.
+load (it checks the loaded pages against the trailer).  Whole chunks of consecutive blocks
+run closer to the link on the copy engines than on the kernel, and scattered small pages far
+slower (docs/BENCHMARKS.md, "Engine-shaped transfers" and "Transfers").
 """
 
 from __future__ import annotations

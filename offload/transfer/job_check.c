@@ -143,7 +143,7 @@ struct offload_check {
         return 1;                                                                               \
     }
 
-/* Three passes, one per column, into the packed output: blocks to out[0..n), chunk × bpc to
+/* Three passes, one per column, into the packed output: blocks to out[0..n), chunk x bpc to
  * out[n..2n), then each position added to it. */
 #define BLOCK(i, v) ((uint64_t)(v) < (uint64_t)x->num_blocks && (out[i] = (OUT_T)(v), 1))
 #define CHUNK(i, v) ((uint64_t)(v) < (uint64_t)x->chunk_count && (out[i] = (OUT_T)((v) * x->bpc), 1))
@@ -176,7 +176,7 @@ UNIQUE(unique64, int64_t)
 
 /* Checks a job and writes it packed into ``packed`` (a writable contiguous buffer of 4- or
  * 8-byte signed ints, at least 2n long): ``packed[0..n)`` the GPU blocks, ``packed[n..2n)`` the host
- * pages (chunk × bpc + position).  Every index must be in range and, with ``x->stamps``, no
+ * pages (chunk x bpc + position).  Every index must be in range and, with ``x->stamps``, no
  * destination may repeat.  Returns n, or -1 for anything else (the caller checks the job the
  * slow way). */
 Py_ssize_t offload_check_job(const struct offload_check *x, PyObject *packed, PyObject *blocks,

@@ -3,8 +3,8 @@
 At engine start one small table goes to the GPU: per KV tensor its base, block stride, page size
 and the host offset of its (chunk 0, position 0) page, all in elements of the widest access
 every one of them allows, up to ``MAX_WORD`` (8 bytes, else 4/2/1; chosen once).
-Per job only two index arrays travel — GPU block ids and host pages (chunk × blocks_per_chunk +
-position), int32 where they fit — written into a reused pinned staging slot and copied with one
+Per job only two index arrays travel -- GPU block ids and host pages (chunk x blocks_per_chunk +
+position), int32 where they fit -- written into a reused pinned staging slot and copied with one
 asynchronous upload into a reused device buffer.  The kernel maps work item ``w`` to (entry,
 tensor, piece of page) and derives both addresses, so the host does no work per page or per
 tensor and allocates nothing per job (the buffers grow only for a job larger than any before,
@@ -55,9 +55,9 @@ from offload.transfer.native import NativeIssuer, driver_entry_points, library
 STEP_BYTES = 32 << 10  # per program and step in flight
 MAX_TILE_BYTES = UNIT_BYTES  # one work item: a page, or a piece of a larger one (a checksum unit)
 NUM_WARPS = 4
-# Widest access in bytes.  16 (two int64 lanes, vectorised) moved no more than 8 on 160 x 16 KiB
-# pages (H200: 48.4 / 47.3 GB/s store / load either way) but stores of pages split into several
-# pieces (64 KiB, 1 MiB) fell to 14.8 GB/s with it, against 46.7 with 8: 8 until that is
+# Widest access in bytes.  16 (two int64 lanes, vectorised) copies no faster than 8 on whole
+# 16 KiB pages, and stores of pages split into several pieces (64 KiB, 1 MiB) fall to a third of
+# the rate with it (docs/BENCHMARKS.md, "Figures moved from code comments"): 8 until that is
 # understood; ``max_word=16`` keeps the option.
 MAX_WORD = 8
 STAGING_SLOTS = 4  # pinned staging buffers made at first; more only while all are in flight

@@ -1,19 +1,19 @@
 """A compiled Triton kernel launched with one driver call and an argument block built once.
 
-Triton's Python launch path costs 20-80 µs per call on the lent H200 VMs (binding and
-specialising arguments, launch metadata, its C launcher parsing ~20 Python arguments), more
-than the rest of a small job's submit.  An engine launches one kernel with the same pointers
-job after job; only a few integers change.  `BoundKernel` keeps the kernel's parameters in
-ctypes cells behind one ``void *[]`` array and launches with ``cuLaunchKernel`` directly,
-after updating the cells that changed — the approach of PyTorch Inductor's static CUDA launcher,
-without a C extension.
+Triton's Python launch path (binding and specialising arguments, launch metadata, its C
+launcher parsing ~20 Python arguments) costs more host time per call than the rest of a small
+job's submit (docs/BENCHMARKS.md, "Host time in `submit`").  An engine launches one kernel with
+the same pointers job after job; only a few integers change.  `BoundKernel` keeps the kernel's
+parameters in ctypes cells behind one ``void *[]`` array and launches with ``cuLaunchKernel``
+directly, after updating the cells that changed -- the approach of PyTorch Inductor's static
+CUDA launcher, without a C extension.
 
 The parameter block must match what Triton compiled, so nothing is assumed: the driver reports
 every parameter's size (``cuFuncGetParamInfo``, CUDA 12.4+), the caller's values fill the first
 ones in order (8-byte pointers, 4- or 8-byte integers as Triton typed them), and the rest must
 be the hidden 8-byte scratch pointers Triton appends (global and profile scratch), which are
-NULL when the compiled kernel asks for no scratch.  Anything else — an older driver or Triton,
-cooperative or cluster launches, scratch memory, launch hooks installed by a profiler — and
+NULL when the compiled kernel asks for no scratch.  Anything else -- an older driver or Triton,
+cooperative or cluster launches, scratch memory, launch hooks installed by a profiler -- and
 `bind` returns None: the caller keeps Triton's own launcher.
 """
 

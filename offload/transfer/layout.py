@@ -113,10 +113,10 @@ class SlotLayout:
 @dataclass(frozen=True)
 class Job:
     """A checked job: entry ``i`` moves GPU block ``blocks[i]`` to or from host page
-    ``host_pages[i]`` = chunk × ``blocks_per_chunk`` + position (one index per block of every
+    ``host_pages[i]`` = chunk x ``blocks_per_chunk`` + position (one index per block of every
     tensor, so per-job data does not grow with the tensor count).  ``packed``, when the check
-    wrote them so (`offload.transfer.fast_check`), holds both back to back — ``blocks`` and
-    ``host_pages`` are its halves — and the kernel stages it in one copy, or none when it lies
+    wrote them so (`offload.transfer.fast_check`), holds both back to back -- ``blocks`` and
+    ``host_pages`` are its halves -- and the kernel stages it in one copy, or none when it lies
     in the kernel's staging buffer ``staged_in`` already."""
 
     blocks: IndexArray
@@ -186,9 +186,9 @@ def _small_job(layout: SlotLayout, gpu_blocks: object, chunk_ids: object, positi
                num_blocks: int, chunk_count: int) -> Job | None:
     """The job if it is short (lists, tuples or 1-D numpy arrays of at most ``SMALL_JOB``
     in-range ints) and writes every destination once; else None, and the numpy path checks it
-    (and words any error).  Short arrays come here too: three ``tolist`` calls and a loop cost
-    less than the numpy path's ~15 whole-array calls (CI machine's CPU, same run: 1 entry 7.4
-    against 17.2 µs, 4 entries 10.2 against 21.4; at 16 entries the two are within noise)."""
+    (and words any error).  Short arrays come here too: up to ``SMALL_JOB`` entries three
+    ``tolist`` calls and a loop cost no more than the numpy path's ~15 whole-array calls
+    (docs/BENCHMARKS.md, "Figures moved from code comments")."""
     columns = (gpu_blocks, chunk_ids, positions)
     if all(type(c) is np.ndarray and c.ndim == 1 and c.size <= SMALL_JOB for c in columns):
         columns = tuple(cast(np.ndarray, c).tolist() for c in columns)
@@ -223,11 +223,11 @@ def _in_range(values: np.ndarray, limit: int, what: str, meaning: str) -> IndexA
 
 
 class UniqueDestinations:
-    """Refuses a job that writes one destination twice — the GPU blocks of a load or the host
+    """Refuses a job that writes one destination twice -- the GPU blocks of a load or the host
     pages of a store: two copies to one place race in the kernel and the copy engines.
 
-    Three ways, by the job's size against the index space (measured on a 262,144-entry job:
-    0.7 ms, against 1.2 ms for scatter/gather over int32 and 2.1 ms over int64):
+    Three ways, by the job's size against the index space, each the cheapest where it is used
+    (docs/BENCHMARKS.md, "One-tensor transfers: a cheaper duplicate-destination check"):
 
     * a job covering at least 1/``DENSE_FRACTION`` of a space up to ``SCRATCH_LIMIT`` marks
       its destinations in a reused byte map and counts the marks (one sequential pass over
@@ -325,7 +325,7 @@ def coalesce(src: IndexArray, dst: IndexArray, count: IndexArray,
     ``i`` ends in both the source and the destination and, when ``row`` is given, lies in the
     same host row: registrations end on row boundaries, and a batched copy that spans two of
     them fails (DESIGN.md section 5).  A chunk's consecutive blocks going to consecutive
-    positions become one copy per KV tensor (16 blocks of 64 KiB → one 1 MiB copy), which a copy
+    positions become one copy per KV tensor (16 blocks of 64 KiB -> one 1 MiB copy), which a copy
     engine moves far faster than sixteen small ones.  The bytes moved are the same.
     """
     if src.size <= 1:
@@ -341,7 +341,7 @@ def coalesce(src: IndexArray, dst: IndexArray, count: IndexArray,
 
 
 def common_alignment(values: list[int], cap: int) -> int:
-    """The largest power of two ≤ ``cap`` dividing every value: the widest memory access a
+    """The largest power of two <= ``cap`` dividing every value: the widest memory access a
     copy between these addresses, strides and sizes may use."""
     acc = cap
     for value in values:

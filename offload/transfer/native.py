@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """A kernel job's whole issue in one native call: ordering, index upload and launch.
 
-A small job's `submit` spent most of its time in the engine's Python, converting ctypes
-arguments and setting parameter cells between five driver calls (docs/BENCHMARKS.md has the
-figures).  ``issue.c`` makes those calls from C -- record the ordering event on the caller's
-stream, make the copy stream wait for it, upload the staged indices, set the two sizes in the
-kernel's parameter block, ``cuLaunchKernel`` -- after one ctypes call over a context built once
-per kernel (`IssueContext`).
+Issued from Python, a kernel job converts ctypes arguments and sets parameter cells between
+five driver calls, most of a small job's `submit` (docs/BENCHMARKS.md, "A kernel job issued in
+one native call").  ``issue.c`` makes those calls from C -- record the ordering event on the
+caller's stream, make the copy stream wait for it, upload the staged indices, set the two sizes
+in the kernel's parameter block, ``cuLaunchKernel`` -- after one ctypes call over a context
+built once per kernel (`IssueContext`).
 
 The C file is compiled on first use with the host's C compiler into the build cache (the way
 Triton builds its own launchers, so a host that runs the Triton backend has one;

@@ -19,7 +19,7 @@ from offload.errors import OffloadError
 
 @dataclass(frozen=True)
 class KVGeometry:
-    """Per KV tensor: page bytes and block stride in bytes (``stride(0) × element size``); one
+    """Per KV tensor: page bytes and block stride in bytes (``stride(0) x element size``); one
     block count and device for all."""
 
     page_bytes: tuple[int, ...]
