@@ -3,11 +3,12 @@ evicted host chunks, promotions of disk hits, and a stateful model of all of it.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import shutil
 import tempfile
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import pytest
 from hypothesis import settings
@@ -17,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from offload.manager import ChunkManager, NotReadableError
 from offload.tiers import FileTier
 from offload.tiers.file_format import file_name, key_bytes
+from offload.tiers.fs_io import FileIO
 
 ROW = 4096
 KEYS = st.integers(0, 9)
@@ -208,14 +210,27 @@ TestDiskModel = DiskModel.TestCase
 TestDiskModel.settings = settings(max_examples=120, stateful_step_count=30, deadline=None)
 
 
+class FailingWrites(FileIO):
+    """The tier's I/O seam, whose writes fail with ``code`` while it is set."""
+
+    code: int | None = None
+
+    def pwritev(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        if self.code is not None:
+            raise OSError(self.code, os.strerror(self.code))
+        return super().pwritev(fd, buffers, offset)
+
+
 class ManagerDrivesARealFileTier(RuleBasedStateMachine):
     """The manager's work items executed on a real FileTier (tmpfs) in the documented order:
-    the manager's picture of the disk must stay the tier's own index."""
+    the manager's picture of the disk must stay the tier's own index, spills whose write
+    failed (dead keys, which keep their slot until a promotion finds them) included."""
 
     @initialize(chunk_count=st.integers(1, 3), disk=st.integers(1, 4))
     def start(self, chunk_count: int, disk: int) -> None:
         self.dir = tempfile.mkdtemp(prefix="pytest-mgrfs-", dir="/dev/shm")
-        self.tier = FileTier(self.dir, disk * 2 * ROW, {"t": 2}, ROW, io_threads=2)
+        self.io = FailingWrites()
+        self.tier = FileTier(self.dir, disk * 2 * ROW, {"t": 2}, ROW, io_threads=2, io=self.io)
         self.m = ChunkManager(chunk_count, disk_capacity=self.tier.capacity)
         self.rows = mmap.mmap(-1, chunk_count * ROW)
 
@@ -226,10 +241,14 @@ class ManagerDrivesARealFileTier(RuleBasedStateMachine):
         for key, chunk in spills:
             self.tier.put(key, self._row(chunk)).released.result()
 
-    @rule(keys=st.lists(KEYS, max_size=4))
-    def store(self, keys: list[int]) -> None:
+    @rule(keys=st.lists(KEYS, max_size=4), fail=st.booleans())
+    def store(self, keys: list[int], fail: bool) -> None:
+        """``fail``: the spills' writes fail (EIO), as a failing disk does on one rank."""
         job = self.m.prepare_store(keys)
+        self.io.code = errno.EIO if fail else None
         self._spill(job.spills)
+        self.tier.flush()  # the faults hit these writes and no later ones
+        self.io.code = None
         self.m.complete_store(job.job_id, ok=True)
 
     @rule(keys=st.lists(KEYS, max_size=3), lose=st.booleans())
@@ -254,7 +273,8 @@ class ManagerDrivesARealFileTier(RuleBasedStateMachine):
     @invariant()
     def the_picture_is_the_tier(self) -> None:
         on_disk = {key_bytes(k) for k in range(10) if self.m.residence(k) in ("disk", "both")}
-        assert on_disk == set(self.tier.stored_keys())
+        assert on_disk == set(self.tier.lru_keys())  # the readable and the dead keys
+        assert set(self.tier.stored_keys()) <= on_disk
         assert self.m.stats().on_disk == len(on_disk)
 
     def teardown(self) -> None:

@@ -30,12 +30,22 @@ What it guarantees (DESIGN.md section 6, "File tier"):
   (``io=``), which the fault-injection tests replace.
 
 Determinism across ranks: every rank keeps its own tier with its own slot's bytes.  All index
-decisions (what is stored, what is evicted, the LRU order) are taken when `put`, `get` and
+decisions (what is stored, what is evicted, the LRU order) are taken by one class (`Lru`, the
+same the chunk manager's `DiskIndex` replays them with) when `put`, `touch`, `get` and
 `discard` are *called*, never when I/O completes, so ranks that make the same calls in the same
-order with the same capacity evict the same keys.  A failed write or a corrupt file therefore
-keeps its place in the budget (as a *dead* entry: not readable) until `discard` or the LRU
-removes it, and the I/O of one key is serialised (a read waits for the key's write, an
-eviction waits for the key's read), so no decision has to wait for a disk.
+order with the same capacity evict the same keys, and the manager knows which.
+
+Dead keys.  A spill whose write failed (EIO, ENOSPC...) or passed its deadline, and a file a
+read found damaged, missing or unreadable, leave their key *dead*: a miss, never read.  A dead
+key keeps its slot and its place in the LRU exactly as a live one -- `touch`, `get` and `put`
+make it most recently used, it is evicted in its turn -- until `discard` or the LRU removes it.
+Two reasons: a key becomes dead on one rank only, at a moment set by its disk, so a rule that
+looked at it (skip it, free its slot) would make this rank's decisions differ from the other
+ranks' and from the manager's replay, which sees no I/O; and its slot still covers the bytes
+of an abandoned write that may still be running (its unnamed file cannot be removed before the
+write returns), so the budget keeps counting them until the eviction's or discard's unlink,
+queued behind that write (the I/O of one key is serialised: a read waits for the key's write,
+an eviction for the key's read), removes whatever it left.  No decision waits for a disk.
 """
 
 from __future__ import annotations
@@ -50,7 +60,6 @@ import os
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Collection, Hashable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -76,6 +85,7 @@ from offload.tiers.file_format import (
 )
 from offload.tiers.fs_io import FileIO
 from offload.tiers.keyed_pool import KeyedPool, all_done, done
+from offload.tiers.lru import Lru
 from offload.tiers.tier_dir import check_directory, open_locked_subdir
 
 log = logging.getLogger(__name__)
@@ -236,7 +246,9 @@ class FileTier:
         if not self.mode.o_direct:
             _warn_buffered(root, self.mode.reason)
         self._lock = threading.Lock()
-        self._index: OrderedDict[str, _Entry] = OrderedDict()  # LRU first
+        # the budget's decisions (file names, LRU first) and each name's file state
+        self._lru: Lru[str] = Lru(self.capacity)
+        self._entries: dict[str, _Entry] = {}
         self._local = threading.local()
         self._pool = KeyedPool(io_threads, "offload-fs")  # I/O of one file in call order
         self._write_busy, self._read_busy = _Busy(), _Busy()
@@ -260,7 +272,9 @@ class FileTier:
         Returns at once.  The row must not be written until ``released`` is done (the same
         quarantine as a failed job's chunks); ``stored`` says whether the key is now on disk.
         A key already stored (or being stored) is not written again: it only becomes most
-        recently used.  When the budget is full the least recently used keys are evicted.
+        recently used.  A dead key (failed write, damaged file) is written again in its own
+        slot: it becomes most recently used and nothing is evicted, as for any held key.  When
+        the budget is full the least recently used keys are evicted.
         """
         view = self._view(row, writable=False)
         key_b = self._key(key)
@@ -268,16 +282,12 @@ class FileTier:
         done: Future[None] = Future()
         with self._lock:
             self._check_open()
-            entry = self._index.get(name)
+            self._evict(self._lru.put(name))
+            entry = self._entries.get(name)
             if entry is not None and entry.state != _DEAD:
-                self._index.move_to_end(name)
                 done.set_result(None)
                 return Spill(done, entry.stored)
-            if entry is None:
-                self._make_room()
-            entry = _Entry(key_b, next(self._seq), _WRITING, Future())
-            self._index[name] = entry
-            self._index.move_to_end(name)
+            entry = self._entries[name] = _Entry(key_b, next(self._seq), _WRITING, Future())
             entry.stored = self._pool.submit(
                 name, lambda: self._write(name, entry, key_b, view, done))
         return Spill(done, entry.stored, entry)
@@ -328,38 +338,35 @@ class FileTier:
 
         The future is True when the row now holds the verified bytes; False is a miss (never
         stored, evicted, failed write, or a damaged file, which is then removed) and the row's
-        contents are undefined.  A key whose spill is still running is read after it.
+        contents are undefined.  A key whose spill is still running is read after it.  A held
+        key becomes most recently used, a dead one too (see the module docstring).
         """
         view = self._view(row, writable=True)
         key_b = self._key(key)
         name = file_name(key_b)
         with self._lock:
             self._check_open()
-            entry = self._index.get(name)
+            entry = self._entries.get(name)
+            self._lru.touch(name)  # a dead key too: the replay cannot tell (module docstring)
             if entry is None or entry.state == _DEAD:
                 self._counts["misses"] += 1
                 return done(False)
-            self._index.move_to_end(name)
             return self._pool.submit(name, lambda: self._read(name, entry, key_b, view))
 
     def touch(self, key: Hashable) -> bool:
-        """Make a stored ``key`` most recently used, as `get` does when it is called, without
-        reading it; False when it is not stored.  A promotion touches the keys it is about to
-        read before it spills the rows it needs, so the spills' evictions never pick them."""
+        """Make a held ``key`` (dead or not) most recently used, as `get` does when it is
+        called, without reading it; False when the tier does not hold it.  A promotion touches
+        the keys it is about to read before it spills the rows it needs, so the spills'
+        evictions never pick them."""
         with self._lock:
             self._check_open()
-            name = file_name(self._key(key))
-            entry = self._index.get(name)
-            if entry is None or entry.state == _DEAD:
-                return False
-            self._index.move_to_end(name)
-            return True
+            return self._lru.touch(file_name(self._key(key)))
 
     def contains(self, key: Hashable) -> bool:
         """True when ``key`` is stored or being stored (a `get` would wait for it); a pure
         query for the longest-prefix lookup: it does not change the LRU order."""
         with self._lock:
-            entry = self._index.get(file_name(self._key(key)))
+            entry = self._entries.get(file_name(self._key(key)))
             return entry is not None and entry.state != _DEAD
 
     def discard(self, key: Hashable) -> Future[None]:
@@ -372,19 +379,26 @@ class FileTier:
         """File names of the readable keys: what ranks exchange after a restart to agree on
         the keys every rank has (then `keep_only` their intersection)."""
         with self._lock:
-            return frozenset(n for n, e in self._index.items() if e.state != _DEAD)
+            return frozenset(n for n, e in self._entries.items() if e.state != _DEAD)
 
     def stored_keys(self) -> list[bytes]:
         """The stored form (`key_bytes`) of the readable keys, least recently used first: what
         a chunk manager mirroring this tier's LRU is seeded with after a restart."""
         with self._lock:
-            return [e.key for e in self._index.values() if e.state != _DEAD]
+            return [e.key for e in map(self._entries.__getitem__, self._lru)
+                    if e.state != _DEAD]
+
+    def lru_keys(self) -> list[bytes]:
+        """The stored form of every key that holds a slot of the budget, dead ones included,
+        least recently used first: what `DiskIndex.lru` replays (for tests and checks)."""
+        with self._lock:
+            return [self._entries[n].key for n in self._lru]
 
     def keep_only(self, names: Collection[str]) -> Future[None]:
         """Discard every key whose file name is not in ``names``; done when the files are gone."""
         with self._lock:
             self._check_open()
-            doomed = [self._drop(n) for n in list(self._index) if n not in names]
+            doomed = [self._drop(n) for n in list(self._lru) if n not in names]
         return all_done(doomed)
 
     def flush(self) -> None:
@@ -396,7 +410,7 @@ class FileTier:
             c = self._counts
             return FileTierStats(
                 self.directory, self.mode, self.budget_bytes, self.file_bytes, self.capacity,
-                sum(e.state != _DEAD for e in self._index.values()), self._write_busy.bytes,
+                sum(e.state != _DEAD for e in self._entries.values()), self._write_busy.bytes,
                 self._read_busy.bytes, c["hits"], c["misses"], c["corrupt"], c["evicted"],
                 c["write_errors"], _busy_seconds(self._write_busy),
                 _busy_seconds(self._read_busy), c["read_errors"], c["timeouts"])
@@ -441,16 +455,21 @@ class FileTier:
 
     # ------------------------------------------------------------------ decisions (locked)
 
-    def _make_room(self) -> None:
-        """Evict least recently used keys until one more fits the budget."""
-        while len(self._index) >= self.capacity:
-            victim = next(iter(self._index))
+    def _evict(self, victims: list[str]) -> None:
+        """Remove the files of the keys the LRU evicted (each after its own I/O)."""
+        for victim in victims:
             self._counts["evicted"] += 1
-            self._drop(victim)
+            self._remove(victim)
 
     def _drop(self, name: str) -> Future[None]:
-        if self._index.pop(name, None) is None:
+        if not self._lru.discard(name):
             return done(None)
+        return self._remove(name)
+
+    def _remove(self, name: str) -> Future[None]:
+        """Forget a key the LRU no longer holds and unlink its file, queued behind the key's
+        I/O (a write still running, even an abandoned one, ends first)."""
+        del self._entries[name]
         return self._pool.submit(name, lambda: self._unlink(name))
 
     def _check_open(self) -> None:
@@ -678,11 +697,12 @@ class FileTier:
             elif header is not None:  # (None: unreadable, counted in read_errors, kept)
                 found.append((header.seq, name, header.key))
         found.sort()
-        for _, name, _ in found[:max(0, len(found) - self.capacity)]:
-            self._counts["evicted"] += 1
-            self._unlink(name)
-        for seq, name, key_b in found[-self.capacity:]:
-            self._index[name] = _Entry(key_b, seq, _STORED, done(True))
+        for seq, name, key_b in found:  # in write order: the oldest beyond the budget go
+            self._entries[name] = _Entry(key_b, seq, _STORED, done(True))
+            for victim in self._lru.put(name):  # removed before the tier opens (no I/O yet)
+                self._counts["evicted"] += 1
+                del self._entries[victim]
+                self._unlink(victim)
         return found[-1][0] + 1 if found else 0
 
     def _header_of(self, name: str) -> tuple[Header | None, str]:
