@@ -15,11 +15,8 @@ from offload.config import TierConfig
 from offload.errors import OffloadError
 from offload.plan import RankDescriptor, compute_plan
 from offload.transfer import Job, SlotLayout, check_job, page_addresses
-from offload.transfer import layout as layout_module
 from offload.transfer.layout import (
-    SMALL_JOB,
     UniqueDestinations,
-    _small_job,
     as_index_array,
     chunk_starts,
     common_alignment,
@@ -167,8 +164,8 @@ def test_job_arrays_accept_lists_numpy_and_tensors() -> None:
     assert len(check_job(LAYOUT, [], [], [], num_blocks=1, chunk_count=1)) == 0
 
 
-PATHS = {"marks": {"DENSE_FRACTION": 1 << 30}, "scatter": {"DENSE_FRACTION": 0},
-         "sort": {"SCRATCH_LIMIT": 0}}  # class settings that force each way of checking
+PATHS: dict[str, dict[str, int]] = {"scatter": {},
+                                     "sort": {"SCRATCH_LIMIT": 0}}  # settings forcing each way
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -233,21 +230,15 @@ def _outcome(job: tuple[object, ...], field: str | None) -> tuple[list[int], lis
                 max_size=20),
        st.sampled_from([None, "blocks", "host_pages"]),
        st.sampled_from(["lists", "tuples", "arrays"]))
-def test_short_jobs_take_the_python_path_with_the_same_outcome(
+def test_lists_tuples_and_arrays_of_a_job_have_one_outcome(
         triples: list[tuple[int, int, int]], field: str | None, kind: str) -> None:
-    """Lists, tuples and arrays of up to SMALL_JOB ints are checked in Python; the result and
-    every error must be those of the numpy path (forced with SMALL_JOB = 0)."""
+    """Whatever container a job comes in, the result and every error are those of int64
+    arrays."""
     columns = [[t[i] for t in triples] for i in range(3)]
-    fast = tuple(tuple(c) if kind == "tuples" else np.array(c, dtype=np.int32)
-                 if kind == "arrays" else c for c in columns)
-    outcome = _outcome(fast, field)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(layout_module, "SMALL_JOB", 0)
-        assert outcome == _outcome(tuple(np.array(c, dtype=np.int64) for c in columns), field)
-    distinct = all(len(set(c)) == len(c) for c in (columns[0], outcome[1])) \
-        if not isinstance(outcome, str) else False
-    taken = _small_job(LAYOUT, *fast, num_blocks=64, chunk_count=3)
-    assert (taken is not None) == (distinct and len(triples) <= SMALL_JOB)
+    given_as = tuple(tuple(c) if kind == "tuples" else np.array(c, dtype=np.int32)
+                     if kind == "arrays" else c for c in columns)
+    assert _outcome(given_as, field) == _outcome(
+        tuple(np.array(c, dtype=np.int64) for c in columns), field)
 
 
 def test_a_cuda_index_tensor_is_refused_without_a_sync() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -155,12 +155,9 @@ def check_job(layout: SlotLayout, gpu_blocks: object, chunk_ids: object, positio
     """Check a job (block ``gpu_blocks[i]`` goes to page ``positions[i]`` of chunk
     ``chunk_ids[i]``): equal lengths, every index in range and, with ``unique``, no
     destination written twice.  Costs a few whole-array numpy operations, nothing per page or
-    per tensor.  Short jobs given as lists or tuples of ints (an engine's usual per-step
-    decision) are checked in plain Python: on a cold CPU right after a step's broadcast, the
-    numpy path costs tens of microseconds more than the copy of one block."""
-    small = _small_job(layout, gpu_blocks, chunk_ids, positions, num_blocks, chunk_count)
-    if small is not None:
-        return small
+    per tensor.  Engines check jobs natively first (`offload.transfer.fast_check`); this is the
+    one fallback, which also words every error (docs/BENCHMARKS.md, "The job check's numpy
+    fallback")."""
     blocks = as_index_array(gpu_blocks, "gpu_blocks")
     chunks = as_index_array(chunk_ids, "chunk_ids")
     slots = as_index_array(positions, "positions")
@@ -176,38 +173,6 @@ def check_job(layout: SlotLayout, gpu_blocks: object, chunk_ids: object, positio
     if unique is not None:
         unique.check(job)
     return job
-
-
-SMALL_JOB = 16
-_SEQUENCES = (list, tuple)
-
-
-def _small_job(layout: SlotLayout, gpu_blocks: object, chunk_ids: object, positions: object,
-               num_blocks: int, chunk_count: int) -> Job | None:
-    """The job if it is short (lists, tuples or 1-D numpy arrays of at most ``SMALL_JOB``
-    in-range ints) and writes every destination once; else None, and the numpy path checks it
-    (and words any error).  Short arrays come here too: up to ``SMALL_JOB`` entries three
-    ``tolist`` calls and a loop cost no more than the numpy path's ~15 whole-array calls
-    (docs/BENCHMARKS.md, "Figures moved from code comments")."""
-    columns = (gpu_blocks, chunk_ids, positions)
-    if all(type(c) is np.ndarray and c.ndim == 1 and c.size <= SMALL_JOB for c in columns):
-        columns = tuple(cast(np.ndarray, c).tolist() for c in columns)
-    elif not all(type(c) in _SEQUENCES for c in columns):
-        return None
-    blocks, chunks, slots = cast("tuple[Sequence[int], ...]", columns)
-    n = len(blocks)
-    if n > SMALL_JOB or len(chunks) != n or len(slots) != n:
-        return None
-    bpc = layout.blocks_per_chunk
-    host = []
-    for b, c, p in zip(blocks, chunks, slots, strict=True):
-        if not (type(b) is int and type(c) is int and type(p) is int
-                and 0 <= b < num_blocks and 0 <= c < chunk_count and 0 <= p < bpc):
-            return None
-        host.append(c * bpc + p)
-    if n > 1 and (len(set(host)) != n or len(set(blocks)) != n):
-        return None
-    return Job(np.array(blocks, dtype=np.int64), np.array(host, dtype=np.int64))
 
 
 def _in_range(values: np.ndarray, limit: int, what: str, meaning: str) -> IndexArray:
@@ -226,25 +191,16 @@ class UniqueDestinations:
     """Refuses a job that writes one destination twice -- the GPU blocks of a load or the host
     pages of a store: two copies to one place race in the kernel and the copy engines.
 
-    Three ways, by the job's size against the index space, each the cheapest where it is used
-    (docs/BENCHMARKS.md, "One-tensor transfers: a cheaper duplicate-destination check"):
-
-    * a job covering at least 1/``DENSE_FRACTION`` of a space up to ``SCRATCH_LIMIT`` marks
-      its destinations in a reused byte map and counts the marks (one sequential pass over
-      the space, one random byte write per entry): fewer marks than entries means a repeat;
-    * a smaller job scatters its entry numbers over a reused int32 scratch array and gathers
-      them back: a repeated destination keeps only one writer, so some entry reads another's
-      number;
-    * beyond ``SCRATCH_LIMIT``, a sort."""
+    One way for index spaces up to ``SCRATCH_LIMIT``: the job scatters its entry numbers over a
+    reused int32 scratch array and gathers them back; a repeated destination keeps only one
+    writer, so some entry reads another's number.  Beyond the limit (no scratch array that
+    large) a sort, which also names the entries of any repeat."""
 
     SCRATCH_LIMIT = 1 << 22
-    DENSE_FRACTION = 8
 
     def __init__(self, field: str, space: int, bpc: int) -> None:
         self.field, self.space, self._bpc = field, space, bpc
-        fits = space <= self.SCRATCH_LIMIT
-        self._scratch = np.zeros(space if fits else 0, dtype=np.int32)
-        self._marks = np.zeros(space if fits else 0, dtype=np.uint8)
+        self._scratch = np.zeros(space if space <= self.SCRATCH_LIMIT else 0, dtype=np.int32)
         self._count = np.arange(0, dtype=np.int32)
 
     def check(self, job: Job) -> None:
@@ -254,19 +210,13 @@ class UniqueDestinations:
             return
         if not self._scratch.size:
             self._refuse_repeats(dest)
-        elif n * self.DENSE_FRACTION >= self.space:
-            marks = self._marks
-            marks.fill(0)
-            marks[dest] = 1
-            if np.count_nonzero(marks) != n:
-                self._refuse_repeats(dest)
-        else:
-            if n > self._count.size:
-                self._count = np.arange(n, dtype=np.int32)
-            count = self._count[:n]
-            self._scratch[dest] = count
-            if (self._scratch[dest] != count).any():
-                self._refuse_repeats(dest)
+            return
+        if n > self._count.size:
+            self._count = np.arange(n, dtype=np.int32)
+        count = self._count[:n]
+        self._scratch[dest] = count
+        if (self._scratch[dest] != count).any():
+            self._refuse_repeats(dest)
 
     def _refuse_repeats(self, dest: IndexArray) -> None:
         """Sort ``dest``; raise naming the first two entries that write the lowest repeated
