@@ -20,7 +20,6 @@ matched and nothing was left in the shm directory.
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
 import itertools
 import json
@@ -39,11 +38,10 @@ if __package__ in (None, ""):  # run as a script by torchrun: make the repo impo
 import torch
 import torch.distributed as dist
 
-from launch.run import pick_device, report_error, shm_files_left
+from launch.run import pick_device, run_entry, shm_files_left
 from offload import CopyJob, HostTier, TierConfig, cleanup
 from offload.config import LAYOUTS
 from offload.errors import OffloadError
-from offload.log import setup_logging
 from offload.report import write_json
 from offload.sizes import parse_size
 from offload.transfer.base import Direction
@@ -564,21 +562,7 @@ def summary(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    setup_logging()
-    cleanup.install_signal_handlers()
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
-        return run(args)
-    except OffloadError as exc:
-        report_error(exc, rank)
-        return 1
-    finally:
-        cleanup.run_all()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    return run_entry(run, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

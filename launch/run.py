@@ -21,6 +21,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script by torchrun: make the repo importable
@@ -309,12 +310,20 @@ def main(argv: list[str] | None = None) -> int:
         else:
             time.sleep(_WORKER_GRACE_S)
         return 1
+    return run_entry(run, args)
+
+
+def run_entry(job: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """What every entry point under torchrun does around its ``job``: logging, signal
+    handlers, the gloo group (``--timeout``), one-line errors (`report_error`) and cleanup on
+    every exit path.  Returns the exit status."""
     setup_logging()
     cleanup.install_signal_handlers()
+    rank = int(os.environ.get("RANK", "0"))
     try:
         if not dist.is_initialized():
             _init_group(args.timeout)
-        return run(args)
+        return job(args)
     except OffloadError as exc:
         report_error(exc, rank)
         return 1
