@@ -90,6 +90,18 @@ def _unsigned(data, ELEMENT: tl.constexpr):
     return wide
 
 
+@triton.jit
+def _sum_slot(entry, valid, host_page, chunk, piece, bpc):
+    """Where a work item's checksum lives (its word from ``sums``) and the tensor's identity
+    key, from the integrity half of its table entry."""
+    units = tl.load(entry + 4, mask=valid, other=0)
+    trailer = tl.load(entry + 5, mask=valid, other=0)
+    key = tl.load(entry + 6, mask=valid, other=0).to(tl.uint64, bitcast=True)
+    row_words = tl.load(entry + 7, mask=valid, other=0)
+    position = host_page - chunk * bpc
+    return trailer + chunk * row_words + position * units + piece, key, position
+
+
 @triton.jit(do_not_specialize=_SCALARS)  # one compilation whatever the job's size
 def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc, sums,
                 LOAD: tl.constexpr, PIECES: tl.constexpr, ROWS: tl.constexpr,
@@ -135,12 +147,7 @@ def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc, sums
         if INTEGRITY:  # noqa: SIM102 (constexpr branches, kept as the other one below)
             if LOAD:  # the stored sum is read before the page, so the two reads overlap
                 has = count > 0
-                units = tl.load(entry + 4, mask=valid, other=0)
-                trailer = tl.load(entry + 5, mask=valid, other=0)
-                key = tl.load(entry + 6, mask=valid, other=0).to(tl.uint64, bitcast=True)
-                row_words = tl.load(entry + 7, mask=valid, other=0)
-                position = host_page - chunk * bpc
-                where = trailer + chunk * row_words + position * units + piece
+                where, key, position = _sum_slot(entry, valid, host_page, chunk, piece, bpc)
                 expect = tl.load(sums + where, mask=has, other=0)
         if LOAD:
             src = tl.multiple_of(host, VEC)
@@ -157,11 +164,7 @@ def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc, sums
         if INTEGRITY:
             if not LOAD:  # after the page's copy: this order keeps stores at copy speed
                 has = count > 0
-                units = tl.load(entry + 4, mask=valid, other=0)
-                trailer = tl.load(entry + 5, mask=valid, other=0)
-                key = tl.load(entry + 6, mask=valid, other=0).to(tl.uint64, bitcast=True)
-                row_words = tl.load(entry + 7, mask=valid, other=0)
-                position = host_page - chunk * bpc
+                where, key, position = _sum_slot(entry, valid, host_page, chunk, piece, bpc)
             total = tl.sum((_unsigned(data, ELEMENT) << shift) * weight, axis=1)
             ident = _mix(_mix(_mix(key ^ chunk.to(tl.uint64)) ^ position.to(tl.uint64))
                          ^ piece.to(tl.uint64))
@@ -169,7 +172,6 @@ def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc, sums
             if LOAD:
                 tl.store(sums + failed + rows * 0, item, mask=has & (expect != stored))
             else:
-                where = trailer + chunk * row_words + position * units + piece
                 tl.store(sums + where, stored, mask=has)
 
 
