@@ -214,9 +214,9 @@ class HostTier:
         The copy runs after ``after`` (a CUDA event or stream; default: the current stream)
         and the call returns the copy's completion event, which the compute stream can
         ``wait_event`` on before reading loaded blocks -- no host round trip.  The event says
-        the copy is done, not that it verified: with integrity on, a load's checksums are
-        judged when the job is decided, so a forward pass that must never see damaged KV
-        uses loaded blocks only once `finished` returned the load with ``success``.  None when this
+        the copy is done, not that it verified (the verdict comes with the decision); a loaded
+        piece that fails its checksum is overwritten with all-ones bytes (NaN) before the
+        event fires, so nothing read ahead of the verdict is a damaged byte.  None when this
         rank moves nothing (a replicated store's non-writer) or its KV lives in host memory."""
         self.actor.submit(job, keep=True, after=after)
         return self.actor.last_event

@@ -192,7 +192,7 @@ def test_damaged_loads_fail_naming_tensor_chunk_and_position(damage: str,
     the failed job is reported finished, its error names the first damaged unit, the counter
     counts one job, and the error is handed out once.  Pages of one unit each take the
     engine's all-tensors-at-once path."""
-    engine, _, region, layout = make_engine_for(pages=pages)
+    engine, kv, region, layout = make_engine_for(pages=pages)
     store_all(engine)
     apply, where = DAMAGE[damage]
     apply(region, layout, 5)
@@ -200,6 +200,9 @@ def test_damaged_loads_fail_naming_tensor_chunk_and_position(damage: str,
     error = load_chunk(engine, 2, 11)
     assert error is not None and error.startswith(f"integrity: {where}")
     assert error.endswith("does not match what was stored")
+    tensor, position = int(where.split()[1]), int(where.split()[5])
+    first_unit = kv[tensor][20 + position][:integrity.UNIT_BYTES]
+    assert bool((first_unit == 0xFF).all())  # the damaged copy is poison, not the bytes read
     assert engine.mismatches == 1 and engine.job_error(11) is None
     assert load_chunk(engine, 1, 12) is None and engine.mismatches == 1
 
@@ -207,8 +210,10 @@ def test_damaged_loads_fail_naming_tensor_chunk_and_position(damage: str,
 @settings(max_examples=60, deadline=None)
 @given(byte=st.integers(0, 39_999), bit=st.integers(0, 7))
 def test_a_flipped_bit_anywhere_in_a_large_page_fails_its_load(byte: int, bit: int) -> None:
-    """Tensor 1's 40,000-byte pages are three units; the error says which piece."""
-    engine, _, region, layout = make_engine_for()
+    """Tensor 1's 40,000-byte pages are three units; the error says which piece, and the
+    loaded copy of that piece is poison (all-ones bytes) while every other byte loaded is what
+    was stored."""
+    engine, kv, region, layout = make_engine_for()
     store_all(engine)
     region[page_at(layout, 1, 2, 3).start + byte] ^= 1 << bit
     error = load_chunk(engine, 2)
@@ -216,6 +221,16 @@ def test_a_flipped_bit_anywhere_in_a_large_page_fails_its_load(byte: int, bit: i
     where = f" (bytes from {piece * integrity.UNIT_BYTES})" if piece else ""
     assert error == (f"integrity: tensor 1 chunk 2 position 3{where} does not match what was "
                      "stored")
+    unit = slice(piece * integrity.UNIT_BYTES, (piece + 1) * integrity.UNIT_BYTES)
+    loaded, host = kv[1][20 + 3], region[page_at(layout, 1, 2, 3)]
+    assert bool((loaded[unit] == 0xFF).all())
+    rest = torch.ones(loaded.numel(), dtype=torch.bool)
+    rest[unit] = False
+    assert torch.equal(loaded[rest], host[rest])
+    for t, tensor in enumerate(kv):  # every other page of the job loaded as stored
+        for position in range(BPC):
+            if (t, position) != (1, 3):
+                assert torch.equal(tensor[20 + position], region[page_at(layout, t, 2, position)])
 
 
 def test_a_stale_page_fails_its_load() -> None:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from offload.integrity import identity, raw_sums
+from offload.integrity import UNIT_BYTES, identity, raw_sums
 from offload.transfer.base import After, Direction, EngineBase
 from offload.transfer.layout import Job, SlotLayout
 
@@ -104,8 +104,11 @@ class HostEngine(EngineBase):
             if bad.any():
                 tensor, i = np.unravel_index(int(np.argmax(bad)), bad.shape)
                 self._mismatch(job_id, int(tensor), int(job.host_pages[i]), 0)
+                for t, entry in zip(*np.nonzero(bad), strict=True):
+                    self._poison(int(t), int(job.blocks[entry]), 0)
             return
         rows = chunks[:, None]
+        found = False
         for t, sums in enumerate(raw):
             count = sums.shape[1]
             with np.errstate(over="ignore"):
@@ -116,9 +119,19 @@ class HostEngine(EngineBase):
                 continue
             bad = trailers[rows, where] != stored
             if bad.any():
-                i, unit = np.unravel_index(int(np.argmax(bad)), bad.shape)
-                self._mismatch(job_id, t, int(job.host_pages[i]), int(unit))
-                return
+                if not found:
+                    i, unit = np.unravel_index(int(np.argmax(bad)), bad.shape)
+                    self._mismatch(job_id, t, int(job.host_pages[i]), int(unit))
+                    found = True
+                for entry, unit in zip(*np.nonzero(bad), strict=True):
+                    self._poison(t, int(job.blocks[entry]), int(unit))
+
+    def _poison(self, tensor: int, block: int, unit: int) -> None:
+        """Overwrite a loaded unit that failed its check with all-ones bytes (NaN in every
+        float format): the job fails, and whatever reads the block before learning that sees
+        no bytes other than those stored, only poison."""
+        start = unit * UNIT_BYTES
+        self._numpy[tensor][0][block, start:start + UNIT_BYTES] = 0xFF
 
     def poll(self) -> list[int]:
         done, self._done = self._done, []

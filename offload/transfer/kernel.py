@@ -170,7 +170,12 @@ def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc, sums
                          ^ piece.to(tl.uint64))
             stored = (total + ident).to(tl.int64, bitcast=True)
             if LOAD:
-                tl.store(sums + failed + rows * 0, item, mask=has & (expect != stored))
+                bad = has & (expect != stored)
+                tl.store(sums + failed + rows * 0, item, mask=bad)
+                # the failed piece's copy becomes poison (all-ones: NaN in every float
+                # format), so a reader ahead of the verdict never gets unverified bytes
+                tl.store(anchor + tl.multiple_of(kv, VEC)[:, None] + cols, ~(data ^ data),
+                         mask=mask & bad[:, None])
             else:
                 tl.store(sums + where, stored, mask=has)
 

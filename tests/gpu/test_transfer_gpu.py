@@ -483,11 +483,20 @@ def test_a_flipped_byte_fails_the_load_on_every_path(backend: str, route: str) -
                  + 5 * 32 * KiB)
         region[start + 20_000] ^= 0x04
         for job_id in (3, 4, 5):
+            for t in kv:
+                t.view(torch.uint8)[40:56] = 0x11  # what a reader would see if nothing landed
             engine.submit(job_id, "load", *load)
             assert engine.wait_all() == [job_id]
             assert engine.job_error(job_id) == (
                 "integrity: tensor 1 chunk 2 position 5 (bytes from 16384) does not match "
                 "what was stored")
+            # the damaged piece's loaded copy is poison; every other byte was loaded
+            at = int(np.flatnonzero(order == 5)[0]) + 40
+            damaged = kv[1].view(torch.uint8)[at]
+            assert bool((damaged[16 * KiB:32 * KiB] == 0xFF).all())
+            assert torch.equal(damaged[:16 * KiB], kv[1].view(torch.uint8)[16 + 5][:16 * KiB])
+            assert torch.equal(kv[0].view(torch.uint8)[40:56],
+                               kv[0].view(torch.uint8)[16:32][torch.from_numpy(order).cuda()])
         assert engine.mismatches == 3
         region[start + 20_000] ^= 0x04
         engine.submit(6, "load", *load)
