@@ -38,10 +38,18 @@ def stored_names(actor: RankActor) -> frozenset[str] | None:
     return _files(actor).stored_names()
 
 
-def keep_only(actor: RankActor, names: Collection[str]) -> list[bytes]:
-    """Keep the agreed files; return what is left, least recently used first."""
+def keep_only(actor: RankActor, names: Collection[str]) -> list[str] | None:
+    """Keep the agreed files; return their names, least recently used first (None: no
+    files on this rank)."""
     files = _files(actor)
     files.keep_only(names)
+    return files.ordered_names()
+
+
+def adopt_order(actor: RankActor, names: Sequence[str]) -> list[bytes]:
+    """Take the agreed LRU order; return the stored keys in it (least recently used first)."""
+    files = _files(actor)
+    files.adopt_order(names)
     return files.stored_keys()
 
 
@@ -83,6 +91,11 @@ def setup(actor: RankActor, rpc: CollectiveRPC) -> list[bytes]:
     return the agreed keys in LRU order, for the chunk manager's picture of the disk."""
     rpc.call(open_files, actor=actor)
     agreed = agree_on_files(rpc.call(stored_names, actor=actor))
-    left = rpc.call(keep_only, agreed, actor=actor)
+    orders = rpc.call(keep_only, agreed, actor=actor)
+    # NOTE: the writers hold the same names now, but the order their files' sequence numbers
+    # give may differ (a file one rank could not read at an earlier start kept its old
+    # number); one writer's order for all, or their LRUs would evict differently
+    order: list[str] = next((names for names in orders if names is not None), [])
+    left = rpc.call(adopt_order, order, actor=actor)
     return next((keys for keys in left if keys), [])
 

@@ -181,11 +181,11 @@ class HostTier:
             else:
                 _serve_setup(actor, rpc)
                 plan = actor._installed()
+            tier = cls(actor, rpc, plan, decider, disk_keys)
         except BaseException:
             if served is not None:
                 served.close()
             raise
-        tier = cls(actor, rpc, plan, decider, disk_keys)
         if served is not None:
             served.bind(tier)
             tier.metrics = served
@@ -215,9 +215,10 @@ class HostTier:
         and the call returns the copy's completion event, which the compute stream can
         ``wait_event`` on before reading loaded blocks -- no host round trip.  The event says
         the copy is done, not that it verified (the verdict comes with the decision); a loaded
-        piece that fails its checksum is overwritten with all-ones bytes (NaN) before the
-        event fires, so nothing read ahead of the verdict is a damaged byte.  None when this
-        rank moves nothing (a replicated store's non-writer) or its KV lives in host memory."""
+        piece that fails its checksum is overwritten with all-ones bytes (NaN in fp16 to fp64)
+        before the event fires, so nothing read ahead of the verdict is a damaged byte.  None
+        when this rank moves nothing (a replicated store's non-writer) or its KV lives in host
+        memory."""
         self.actor.submit(job, keep=True, after=after)
         return self.actor.last_event
 

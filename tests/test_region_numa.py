@@ -134,3 +134,24 @@ def test_a_tier_places_and_reports_its_pages_on_the_gpus_node(layout: str) -> No
     assert all(o.ok for o in out), [o.error for o in out]
     for node, on_node, populated in (o.value for o in out):
         assert node == 0 and on_node == populated > 0  # every page this rank faulted in
+
+
+def test_a_refused_policy_is_said_once_and_changes_nothing(caplog: pytest.LogCaptureFixture
+                                                           ) -> None:
+    """Node 70 (past one word of the node mask) does not exist here: the kernel refuses the
+    policy; the thread goes on unplaced and the log says so once."""
+    import offload.region.numa as numa
+
+    numa._refused.cache_clear()
+    before = os.sched_getaffinity(0)
+
+    def enter_twice() -> None:
+        Placement(70, frozenset()).enter()
+        Placement(70, frozenset()).enter()
+
+    thread = threading.Thread(target=enter_twice)
+    with caplog.at_level("WARNING", logger="offload.region.numa"):
+        thread.start()
+        thread.join()
+    refusals = [r for r in caplog.records if "set_mempolicy refused" in r.getMessage()]
+    assert len(refusals) == 1 and os.sched_getaffinity(0) == before

@@ -25,12 +25,17 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import functools
+import logging
 import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 MPOL_PREFERRED = 1
 # mempolicy syscalls have no glibc wrapper; their numbers per machine type
@@ -101,10 +106,13 @@ class Placement:
         number = _SET_MEMPOLICY.get(platform.machine())
         if number is None:
             return
-        mask = ctypes.c_ulong(1 << self.node)
+        bits = ctypes.sizeof(ctypes.c_ulong) * 8
+        mask = (ctypes.c_ulong * (self.node // bits + 1))()
+        mask[self.node // bits] = 1 << (self.node % bits)
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.syscall(number, MPOL_PREFERRED, ctypes.byref(mask),
-                     ctypes.c_ulong(ctypes.sizeof(mask) * 8 + 1))
+        if libc.syscall(ctypes.c_long(number), ctypes.c_long(MPOL_PREFERRED), mask,
+                        ctypes.c_ulong(len(mask) * bits + 1)) != 0:
+            _refused(ctypes.get_errno())
 
 
 def bytes_on_node(address: int, length: int, node: int, maps: str | None = None,
@@ -129,3 +137,10 @@ def bytes_on_node(address: int, length: int, node: int, maps: str | None = None,
         pages = next((int(f.split("=")[1]) for f in fields if f.startswith(f"N{node}=")), 0)
         total += pages * page_kib * 1024
     return total
+
+
+@functools.cache
+def _refused(err: int) -> None:
+    """Say once per process (and errno) that the kernel refused the memory policy."""
+    log.warning("NUMA placement: set_mempolicy refused (%s); pages go where the kernel puts "
+                "them (numa_bytes in the report says where)", errno.errorcode.get(err, err))

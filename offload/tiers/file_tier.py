@@ -43,9 +43,11 @@ Two reasons: a key becomes dead on one rank only, at a moment set by its disk, s
 looked at it (skip it, free its slot) would make this rank's decisions differ from the other
 ranks' and from the manager's replay, which sees no I/O; and its slot still covers the bytes
 of an abandoned write that may still be running (its unnamed file cannot be removed before the
-write returns), so the budget keeps counting them until the eviction's or discard's unlink,
-queued behind that write (the I/O of one key is serialised: a read waits for the key's write,
-an eviction for the key's read), removes whatever it left.  No decision waits for a disk.
+write returns): the eviction's or discard's unlink is queued behind that write (the I/O of one
+key is serialised: a read waits for the key's write, an eviction for the key's read) and
+removes whatever it left.  Until it runs, the evicted file still takes disk space while the
+new key's file is written: a stalled disk can hold up to one file per I/O thread beyond the
+budget (``io_threads``).  No decision waits for a disk.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Collection, Hashable, Mapping
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -387,6 +389,17 @@ class FileTier:
         with self._lock:
             return [e.key for e in map(self._entries.__getitem__, self._lru)
                     if e.state != _DEAD]
+
+    def ordered_names(self) -> list[str]:
+        """The held file names, least recently used first."""
+        with self._lock:
+            return list(self._lru)
+
+    def adopt_order(self, names: Sequence[str]) -> None:
+        """Take another writer's LRU order for the same held names (after a restart, file
+        sequence numbers may order them differently on different ranks)."""
+        with self._lock:
+            self._lru.reorder(names)
 
     def lru_keys(self) -> list[bytes]:
         """The stored form of every key that holds a slot of the budget, dead ones included,

@@ -24,7 +24,7 @@ Rules:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -66,6 +66,15 @@ class Lru(Generic[K]):
             return False
         self._keys.move_to_end(key)
         return True
+
+    def reorder(self, order: Iterable[K]) -> None:
+        """Put the held keys in ``order`` (least recently used first): after a restart every
+        writer adopts one writer's order, so they evict alike.  ``order`` must name exactly
+        the held keys."""
+        keys = list(order)
+        if len(keys) != len(self._keys) or set(keys) != set(self._keys):
+            raise ValueError("an LRU order must name exactly the held keys")
+        self._keys = OrderedDict.fromkeys(keys)
 
     def discard(self, key: K) -> bool:
         """Forget ``key``; False when it was absent."""

@@ -219,6 +219,14 @@ class RankFiles:
         if self.tier is not None:
             self.tier.keep_only(names).result()
 
+    def ordered_names(self) -> list[str] | None:
+        """Held file names, least recently used first; None for a rank without files."""
+        return None if self.tier is None else self.tier.ordered_names()
+
+    def adopt_order(self, names: Sequence[str]) -> None:
+        if self.tier is not None:
+            self.tier.adopt_order(names)
+
     def stored_keys(self) -> list[bytes]:
         """Stored key bytes, least recently used first (what the chunk manager is seeded with
         after a restart, once `keep_only` made every writer's set equal)."""

@@ -104,8 +104,8 @@ class HostEngine(EngineBase):
             if bad.any():
                 tensor, i = np.unravel_index(int(np.argmax(bad)), bad.shape)
                 self._mismatch(job_id, int(tensor), int(job.host_pages[i]), 0)
-                for t, entry in zip(*np.nonzero(bad), strict=True):
-                    self._poison(int(t), int(job.blocks[entry]), 0)
+                for failed in np.flatnonzero(bad.any(axis=1)):
+                    self._poison(int(failed), job.blocks[bad[failed]], 0)
             return
         rows = chunks[:, None]
         found = False
@@ -123,15 +123,15 @@ class HostEngine(EngineBase):
                     i, unit = np.unravel_index(int(np.argmax(bad)), bad.shape)
                     self._mismatch(job_id, t, int(job.host_pages[i]), int(unit))
                     found = True
-                for entry, unit in zip(*np.nonzero(bad), strict=True):
-                    self._poison(t, int(job.blocks[entry]), int(unit))
+                for failed in np.flatnonzero(bad.any(axis=0)):
+                    self._poison(t, job.blocks[bad[:, failed]], int(failed))
 
-    def _poison(self, tensor: int, block: int, unit: int) -> None:
-        """Overwrite a loaded unit that failed its check with all-ones bytes (NaN in every
-        float format): the job fails, and whatever reads the block before learning that sees
-        no bytes other than those stored, only poison."""
+    def _poison(self, tensor: int, blocks: np.ndarray, unit: int) -> None:
+        """Overwrite unit ``unit`` of these loaded blocks of one tensor, which failed their
+        check, with all-ones bytes (NaN in fp16 to fp64): the job fails, and whatever reads a
+        block before learning that sees no bytes other than those stored, only poison."""
         start = unit * UNIT_BYTES
-        self._numpy[tensor][0][block, start:start + UNIT_BYTES] = 0xFF
+        self._numpy[tensor][0][blocks, start:start + UNIT_BYTES] = 0xFF
 
     def poll(self) -> list[int]:
         done, self._done = self._done, []

@@ -172,8 +172,8 @@ def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc, sums
             if LOAD:
                 bad = has & (expect != stored)
                 tl.store(sums + failed + rows * 0, item, mask=bad)
-                # the failed piece's copy becomes poison (all-ones: NaN in every float
-                # format), so a reader ahead of the verdict never gets unverified bytes
+                # the failed piece's copy becomes poison (all-ones bytes: NaN in fp16 to fp64),
+                # so a reader ahead of the verdict never gets unverified bytes
                 tl.store(anchor + tl.multiple_of(kv, VEC)[:, None] + cols, ~(data ^ data),
                          mask=mask & bad[:, None])
             else:
