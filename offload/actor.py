@@ -255,8 +255,7 @@ class RankActor:
             return
         entry.done = True
         entry.seconds = time.perf_counter() - entry.started
-        job_error = getattr(self.engine, "job_error", None)
-        verdict = job_error(seq) if job_error is not None else None
+        verdict = self._engine().job_error(seq)
         if verdict is not None and entry.error is None:
             entry.error = verdict
         job = entry.job
@@ -298,8 +297,8 @@ class RankActor:
             "numa_node": stats.numa_node, "numa_bytes": stats.numa_bytes,
             "engine": self.engine.name if self.engine else None,
             "audit": self.auditor.to_json() if self.auditor else None,
-            "integrity": {"enabled": bool(getattr(self.engine, "integrity", False)),
-                          "mismatches": int(getattr(self.engine, "mismatches", 0))},
+            "integrity": {"enabled": self.engine.integrity if self.engine else False,
+                          "mismatches": self.engine.mismatches if self.engine else 0},
             "timings_s": timings,
         }
 

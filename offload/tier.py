@@ -44,6 +44,7 @@ from offload.audit import Auditor
 from offload.board import Board
 from offload.config import TierConfig
 from offload.errors import JobFailed, OffloadError, PeerError, is_damage, one_line
+from offload.jobs import Entry
 from offload.manager import ChunkManager, PromoteJob
 from offload.metrics import JobTally, MetricsServer, serve_metrics
 from offload.plan import Plan, RankDescriptor, compute_plan
@@ -301,11 +302,7 @@ class HostTier:
             raise
         failed = self.actor.quorum.failures(words, seqs[0], seqs[-1] + 1)
         taken = book.take(seqs)
-        now = time.perf_counter() if self.topology.rank == self.decider else None
-        for e in taken:
-            rank, reason = failed.get(e.seq, (None, None))
-            self.tally.add(e.job.direction, rank is None, reason, e.bytes,
-                           None if now is None else now - e.started)
+        self._count(taken, failed)
         bad = [e for e in taken if e.seq in failed]
         if bad:
             rank, message = failed[bad[0].seq]
@@ -324,20 +321,28 @@ class HostTier:
         """Results of the live jobs below ``through`` (the decided ones), in order."""
         results = []
         failures = self.mark.failed
-        now = time.perf_counter() if self.topology.rank == self.decider else None
-        for entry in self.actor.jobs.take_below(through):
+        entries = self.actor.jobs.take_below(through)
+        self._count(entries, failed)
+        for entry in entries:
             rank, reason = failed.get(entry.seq, (None, None))
             success = rank is None
             if not entry.ok and success:
                 raise RuntimeError(f"job {entry.job_id} failed on rank {self.topology.rank} "
                                    "but the quorum has no record of it")
             failures += not success
-            self.tally.add(entry.job.direction, success, reason, entry.bytes,
-                           None if now is None else now - entry.started)
             results.append(TransferResult(entry.job_id, success, entry.bytes, entry.seconds,
                                           rank, reason))
         self.mark = DecisionMark(through, failures)
         return results
+
+    def _count(self, entries: Sequence[Entry], failed: dict[int, tuple[int, str]]) -> None:
+        """Feed decided jobs to the live metrics; the decider also times them (submit to
+        decided)."""
+        now = time.perf_counter() if self.topology.rank == self.decider else None
+        for e in entries:
+            rank, reason = failed.get(e.seq, (None, None))
+            self.tally.add(e.job.direction, rank is None, reason, e.bytes,
+                           None if now is None else now - e.started)
 
     def _check_overdue(self, words: Words) -> None:
         """Decider: a job waiting longer than the timeout names the ranks holding it back."""

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from offload.region.shm import libc
+
 log = logging.getLogger(__name__)
 
 MPOL_PREFERRED = 1
@@ -109,7 +111,6 @@ class Placement:
         bits = ctypes.sizeof(ctypes.c_ulong) * 8
         mask = (ctypes.c_ulong * (self.node // bits + 1))()
         mask[self.node // bits] = 1 << (self.node % bits)
-        libc = ctypes.CDLL(None, use_errno=True)
         if libc.syscall(ctypes.c_long(number), ctypes.c_long(MPOL_PREFERRED), mask,
                         ctypes.c_ulong(len(mask) * bits + 1)) != 0:
             _refused(ctypes.get_errno())
