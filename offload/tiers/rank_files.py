@@ -38,7 +38,6 @@ import time
 from collections.abc import Collection, Hashable, Iterable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -49,19 +48,10 @@ from offload.tiers.file_tier import DEFAULT_IO_TIMEOUT_S, FileTier, Spill, host_
 from offload.tiers.fs_io import FileIO
 from offload.tiers.plan_files import file_capacity, rank_budget, rank_geometry
 from offload.topology import Topology
+from offload.transfer.layout import SlotLayout
 
 WorkItem = tuple[Hashable, int]  # (chunk key, chunk id)
 FILE_CHUNK = -1  # the chunk id a file's checksums are mixed with: no row's
-
-
-@dataclass(frozen=True)
-class SlotSums:
-    """Where a slot's checksum trailer lies (its offset in the slot) and what it mixes in."""
-
-    offset: int
-    page_bytes: tuple[int, ...]
-    blocks_per_chunk: int
-    seed: int
 
 
 def file_writers(plan: Plan, topology: Topology) -> tuple[int, ...]:
@@ -83,11 +73,11 @@ class RankFiles:
     ``base + c * row_stride + slot_offset`` and spans ``slot_bytes``."""
 
     def __init__(self, tier: FileTier | None, base: int, row_stride: int, slot_offset: int,
-                 slot_bytes: int, sums: SlotSums | None = None) -> None:
+                 slot_bytes: int, sums: SlotLayout | None = None) -> None:
         self.tier = tier
         self._base, self._stride = base, row_stride
         self._offset, self._bytes = slot_offset, slot_bytes
-        self._sums = sums
+        self._sums = sums  # this rank's slot layout, where its slots carry checksums
         self._releasing: dict[int, list[Spill]] = {}  # chunk -> spills reading it
         self._reading: dict[int, Future[bool]] = {}  # chunk -> a read past its deadline
 
@@ -107,10 +97,9 @@ class RankFiles:
                             rank_geometry(plan, rank, extra), slot.slot_bytes,
                             io_threads=io_threads, page_size=plan.page_size,
                             io_timeout_s=io_timeout_s, io=io)
-        sums = (SlotSums(slot.trailer_offset, slot.page_bytes, plan.blocks_per_chunk,
-                         slot.integrity_seed) if slot.trailer_offset is not None else None)
+        layout = SlotLayout.from_plan(plan, rank)
         return cls(tier, region_address, plan.row_stride(rank), slot.slot_offset,
-                   slot.slot_bytes, sums)
+                   slot.slot_bytes, layout if layout.integrity else None)
 
     def row(self, chunk: int) -> memoryview:
         """This rank's slot of host row ``chunk`` (page-aligned: rows and slots are page
@@ -197,9 +186,9 @@ class RankFiles:
 
     def _move_sums(self, chunk: int, from_chunk: int, to_chunk: int) -> None:
         """Re-mix the checksum trailer of this rank's slot of row ``chunk``."""
-        if self._sums is not None:
-            s = self._sums
-            view = host_view(self._base + chunk * self._stride + self._offset + s.offset,
+        s = self._sums
+        if s is not None and s.trailer_offset is not None:
+            view = host_view(self._base + chunk * self._stride + self._offset + s.trailer_offset,
                              trailer_bytes(s.page_bytes, s.blocks_per_chunk))
             move_sums(np.frombuffer(view, dtype=np.uint64), s.page_bytes, s.blocks_per_chunk,
                       s.seed, from_chunk, to_chunk)
