@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not checksum pages on store nor check them on load")
     p.add_argument("--no-numa", dest="numa", action="store_false",
                    help="do not place each rank's pages on its GPU's NUMA node")
+    p.add_argument("--staging-bytes", default="128MiB", metavar="SIZE",
+                   help="GPU memory per rank for the staged path: whole-chunk jobs are gathered "
+                        "on the GPU and moved by the copy engines, so the model keeps its SMs "
+                        "(0: off, whole chunks run on the copy kernel)")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve live Prometheus metrics (offload_*) at /metrics on PORT + each "
                         "rank's local rank (needs offload[metrics]); default off")
@@ -167,7 +171,7 @@ def config_from_args(args: argparse.Namespace, world: int) -> TierConfig:
         prefault_threads=args.prefault_threads, timeout_s=args.timeout, fs_dir=args.fs_tier,
         private_memory=args.private_memory, fs_io_timeout_s=args.fs_io_timeout,
         integrity=args.integrity, metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
-        numa=args.numa,
+        numa=args.numa, staging_bytes=parse_size(args.staging_bytes, "--staging-bytes"),
         fs_bytes=None if args.fs_bytes is None else parse_size(args.fs_bytes, "--fs-bytes"))
 
 

@@ -157,7 +157,8 @@ class RankActor:
         plan, region = self._installed(), self._region()
         layout = SlotLayout.from_plan(plan, self.topology.rank)
         self.engine = make_engine(self.kv_tensors, region.tensor, region.address, layout,
-                                  plan.chunk_count, region.pinned, self.backend)
+                                  plan.chunk_count, region.pinned, self.backend,
+                                  staging_bytes=self.config.staging_bytes)
         self._block_bytes = sum(layout.page_bytes)  # per job entry, counted per submit
         self.timed("total", self.created_at)
         return self.engine.name

@@ -20,6 +20,7 @@ LAYOUTS: tuple[str, ...] = get_args(Layout)
 PRIVATE_MEMORY: tuple[str, ...] = get_args(PrivateMemory)
 GiB = 1 << 30
 MiB = 1 << 20
+DEFAULT_STAGING_BYTES = 128 * MiB  # `TierConfig.staging_bytes`
 FS_BYTES_FACTOR = 4  # default file tier budget: this many times the host budget
 
 
@@ -120,6 +121,12 @@ class TierConfig:
     """Pre-fault each rank's pages from threads on its GPU's NUMA node, preferring that node's
     memory (`offload.region.numa`); False (``--no-numa``) leaves placement to the kernel."""
 
+    staging_bytes: int = DEFAULT_STAGING_BYTES
+    """GPU memory per rank for the staged path (``--staging-bytes``): whole-chunk jobs are
+    gathered or scattered on the GPU through a ring of this many bytes and moved by the copy
+    engines, so a copy holds SMs only for a short HBM pass (`offload.transfer.staging`).  0
+    turns it off: whole chunks then run on the copy kernel."""
+
     metrics_port: int | None = None
     """Serve live Prometheus metrics (``offload_*``, `offload.metrics`) on this port plus the
     rank's local rank (``--metrics-port``); needs ``offload[metrics]``.  None: not served."""
@@ -167,6 +174,9 @@ class TierConfig:
             if self.fs_bytes < 1:
                 raise OffloadError(f"{_describe('fs_bytes')} = {self.fs_bytes} is below its "
                                    "minimum 1; give a size such as 1GiB")
+        if self.staging_bytes < 0:
+            raise OffloadError(f"{_describe('staging_bytes')} = {self.staging_bytes} is "
+                               "negative; give GPU bytes such as 128MiB, or 0 for no staging")
         if not self.fs_io_timeout_s > 0:
             raise OffloadError(f"{_describe('fs_io_timeout_s')} = {self.fs_io_timeout_s} must "
                                "be positive; give the seconds one file-tier read or write may "
@@ -195,7 +205,7 @@ _FLAGS = {"cpu_bytes_per_node": "--cpu-bytes", "blocks_per_chunk": "--blocks-per
           "fs_io_timeout_s": "--fs-io-timeout",
           "private_memory": "--private-memory", "integrity": "--no-integrity",
           "metrics_port": "--metrics-port", "metrics_addr": "--metrics-addr",
-          "numa": "--no-numa"}
+          "numa": "--no-numa", "staging_bytes": "--staging-bytes"}
 
 
 def _describe(name: str) -> str:

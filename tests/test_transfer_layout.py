@@ -18,7 +18,6 @@ from offload.transfer import Job, SlotLayout, check_job, page_addresses
 from offload.transfer.layout import (
     UniqueDestinations,
     as_index_array,
-    chunk_starts,
     common_alignment,
 )
 
@@ -250,28 +249,6 @@ def test_a_cuda_index_tensor_is_refused_without_a_sync() -> None:
 
     with pytest.raises(OffloadError, match="gpu_blocks is a CUDA tensor; pass job indices"):
         as_index_array(FakeCuda(), "gpu_blocks")
-
-
-@pytest.mark.parametrize(("blocks", "chunks", "positions", "expected"), [
-    (range(8, 12), [2] * 4, range(4), ([8], [2])),
-    ([*range(4), *range(20, 24)], [1] * 4 + [0] * 4, [*range(4), *range(4)], ([0, 20], [1, 0])),
-    ([8, 9, 11, 10], [2] * 4, range(4), None),  # blocks not consecutive
-    (range(8, 12), [2] * 4, [1, 0, 2, 3], None),  # positions out of order
-    (range(8, 11), [2] * 3, range(3), None),  # not a whole chunk
-    (range(4), [1, 1, 2, 2], range(4), None),  # two half chunks
-    ([], [], [], None),
-])
-def test_chunk_starts_finds_whole_chunk_jobs(blocks: object, chunks: object, positions: object,
-                                             expected: tuple[list[int], list[int]] | None
-                                             ) -> None:
-    job = check_job(LAYOUT, list(blocks), list(chunks), list(positions),  # type: ignore[call-overload]
-                    num_blocks=64, chunk_count=3)
-    starts = chunk_starts(job, LAYOUT.blocks_per_chunk)
-    if expected is None:
-        assert starts is None
-    else:
-        assert starts is not None
-        assert (starts[0].tolist(), starts[1].tolist()) == expected
 
 
 def test_common_alignment() -> None:

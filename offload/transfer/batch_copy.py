@@ -66,12 +66,19 @@ class BatchCopier:
     def launch_runs(self, src: np.ndarray, dst: np.ndarray, size: np.ndarray
                     ) -> tuple[np.ndarray, ...]:
         srcs, dsts, sizes = (np.ascontiguousarray(a, dtype=np.uint64) for a in (src, dst, size))
-        driver_call(BATCH_ENTRY, ctypes.c_void_p(dsts.ctypes.data),
-                    ctypes.c_void_p(srcs.ctypes.data), ctypes.c_void_p(sizes.ctypes.data),
-                    ctypes.c_size_t(srcs.size), ctypes.byref(self._attrs),
+        self.launch_part(srcs, dsts, sizes, 0, srcs.size)
+        return srcs, dsts, sizes
+
+    def launch_part(self, srcs: np.ndarray, dsts: np.ndarray, sizes: np.ndarray, first: int,
+                    count: int) -> None:
+        """Copies ``first`` .. ``first + count - 1`` of contiguous uint64 address arrays (a
+        staged job's DMAs, issued slice by slice without copying the arrays)."""
+        at = 8 * first
+        driver_call(BATCH_ENTRY, ctypes.c_void_p(dsts.ctypes.data + at),
+                    ctypes.c_void_p(srcs.ctypes.data + at), ctypes.c_void_p(sizes.ctypes.data + at),
+                    ctypes.c_size_t(count), ctypes.byref(self._attrs),
                     ctypes.c_void_p(self._attr_index.ctypes.data), ctypes.c_size_t(1),
                     ctypes.c_void_p(self._stream.cuda_stream))
-        return srcs, dsts, sizes
 
 
 def page_copies(engine: StreamEngine, direction: Direction, job: Job

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from offload.config import DEFAULT_STAGING_BYTES
 from offload.errors import OffloadError
 from offload.transfer.base import TransferEngine
 from offload.transfer.layout import SlotLayout
@@ -36,13 +37,15 @@ def choose_backend(on_cuda: bool, pinned: bool, has_triton: bool, has_batch_copy
 
 def make_engine(kv_tensors: Sequence[torch.Tensor], region_tensor: torch.Tensor,
                 region_address: int | None, layout: SlotLayout, chunk_count: int, pinned: bool,
-                backend: str = "auto", priority: int = 0) -> TransferEngine:
+                backend: str = "auto", priority: int = 0,
+                staging_bytes: int = DEFAULT_STAGING_BYTES) -> TransferEngine:
     """Build this rank's engine.
 
     ``auto`` picks by `choose_backend`.  ``region_address`` is the
     mapping's virtual address (the address CUDA kernels use for registered memory); it must be
     where ``region_tensor`` starts.  ``priority`` is the CUDA backends' stream priority (lower
-    is higher, as in ``torch.cuda.Stream``).
+    is higher, as in ``torch.cuda.Stream``).  ``staging_bytes`` bounds the GPU memory of
+    ``hybrid``'s staged path for whole chunks (`offload.transfer.staging`; 0: none).
     """
     if backend not in BACKENDS:
         raise OffloadError(
@@ -77,7 +80,8 @@ def make_engine(kv_tensors: Sequence[torch.Tensor], region_tensor: torch.Tensor,
             raise OffloadError("backend 'hybrid' needs triton and a CUDA 13 driver "
                                "(cuMemcpyBatchAsync_v2); use 'triton' or 'per_block'")
         from offload.transfer.hybrid import HybridEngine
-        return HybridEngine(kv_tensors, region_tensor, layout, chunk_count, priority=priority)
+        return HybridEngine(kv_tensors, region_tensor, layout, chunk_count, priority=priority,
+                            staging_bytes=staging_bytes)
     if backend == "copy_engine":
         from offload.transfer.batch_copy import BatchCopyEngine, batch_copy_available
         if not batch_copy_available():

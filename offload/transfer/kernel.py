@@ -46,7 +46,7 @@ import triton.language as tl
 from offload.cuda_driver import bound_function, check
 from offload.errors import OffloadError
 from offload.integrity import UNIT_BYTES
-from offload.transfer.base import Direction
+from offload.transfer.base import DIRECTIONS, Direction
 from offload.transfer.cuda import DEFAULT_COPY_PROGRAMS, Lease, StreamEngine
 from offload.transfer.launcher import BoundKernel, bind, hooks_active
 from offload.transfer.layout import Job, SlotLayout, common_alignment
@@ -64,7 +64,14 @@ STAGING_SLOTS = 4  # pinned staging buffers made at first; more only while all a
 # Programs of a sum-only pass: it reads GPU memory only, so it is short with many programs.
 SUM_PROGRAMS = 264
 _ELEMENTS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-_SCALARS = ("n", "items", "num_tensors", "row_stride", "bpc")
+# runtime arguments, in order (the bound launch's parameter cells)
+PARAMETERS = ("anchor", "table", "job", "n", "items", "num_tensors", "row_stride", "bpc", "sums",
+              "first_entry", "first_tensor", "all_tensors", "stage", "stage_sums")
+# integers compiled once whatever their value, and the staged pointers, whose alignment varies
+_SCALARS = (*PARAMETERS[3:8], *PARAMETERS[9:])
+VARYING = (3, 4, 5, 6, 9, 10, 12, 13)  # the cells a launch may change
+# Programs of a staged pass: HBM to HBM, so short with many programs (one per SM or so).
+STAGE_PROGRAMS = 132
 TABLE_COLUMNS = 8
 
 
@@ -91,31 +98,52 @@ def _unsigned(data, ELEMENT: tl.constexpr):
 
 
 @triton.jit
-def _sum_slot(entry, valid, host_page, chunk, piece, bpc):
-    """Where a work item's checksum lives (its word from ``sums``) and the tensor's identity
-    key, from the integrity half of its table entry."""
+def _sum_slot(entry, valid, host_page, chunk, row, row_words, trailer0, piece, bpc):
+    """Where a work item's checksum lives (its word from the launch's sums pointer) and the
+    tensor's identity key, from the integrity half of its table entry.  ``row`` is the row
+    holding the slot (the chunk in the region, the staged row in staging), ``row_words`` that
+    row's stride in words and ``trailer0`` the trailer word the sums pointer stands for."""
     units = tl.load(entry + 4, mask=valid, other=0)
     trailer = tl.load(entry + 5, mask=valid, other=0)
     key = tl.load(entry + 6, mask=valid, other=0).to(tl.uint64, bitcast=True)
-    row_words = tl.load(entry + 7, mask=valid, other=0)
     position = host_page - chunk * bpc
-    return trailer + chunk * row_words + position * units + piece, key, position
+    return trailer - trailer0 + row * row_words + position * units + piece, key, position
 
 
 @triton.jit(do_not_specialize=_SCALARS)  # one compilation whatever the job's size
-def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc, sums,
+def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc, sums, first_entry,
+                first_tensor, all_tensors, stage, stage_sums,
                 LOAD: tl.constexpr, PIECES: tl.constexpr, ROWS: tl.constexpr,
                 TILE: tl.constexpr, VEC: tl.constexpr, COPY: tl.constexpr,
-                INTEGRITY: tl.constexpr, ELEMENT: tl.constexpr):
-    """Addresses are element offsets from ``anchor``.  ``table`` is [tensors, 8]: KV base,
+                INTEGRITY: tl.constexpr, ELEMENT: tl.constexpr, STAGED: tl.constexpr):
+    """Addresses are element offsets from ``anchor``.  ``table`` is [all_tensors, 8]: KV base,
     block stride, page, host base (elements); then, for integrity, units per page, the trailer
     word of (chunk 0, position 0, unit 0) counted from ``sums`` (``anchor`` as 64-bit words),
     the tensor's identity key and the row stride in words.  ``job`` is [2, n]: block ids, then
     host pages, and for a checked load the result word's offset from ``sums`` as two 32-bit
-    halves.  Work item ``w`` = (entry, tensor, piece) in row-major order; a program handles
-    ROWS items per step.  ``COPY`` off: only sum the GPU pages (copy-engine jobs)."""
+    halves.  A launch covers entries ``first_entry`` on and tensors ``first_tensor`` on:
+    work item ``w`` = (entry, tensor, piece) of that range in row-major order; a program
+    handles ROWS items per step.  ``COPY`` off: only sum the GPU pages (copy-engine jobs).
+
+    ``STAGED``: the host side is a staging buffer in GPU memory instead of the region -- row
+    ``(entry - first_entry) // bpc`` of ``row_stride`` elements from ``stage`` holds the slot
+    bytes of tensors ``first_tensor`` on, laid out as in the region, and its sums from
+    ``stage_sums`` (the copy engines move those rows to and from the region)."""
     rows = tl.arange(0, ROWS)
     cols = tl.arange(0, TILE)[None, :]
+    if STAGED:
+        head = table + first_tensor * 8
+        host0 = tl.load(head + 3)
+        if INTEGRITY:
+            trailer0 = tl.load(head + 5)
+        host = stage
+        check = stage_sums
+        row_words = row_stride * ELEMENT // 8
+    else:
+        host0 = 0
+        trailer0 = 0
+        host = anchor
+        check = sums
     if INTEGRITY:
         byte = cols.to(tl.int64) * ELEMENT
         weight = ((byte >> 3) * 2 + 1).to(tl.uint64)  # word i of the unit weighs 2i + 1
@@ -130,8 +158,9 @@ def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc, sums
         valid = item < items
         piece = item % PIECES
         rest = item // PIECES
-        t = rest % num_tensors
-        i = rest // num_tensors
+        local = rest // num_tensors
+        t = first_tensor + rest % num_tensors
+        i = first_entry + local
         block = tl.load(job + i, mask=valid, other=0).to(tl.int64)
         host_page = tl.load(job + n + i, mask=valid, other=0).to(tl.int64)
         entry = table + t * 8
@@ -140,44 +169,48 @@ def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc, sums
         page = tl.load(entry + 2, mask=valid, other=0)
         host_base = tl.load(entry + 3, mask=valid, other=0)
         chunk = host_page // bpc
+        row = local // bpc if STAGED else chunk  # a constexpr choice
         skip = piece * TILE
         kv = kv_base + block * stride + skip
-        host = host_base + chunk * row_stride + (host_page - chunk * bpc) * page + skip
+        at = host_base - host0 + row * row_stride + (host_page - chunk * bpc) * page + skip
         count = tl.where(valid, page - skip, 0)
-        if INTEGRITY:  # noqa: SIM102 (constexpr branches, kept as the other one below)
+        if INTEGRITY:
+            has = count > 0
+            if not STAGED:
+                row_words = tl.load(entry + 7, mask=valid, other=0)
             if LOAD:  # the stored sum is read before the page, so the two reads overlap
-                has = count > 0
-                where, key, position = _sum_slot(entry, valid, host_page, chunk, piece, bpc)
-                expect = tl.load(sums + where, mask=has, other=0)
-        if LOAD:
-            src = tl.multiple_of(host, VEC)
-            dst = tl.multiple_of(kv, VEC)
-        else:
-            src = tl.multiple_of(kv, VEC)
-            dst = tl.multiple_of(host, VEC)
+                where, key, position = _sum_slot(entry, valid, host_page, chunk, row,
+                                                 row_words, trailer0, piece, bpc)
+                expect = tl.load(check + where, mask=has, other=0)
+        kv_at = anchor + tl.multiple_of(kv, VEC)[:, None] + cols
+        host_at = host + tl.multiple_of(at, VEC)[:, None] + cols
         mask = cols < count[:, None]
         if COPY:
-            data = tl.load(anchor + src[:, None] + cols, mask=mask, other=0)
-            tl.store(anchor + dst[:, None] + cols, data, mask=mask)
+            if LOAD:
+                data = tl.load(host_at, mask=mask, other=0)
+                tl.store(kv_at, data, mask=mask)
+            else:
+                data = tl.load(kv_at, mask=mask, other=0)
+                tl.store(host_at, data, mask=mask)
         else:
-            data = tl.load(anchor + tl.multiple_of(kv, VEC)[:, None] + cols, mask=mask, other=0)
+            data = tl.load(kv_at, mask=mask, other=0)
         if INTEGRITY:
             if not LOAD:  # after the page's copy: this order keeps stores at copy speed
-                has = count > 0
-                where, key, position = _sum_slot(entry, valid, host_page, chunk, piece, bpc)
+                where, key, position = _sum_slot(entry, valid, host_page, chunk, row,
+                                                 row_words, trailer0, piece, bpc)
             total = tl.sum((_unsigned(data, ELEMENT) << shift) * weight, axis=1)
             ident = _mix(_mix(_mix(key ^ chunk.to(tl.uint64)) ^ position.to(tl.uint64))
                          ^ piece.to(tl.uint64))
             stored = (total + ident).to(tl.int64, bitcast=True)
             if LOAD:
                 bad = has & (expect != stored)
-                tl.store(sums + failed + rows * 0, item, mask=bad)
+                code = (i * all_tensors + t) * PIECES + piece  # the job's own work item number
+                tl.store(sums + failed + rows * 0, code, mask=bad)
                 # the failed piece's copy becomes poison (all-ones bytes: NaN in fp16 to fp64),
                 # so a reader ahead of the verdict never gets unverified bytes
-                tl.store(anchor + tl.multiple_of(kv, VEC)[:, None] + cols, ~(data ^ data),
-                         mask=mask & bad[:, None])
+                tl.store(kv_at, ~(data ^ data), mask=mask & bad[:, None])
             else:
-                tl.store(sums + where, stored, mask=has)
+                tl.store(check + where, stored, mask=has)
 
 
 def _ceil_pow2(n: int) -> int:
@@ -300,9 +333,9 @@ class KernelCopier:
         self._next: StagingSlot | None = None  # handed to the job check by `staging`
         self.slots_made = 0
         self._device_index = torch.empty(0, dtype=self._index_type, device=device)
-        self._compiled: dict[tuple[bool, bool], Any] = {}  # by (load, copy)
-        self._bound: dict[tuple[bool, bool], BoundKernel | None] = {}
-        self._native: dict[tuple[bool, bool], NativeIssuer] = {}
+        self._compiled: dict[tuple[bool, bool, bool], Any] = {}  # by (load, copy, staged)
+        self._bound: dict[tuple[bool, bool, bool], BoundKernel | None] = {}
+        self._native: dict[tuple[bool, bool, bool], NativeIssuer] = {}
         self._upload = bound_function("cuMemcpyHtoDAsync_v2", ctypes.c_uint64, ctypes.c_void_p,
                                       ctypes.c_size_t, ctypes.c_void_p)
         self.launches = {"native": 0, "bound": 0, "triton": 0}  # each job's launch path
@@ -349,15 +382,13 @@ class KernelCopier:
         entry, tensor = divmod(rest, self._num_tensors)
         return entry, tensor, piece
 
-    def launch(self, direction: Direction, job: Job, caller: int | None = None,
-               copy: bool = True) -> StagingSlot:
-        """Enqueue ``job``, first ordered after the raw stream ``caller`` when given;
-        ``copy`` off: only write (store) or check (load) its checksums over the GPU pages."""
+    def _stage_indices(self, direction: Direction, job: Job) -> tuple[StagingSlot, int]:
+        """Put ``job``'s indices in a staging slot (packed: [blocks | host pages], then the
+        result word's offset for a checked load); the slot and the elements to upload."""
         n = len(job)
         if n > self._capacity:
             self._grow(n)
         slot, self._next = self._next or self._take_slot(), None
-        # the device buffer holds the job packed: [blocks | host pages]
         if job.staged_in is slot:
             pass  # the check wrote it there
         elif job.packed is not None:
@@ -365,27 +396,69 @@ class KernelCopier:
         else:
             np.copyto(slot.staged[:n], job.blocks, casting="unsafe")
             np.copyto(slot.staged[n:2 * n], job.host_pages, casting="unsafe")
+        staged = 2 * n
+        if direction == "load" and self.integrity:
+            slot.arm(n)
+            staged += 2
+        return slot, staged
+
+    def _upload_slot(self, slot: StagingSlot, staged: int, caller: int | None) -> None:
+        if caller is not None:
+            self._wait_for(caller)
+        check(self._upload(self._device_index.data_ptr(), slot.address,
+                           staged * slot.item_bytes, self._stream.cuda_stream),
+              "cuMemcpyHtoDAsync_v2")
+
+    def launch(self, direction: Direction, job: Job, caller: int | None = None,
+               copy: bool = True) -> StagingSlot:
+        """Enqueue ``job``, first ordered after the raw stream ``caller`` when given;
+        ``copy`` off: only write (store) or check (load) its checksums over the GPU pages."""
+        slot, staged = self._stage_indices(direction, job)
+        n = len(job)
         items = n * self._num_tensors * self._pieces
         programs = self._programs[direction] if copy else SUM_PROGRAMS
         grid = max(1, min(programs, -(-items // self._rows)))
         load = direction == "load"
-        staged = 2 * n
-        if load and self.integrity:
-            slot.arm(n)
-            staged += 2
-        native = self._native.get((load, copy))
+        native = self._native.get((load, copy, False))
         if (native is not None and not self._hooked()
                 and native.issue(caller is not None, caller or 0, slot.address,
                                  staged * slot.item_bytes, n, items, grid)):
             self.launches["native"] += 1
             return slot
-        if caller is not None:
-            self._wait_for(caller)
-        stream = self._stream.cuda_stream
-        check(self._upload(self._device_index.data_ptr(), slot.address,
-                           staged * slot.item_bytes, stream), "cuMemcpyHtoDAsync_v2")
-        self._run(load, copy, grid, stream, n, items)
+        self._upload_slot(slot, staged, caller)
+        self._run((load, copy, False), grid, self._values(n, items))
         return slot
+
+    def upload(self, direction: Direction, job: Job, caller: int | None = None
+               ) -> StagingSlot:
+        """Put ``job``'s indices on the GPU for `launch_rows` launches, first ordered after
+        the raw stream ``caller`` when given; the slot is held until the job completes."""
+        slot, staged = self._stage_indices(direction, job)
+        self._upload_slot(slot, staged, caller)
+        return slot
+
+    def launch_rows(self, load: bool, n: int, first_entry: int, entries: int,
+                    first_tensor: int, tensors: int, row_bytes: int, stage: int,
+                    stage_sums: int) -> None:
+        """One staged pass over the uploaded job of ``n`` entries: entries ``first_entry`` to
+        ``first_entry + entries`` (whole chunks) and tensors ``first_tensor`` to
+        ``first_tensor + tensors`` between the KV tensors and rows of ``row_bytes`` from GPU
+        address ``stage`` (a store gathers the pages into them and writes their sums from
+        ``stage_sums``; a load checks those sums and scatters the pages)."""
+        items = entries * tensors * self._pieces
+        grid = max(1, min(STAGE_PROGRAMS, -(-items // self._rows)))
+        values = self._values(n, items)
+        values[5], values[6] = tensors, row_bytes // self._element
+        values[9], values[10], values[12], values[13] = first_entry, first_tensor, stage, \
+            stage_sums
+        self._run((load, True, True), grid, values)
+
+    def _values(self, n: int, items: int) -> list[int]:
+        """The kernel's runtime arguments (`PARAMETERS`) for a launch over the whole job."""
+        anchor = self.anchor
+        return [anchor, self._table.data_ptr(), self._device_index.data_ptr(), n, items,
+                self._num_tensors, self._row_stride, self._bpc, anchor, 0, 0,
+                self._num_tensors, anchor, anchor]
 
     @staticmethod
     def _hooked() -> bool:
@@ -393,52 +466,64 @@ class KernelCopier:
         Triton's launcher, where they run."""
         return hooks_active(_launch_hooks())
 
-    def _run(self, load: bool, copy: bool, grid: int, stream: int, n: int, items: int
-             ) -> None:
-        """The first launch of a direction compiles the kernel through Triton's normal path;
-        later ones go through the native issue call (`launch`) or the `BoundKernel` made
-        from it (``cuLaunchKernel``, the two sizes updated in place; `_grow` updates the index
-        buffer's pointer) or, where binding was refused or a size outgrew the compiled integer
-        type, the compiled kernel's own launcher."""
-        key = (load, copy)
+    def _run(self, key: tuple[bool, bool, bool], grid: int, values: list[int]) -> None:
+        """Launch variant ``key`` (load, copy, staged) over ``values``.  The first launch of a
+        variant compiles the kernel through Triton's normal path; later ones go through the
+        native issue call (`launch`) or the `BoundKernel` made from it (``cuLaunchKernel``,
+        the per-launch values updated in place; `_grow` updates the index buffer's pointer)
+        or, where binding was refused or a value outgrew the compiled integer type, the
+        compiled kernel's own launcher."""
+        load, copy, staged = key
+        stream = self._stream.cuda_stream
         bound = self._bound.get(key)
         knobs = _triton_knobs()
         hooks = _launch_hooks()
-        if (bound is not None and bound.fits(3, n) and bound.fits(4, items)
+        if (bound is not None and all(bound.fits(i, values[i]) for i in VARYING)
                 and not hooks_active(hooks)):  # a profiler added later sees every launch
-            bound.set(3, n)
-            bound.set(4, items)
+            for i in VARYING:
+                bound.set(i, values[i])
             bound.launch(grid, stream)
             self.launches["bound"] += 1
             return
         self.launches["triton"] += 1
         constants = (load, self._pieces, self._rows, self._tile, self._vec, copy,
-                     self.integrity, self._element)
+                     self.integrity, self._element, staged)
         compiled: Any = self._compiled.get(key)
-        args = (self._anchor.data_ptr(), self._table.data_ptr(), self._device_index.data_ptr(),
-                n, items, self._num_tensors, self._row_stride, self._bpc,
-                self._anchor.data_ptr())
         if compiled is not None and knobs is not None:
             launcher = compiled.run
-            meta = compiled.launch_metadata((grid, 1, 1), stream, *args, *constants)
+            meta = compiled.launch_metadata((grid, 1, 1), stream, *values, *constants)
             launcher(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, meta,
-                     knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args,
+                     knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *values,
                      *constants)
             return
+        element = _ELEMENTS[self._element]
+        pointers = {0: self._anchor.view(element), 1: self._table, 2: self._device_index,
+                    8: self._anchor.view(torch.int64), 12: _Address(values[12], element),
+                    13: _Address(values[13], torch.int64)}
+        args = [pointers.get(i, v) for i, v in enumerate(values)]
         with torch.cuda.stream(self._stream):
             compiled = _copy_pages[(grid,)](
-                self._anchor.view(_ELEMENTS[self._element]), self._table, self._device_index,
-                n, items, self._num_tensors, self._row_stride, self._bpc,
-                self._anchor.view(torch.int64), LOAD=load, PIECES=self._pieces,
-                ROWS=self._rows, TILE=self._tile, VEC=self._vec, COPY=copy,
-                INTEGRITY=self.integrity, ELEMENT=self._element, num_warps=self._num_warps)
+                *args, LOAD=load, PIECES=self._pieces, ROWS=self._rows, TILE=self._tile,
+                VEC=self._vec, COPY=copy, INTEGRITY=self.integrity, ELEMENT=self._element,
+                STAGED=staged, num_warps=self._num_warps)
         self._compiled[key] = compiled
-        bound = self._bound[key] = bind(compiled, args, hooks)
+        bound = self._bound[key] = bind(compiled, values, hooks)
         lib, entry_points = library(), driver_entry_points()
-        if bound is not None and lib is not None and entry_points is not None:
+        if bound is not None and lib is not None and entry_points is not None and not staged:
             self._native[key] = NativeIssuer(
                 lib, entry_points, bound, 3, self._stream.cuda_stream,
                 self._ordered.cuda_event, self._device_index.data_ptr())
+
+
+class _Address:
+    """A raw GPU address as Triton's JIT takes a pointer argument (``data_ptr`` and
+    ``dtype``): the staging rows of a staged launch, inside a buffer the caller owns."""
+
+    def __init__(self, address: int, dtype: torch.dtype) -> None:
+        self._address, self.dtype = address, dtype
+
+    def data_ptr(self) -> int:
+        return self._address
 
 
 def _launch_hooks() -> tuple[object, ...]:
@@ -482,9 +567,10 @@ class TritonEngine(StreamEngine):
         return self.kernel.launch(direction, job, caller)
 
     def compile_all(self) -> None:
-        """Compile every variant a tier's jobs will launch -- copy in both directions and,
-        with checksums, the sum-only passes of copy-engine jobs -- by running each over block
-        0 and host page 0 (the caller's scratch buffers), so no first job pays for the JIT."""
+        """Compile every variant a tier's jobs will launch -- copy in both directions, with
+        checksums the sum-only passes of copy-engine jobs, and the staged passes of whole
+        chunks -- by running each over block 0 and chunk 0 (the caller's scratch buffers), so
+        no first job pays for the JIT."""
         zero = np.zeros(1, dtype=np.int64)
         for direction in ("store", "load"):
             self.submit(0, direction, zero, zero, zero)
@@ -493,6 +579,21 @@ class TritonEngine(StreamEngine):
                 self.kernel.launch(direction, job, copy=False)
         self._stream.synchronize()
         self.wait_all()
+        from offload.transfer.staging import stage_plan  # the staging rules need no Triton
+
+        plan = stage_plan(self._layout)
+        if isinstance(plan, str):
+            return
+        bpc, group = self._layout.blocks_per_chunk, plan.groups[0]
+        whole = Job(np.zeros(bpc, dtype=np.int64), np.arange(bpc, dtype=np.int64))
+        rows = torch.zeros(plan.row_bytes, dtype=torch.uint8, device=self._device)
+        base = rows.data_ptr()
+        for direction in DIRECTIONS:  # the load checks what the store summed
+            slot = self.kernel.upload(direction, whole)
+            self.kernel.launch_rows(direction == "load", bpc, 0, bpc, group.first, group.count,
+                                    plan.row_bytes, base, base + group.stage_trailer)
+            self._stream.synchronize()
+            slot.release()
 
 
 def kernel_copier(engine: StreamEngine, programs: Mapping[Direction, int] | None = None,

@@ -251,22 +251,6 @@ def page_addresses(kv_bases: IndexArray, block_strides: IndexArray, region_base:
     return kv, host
 
 
-def chunk_starts(job: Job, bpc: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """If ``job`` is whole chunks, each filled in position order from consecutive blocks,
-    its (first block, chunk) per chunk; else None."""
-    n = len(job)
-    if n == 0 or n % bpc:
-        return None
-    steps = np.arange(bpc)
-    blocks = job.blocks.reshape(-1, bpc)
-    pages = job.host_pages.reshape(-1, bpc)
-    if ((pages[:, 0] % bpc).any() or not np.array_equal(pages - pages[:, :1], np.broadcast_to(
-            steps, pages.shape)) or not np.array_equal(blocks - blocks[:, :1],
-                                                        np.broadcast_to(steps, blocks.shape))):
-        return None
-    return blocks[:, 0], pages[:, 0] // bpc
-
-
 def coalesce(src: IndexArray, dst: IndexArray, count: IndexArray,
              row: IndexArray | None = None) -> tuple[IndexArray, IndexArray, IndexArray]:
     """Merge copies that continue each other on both sides into one longer copy.

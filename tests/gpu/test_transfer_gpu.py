@@ -393,33 +393,100 @@ def test_a_destination_written_twice_is_refused(backend: str) -> None:
         assert engine.wait_all() == []
 
 
+def _whole_chunks(rng: np.random.Generator, chunks: list[int], num_blocks: int, bpc: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Whole chunks in position order from blocks scattered over the KV tensors (what an
+    engine stores and loads)."""
+    blocks = rng.permutation(num_blocks)[:len(chunks) * bpc]
+    return blocks, np.repeat(chunks, bpc), np.tile(np.arange(bpc), len(chunks))
+
+
 @needs_triton
 @needs_batch
-@pytest.mark.parametrize("min_run", [512 * KiB, 1 << 62])
-def test_hybrid_routes_whole_chunks_to_copy_engines_and_keeps_order(min_run: int) -> None:
-    """Whole chunks of consecutive blocks (1 MiB runs) go to the copy engines, scattered
-    pages to the kernel — counted, so a router that never used the copy engines fails; with
-    the threshold out of reach everything runs on the kernel.  Bytes exact either way."""
-    kv = kv_set(64, [64 * KiB, 64 * KiB], "cuda")
-    with cuda_engine("hybrid", kv, 4, bpc=16, min_run=min_run) as (engine, kv, region):
+@pytest.mark.parametrize("staging", [128 * MiB, 0])
+def test_hybrid_stages_whole_chunks_and_keeps_order(staging: int) -> None:
+    """Whole chunks from scattered blocks take the staged path, scattered pages the kernel --
+    counted, so a router that never stages fails; with staging off everything runs on the
+    kernel.  Jobs of both paths queued behind each other stay in order and byte-exact."""
+    kv = kv_set(64, [64 * KiB, 16 * KiB], "cuda")
+    with cuda_engine("hybrid", kv, 6, bpc=16, staging_bytes=staging) as (engine, kv, region):
+        assert (engine.staged is not None) == bool(staging)
         original = [t.view(torch.uint8).clone() for t in kv]
-        whole_chunk = (list(range(16, 32)), [2] * 16, list(range(16)))
+        rng = np.random.default_rng(5)
+        whole = _whole_chunks(rng, [2, 4], 64, 16)
         scattered = ([40, 7, 63], [0, 3, 1], [5, 9, 2])
-        engine.submit(0, "store", *whole_chunk)
+        expected = expected_region(expected_region(region, kv, engine.layout, whole), kv,
+                                   engine.layout, scattered)
+        engine.submit(0, "store", *whole)
         engine.submit(1, "store", *scattered)
         assert engine.wait_all() == [0, 1]
-        long_runs = min_run <= MiB
-        assert engine.routes == {"kernel": 1 if long_runs else 2,
-                                 "copy_engine": 1 if long_runs else 0}
+        assert torch.equal(region, expected)
+        staged = 1 if staging else 0
+        assert engine.routes == {"kernel": 2 - staged, "staged": staged, "copy_engine": 0}
         for t in kv:
             t.zero_()
         engine.submit(2, "load", *scattered)
-        engine.submit(3, "load", *whole_chunk)
+        engine.submit(3, "load", *whole)
         assert engine.wait_all() == [2, 3]
-        assert engine.routes["copy_engine"] == (2 if long_runs else 0)
+        assert engine.routes["staged"] == 2 * staged
         for t, before in zip(kv, original, strict=True):
-            for block in [*range(16, 32), 40, 7, 63]:
+            for block in [*whole[0].tolist(), 40, 7, 63]:
                 assert torch.equal(t.view(torch.uint8)[block], before[block])
+
+
+@needs_triton
+@needs_batch
+@pytest.mark.parametrize(("pages", "staging"), [
+    ((16 * KiB,) * 6, 2 * 6 * 16 * KiB * 4 + 4 * KiB),  # two chunks of rows: the ring wraps
+    ((16 * KiB, 4 * KiB, 61, 64 * KiB), 2 * 64 * KiB * 4 + 2 * KiB),  # tensor groups, padding
+    ((32 * KiB,) * 8, 128 * MiB),  # many chunks per slice
+])
+@pytest.mark.parametrize("checked", [True, False])
+def test_staged_jobs_larger_than_the_ring_are_exact(pages: tuple[int, ...], staging: int,
+                                                    checked: bool) -> None:
+    """A job of 9 chunks through a ring of a few rows (slice after slice reusing each slot,
+    gathers and DMAs overlapping), cut into tensor groups where one chunk's slot does not fit
+    half the ring, with and without checksums; stored bytes equal the page-by-page reference
+    (padding untouched), loaded blocks equal the originals; the GPU memory stays within
+    the budget."""
+    kv = engine_kv_set(160, pages, "cuda")
+    bpc = 4
+    with cuda_engine("hybrid", kv, 12, bpc=bpc, integrity=checked,
+                     staging_bytes=staging) as (engine, kv, region):
+        staged = engine.staged
+        assert staged is not None and staged.staging.numel() <= staging
+        chunks = [11, 0, 5, 3, 7, 1, 9, 2, 6]
+        job = _whole_chunks(np.random.default_rng(len(pages)), chunks, 160, bpc)
+        round_trip(engine, kv, region, engine.layout, job)
+        assert engine.routes["staged"] == 2
+        if checked:
+            assert engine.mismatches == 0
+
+
+@needs_triton
+@needs_batch
+def test_staged_load_follows_a_staged_store_of_the_same_rows() -> None:
+    """Store then load of the same chunks submitted back to back behind a sleeping compute
+    stream, without waiting: the load's DMA must wait for the store's (it reads the rows the
+    store writes), and the store must see the compute stream's pending write."""
+    kv = kv_set(64, [16 * KiB] * 4, "cuda")
+    with cuda_engine("hybrid", kv, 8, bpc=8, staging_bytes=2 * 4 * 16 * KiB * 8 + 4 * KiB
+                     ) as (engine, kv, region):
+        blocks = np.random.default_rng(1).permutation(64)
+        store = (blocks[:24], np.repeat([6, 2, 4], 8), np.tile(np.arange(8), 3))
+        load = (blocks[24:48], store[1], store[2])  # into other blocks
+        engine.submit(-1, "store", *store)  # compiles the staged passes before the sleep
+        engine.submit(-2, "load", *load)
+        engine.wait_all()
+        _slow_write(kv[2], int(store[0][13]), 0x3C)
+        engine.submit(0, "store", *store)
+        engine.submit(1, "load", *load)
+        assert engine.poll() == []
+        assert engine.wait_all() == [0, 1] and engine.job_error(1) is None
+        for t in kv:
+            for src, dst in zip(store[0].tolist(), load[0].tolist(), strict=True):
+                assert torch.equal(t.view(torch.uint8)[dst], t.view(torch.uint8)[src])
+        assert (kv[2].view(torch.uint8)[int(load[0][13])] == 0x3C).all()
 
 
 @needs_triton
@@ -428,28 +495,27 @@ def test_hybrid_sends_jobs_of_long_pages_to_copy_engines() -> None:
     """Pages of at least the threshold: every job (scattered too) goes to the copy engines."""
     kv = kv_set(16, [1 * MiB], "cuda")
     with cuda_engine("hybrid", kv, 5) as (engine, kv, region):
-        assert engine.page_runs
+        assert engine.page_runs and engine.staged is None
         job = scattered_job(np.random.default_rng(3), 12, 16, 5, 4)
         round_trip(engine, kv, region, slot_layout([1 * MiB], 4), job)
-        assert engine.routes == {"kernel": 0, "copy_engine": 2}
+        assert engine.routes == {"kernel": 0, "staged": 0, "copy_engine": 2}
 
 
 @needs_triton
 @needs_batch
-def test_hybrid_never_routes_strided_tensors_to_copy_engines() -> None:
-    """K/V views hold a block every two pages: a chunk is not one run, so the kernel runs."""
+def test_hybrid_stages_strided_tensors() -> None:
+    """K/V views hold a block every two pages: the staged pass gathers any block stride."""
     kv = engine_kv_set(64, [64 * KiB], "cuda")
-    with cuda_engine("hybrid", kv, 4, bpc=16, min_run=128 * KiB) as (engine, kv, region):
-        assert not engine.chunk_runs and not engine.page_runs
+    with cuda_engine("hybrid", kv, 4, bpc=16) as (engine, kv, region):
         round_trip(engine, kv, region, slot_layout(page_sizes(kv), 16),
-                   (np.arange(16), np.full(16, 1), np.arange(16)))
-        assert engine.routes == {"kernel": 2, "copy_engine": 0}
+                   (np.arange(16)[::-1].copy(), np.full(16, 1), np.arange(16)))
+        assert engine.routes == {"kernel": 0, "staged": 2, "copy_engine": 0}
 
 
 # ------------------------------------------------------------------ integrity
 INTEGRITY_PATHS = [
     pytest.param("hybrid", "kernel", marks=[needs_triton, needs_batch]),
-    pytest.param("hybrid", "copy_engine", marks=[needs_triton, needs_batch]),
+    pytest.param("hybrid", "staged", marks=[needs_triton, needs_batch]),
     pytest.param("triton", "kernel", marks=needs_triton),
     pytest.param("copy_engine", "copy_engine", marks=[needs_triton, needs_batch]),
 ]
@@ -466,9 +532,9 @@ def test_a_flipped_byte_fails_the_load_on_every_path(backend: str, route: str) -
         assert engine.integrity
         layout = engine.layout
         store = (np.arange(16, 32), np.full(16, 2), np.arange(16))
-        # whole chunk in order: the copy engines' route; positions shuffled: the kernel's
+        # whole chunk in order: the staged or copy engines' route; shuffled: the kernel's
         rng = np.random.default_rng(0)
-        order = np.arange(16) if route == "copy_engine" else rng.permutation(16)
+        order = np.arange(16) if route != "kernel" else rng.permutation(16)
         load = (np.arange(40, 56), np.full(16, 2), order)
         expected = expected_region(region, kv, layout, store)
         engine.submit(1, "store", *store)

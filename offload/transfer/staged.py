@@ -1,0 +1,121 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The staged path on CUDA: whole chunks gathered or scattered on the GPU, moved by DMA.
+
+`offload.transfer.staging` says where every byte goes; this module issues it.  Two streams:
+the engine's stream runs the kernel's staged passes (`KernelCopier.launch_rows`, checksums
+included) and a DMA stream runs one ``cuMemcpyBatchAsync`` per slice.  Per slice ``s`` in ring
+slot ``r = s % slots``, with two events per ring slot:
+
+* store: the engine stream waits until slice ``s - slots``'s DMA freed slot ``r``, gathers
+  into it and records *staged*; the DMA stream waits for *staged*, copies the rows to the
+  region and records *free*.  The engine stream finally waits for the last DMA, so the job's
+  completion event (recorded there) covers every byte.
+* load: the DMA stream first waits for the engine stream's state at the job's start (earlier
+  jobs' stores to the same rows), then per slice waits until slice ``s - slots``'s scatter
+  freed slot ``r``, copies the rows from the region and records *staged*; the engine stream
+  waits for it, scatters (checking the sums) and records *free*.
+
+A later job reuses the ring after the earlier job's last use on the engine stream, which every
+job's work follows, so no event crosses jobs.  All waits are on the GPU: ``submit`` never
+blocks.  Host work per slice is a few driver calls (event record, stream wait, one launch, one
+batched copy); the DMA arrays are built once per job with numpy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+
+from offload.cuda_driver import bound_function, check
+from offload.transfer.base import Direction
+from offload.transfer.batch_copy import BatchCopier
+from offload.transfer.kernel import KernelCopier, StagingSlot
+from offload.transfer.layout import IndexArray, Job, SlotLayout
+from offload.transfer.staging import StagePlan, TensorGroup, job_slices
+
+
+class StagedCopier:
+    """The staging ring (GPU memory, zeroed once), the DMA stream and the ring's events over
+    ``kernel``'s stream; `launch` issues one whole-chunk job."""
+
+    def __init__(self, kernel: KernelCopier, plan: StagePlan, layout: SlotLayout,
+                 region_address: int, stream: torch.cuda.Stream, priority: int = 0) -> None:
+        self.plan = plan
+        self._kernel = kernel
+        self._layout = layout
+        self._region = region_address
+        self._stream = stream
+        device = stream.device
+        self.staging = torch.zeros(plan.ring_bytes, dtype=torch.uint8, device=device)
+        self._base = self.staging.data_ptr()
+        self.dma_stream = torch.cuda.Stream(device, priority=priority)
+        self._batch = BatchCopier(self.dma_stream)
+        self._events = [(torch.cuda.Event(), torch.cuda.Event()) for _ in range(plan.slots)]
+        self._start = torch.cuda.Event()
+        for staged, free in self._events:  # created now, so their handles exist
+            staged.record(stream)
+            free.record(stream)
+        self._start.record(stream)
+        self._record = bound_function("cuEventRecord", ctypes.c_void_p, ctypes.c_void_p)
+        self._wait = bound_function("cuStreamWaitEvent", ctypes.c_void_p, ctypes.c_void_p,
+                                    ctypes.c_uint)
+        self._handles = [(s.cuda_event, f.cuda_event) for s, f in self._events]
+        self._raw = (stream.cuda_stream, self.dma_stream.cuda_stream)
+
+    def _record_on(self, event: int, stream: int) -> None:
+        check(self._record(event, stream), "cuEventRecord")
+
+    def _wait_on(self, stream: int, event: int) -> None:
+        check(self._wait(stream, event, 0), "cuStreamWaitEvent")
+
+    def launch(self, direction: Direction, job: Job, chunks: IndexArray,
+               caller: int | None) -> tuple[StagingSlot, tuple[np.ndarray, ...]]:
+        """Issue whole-chunk ``job`` (``chunks``: the chunk of each run of ``bpc`` entries),
+        first ordered after the raw stream ``caller`` when given; returns what the job holds
+        until it completes (its index slot, the DMA arrays)."""
+        plan, layout = self.plan, self._layout
+        parts = job_slices(plan, layout, chunks)
+        host = (parts.host + self._region).astype(np.uint64)
+        stage = (parts.stage + self._base).astype(np.uint64)
+        size = parts.size.astype(np.uint64)
+        load = direction == "load"
+        src, dst = (host, stage) if load else (stage, host)
+        slot = self._kernel.upload(direction, job, caller)
+        main, dma = self._raw
+        n, slots, bounds = len(job), plan.slots, parts.bounds.tolist()
+        starts = parts.first_entry.tolist()
+        counts = parts.entries.tolist()
+        groups = [plan.groups[g] for g in parts.group.tolist()]
+        if load:
+            self._record_on(self._start.cuda_event, main)
+            self._wait_on(dma, self._start.cuda_event)
+        for s, group in enumerate(groups):
+            staged, free = self._handles[s % slots]
+            base = self._base + (s % slots) * plan.slice_bytes
+            first, count = bounds[s], bounds[s + 1] - bounds[s]
+            if load:
+                if s >= slots:
+                    self._wait_on(dma, free)
+                self._batch.launch_part(src, dst, size, first, count)
+                self._record_on(staged, dma)
+                self._wait_on(main, staged)
+                self._rows(True, n, starts[s], counts[s], group, base)
+                self._record_on(free, main)
+            else:
+                if s >= slots:
+                    self._wait_on(main, free)
+                self._rows(False, n, starts[s], counts[s], group, base)
+                self._record_on(staged, main)
+                self._wait_on(dma, staged)
+                self._batch.launch_part(src, dst, size, first, count)
+                self._record_on(free, dma)
+        if not load:  # the job's completion event, recorded on the engine stream, follows this
+            self._wait_on(main, self._handles[(len(groups) - 1) % slots][1])
+        return slot, (src, dst, size)
+
+    def _rows(self, load: bool, n: int, first: int, count: int, group: TensorGroup,
+              base: int) -> None:
+        self._kernel.launch_rows(load, n, first, count, group.first, group.count,
+                                 self.plan.row_bytes, base, base + group.stage_trailer)

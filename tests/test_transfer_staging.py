@@ -1,0 +1,180 @@
+"""The staged path's byte arithmetic (`offload.transfer.staging`), on any host.
+
+The GPU pass is emulated here from the kernel's staged addressing rules (row ``(entry -
+first_entry) // bpc`` of the slice, tensors laid out as in the slot from the group's first,
+sums after the pages), slice by slice through the ring, and the DMAs are executed from the
+arrays `job_slices` returns.  A store must leave the region exactly as the page-by-page
+reference writes it (so nothing outside pages and sums is touched, padding included), and a
+load must bring every page back with matching sums, for any page sizes, chunk size,
+integrity setting and staging budget.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from offload import integrity
+from offload.transfer.layout import Job, check_job
+from offload.transfer.staging import (
+    ROW_ALIGN,
+    StagePlan,
+    job_slices,
+    stage_plan,
+    tensor_groups,
+    whole_chunks,
+)
+from tests.test_transfer_helpers import expected_region, slot_layout
+
+PAGES = st.sampled_from([8, 60, 64, 256, 1000, 4096, 20_000])
+
+
+def _emulate(plan: StagePlan, layout: object, kv: list[np.ndarray], job: Job,
+             region: np.ndarray, load: bool) -> None:
+    """Run ``job`` as the staged path would: per slice, the GPU pass over its ring slot and
+    the DMAs `job_slices` lists (a load checks every page's sums before taking it)."""
+    from offload.transfer.layout import SlotLayout
+
+    assert isinstance(layout, SlotLayout)
+    bpc = layout.blocks_per_chunk
+    chunks = whole_chunks(job, bpc)
+    assert chunks is not None
+    parts = job_slices(plan, layout, chunks)
+    ring = np.zeros(plan.ring_bytes, dtype=np.uint8)
+    keys, offsets = layout.tensor_keys(), integrity.unit_offsets(layout.page_bytes)
+    for s in range(len(parts)):
+        base = (s % plan.slots) * plan.slice_bytes
+        group = plan.groups[int(parts.group[s])]
+        copies = range(int(parts.bounds[s]), int(parts.bounds[s + 1]))
+        if load:
+            for c in copies:
+                h, g, n = int(parts.host[c]), int(parts.stage[c]), int(parts.size[c])
+                ring[g:g + n] = region[h:h + n]
+        first = int(parts.first_entry[s])
+        for e in range(first, first + int(parts.entries[s])):
+            row = base + (e - first) // bpc * plan.row_bytes
+            chunk, position = divmod(int(job.host_pages[e]), bpc)
+            block = int(job.blocks[e])
+            for t in range(group.first, group.first + group.count):
+                page = layout.page_bytes[t]
+                at = (row + layout.tensor_offsets[t] - layout.tensor_offsets[group.first]
+                      + position * page)
+                sums_at = (row + group.stage_trailer + integrity.WORD * (
+                    bpc * (offsets[t] - offsets[group.first]) + position * layout.units[t]))
+                words = integrity.WORD * layout.units[t]
+                if load:
+                    if layout.integrity:
+                        want = integrity.page_sums(ring[None, at:at + page], keys[t], [chunk],
+                                                   [position])
+                        assert ring[sums_at:sums_at + words].view(np.uint64).tolist() == \
+                            want.reshape(-1).tolist()
+                    kv[t][block] = ring[at:at + page]
+                else:
+                    ring[at:at + page] = kv[t][block]
+                    if layout.integrity:
+                        ring[sums_at:sums_at + words] = integrity.page_sums(
+                            kv[t][None, block], keys[t], [chunk], [position]).view(np.uint8)
+        if not load:
+            for c in copies:
+                h, g, n = int(parts.host[c]), int(parts.stage[c]), int(parts.size[c])
+                region[h:h + n] = ring[g:g + n]
+
+
+@settings(max_examples=60, deadline=None)
+@given(pages=st.lists(PAGES, min_size=1, max_size=6), bpc=st.sampled_from([1, 2, 4, 5]),
+       checked=st.booleans(), budget_rows=st.sampled_from([0.6, 1.0, 2.5, 9.0]),
+       seed=st.integers(0, 2**16))
+def test_staged_store_and_load_match_the_page_by_page_reference(
+        pages: list[int], bpc: int, checked: bool, budget_rows: float, seed: int) -> None:
+    layout = slot_layout(pages, bpc, integrity=checked)
+    slot = layout.tensor_offsets[-1] + bpc * pages[-1] + (
+        integrity.trailer_bytes(pages, bpc) + 8 if checked else 0)
+    # from a budget that must cut the slot into tensor groups to one of many rows a slice
+    plan = stage_plan(layout, max(2 * ROW_ALIGN, int(2 * budget_rows * slot)))
+    if isinstance(plan, str):  # one tensor's chunk alone is larger than half the budget
+        assert tensor_groups(layout, 0) is None
+        return
+    rng = np.random.default_rng(seed)
+    chunk_count, num_blocks = 7, 3 * bpc + 2
+    chunks = rng.permutation(chunk_count)[:3]
+    blocks = rng.permutation(num_blocks)[:3 * bpc]
+    host = (chunks[:, None] * bpc + np.arange(bpc)).ravel()
+    job = check_job(layout, blocks, host // bpc, host % bpc, num_blocks=num_blocks,
+                    chunk_count=chunk_count)
+    kv = [rng.integers(0, 256, (num_blocks, p), dtype=np.uint8) for p in pages]
+    before = rng.integers(0, 256, layout.region_bytes(chunk_count), dtype=np.uint8)
+    region = before.copy()
+    _emulate(plan, layout, kv, job, region, load=False)
+    expected = expected_region(torch.from_numpy(before), [torch.from_numpy(k) for k in kv],
+                               layout, (blocks, host // bpc, host % bpc), checked)
+    assert np.array_equal(region, expected.numpy())
+    loaded = [np.zeros_like(k) for k in kv]
+    _emulate(plan, layout, loaded, job, region, load=True)
+    for t in range(len(pages)):
+        assert np.array_equal(loaded[t][blocks], kv[t][blocks])
+
+
+@settings(max_examples=200, deadline=None)
+@given(pages=st.lists(PAGES, min_size=1, max_size=12), bpc=st.sampled_from([1, 3, 16]),
+       checked=st.booleans(), budget=st.integers(1 << 10, 1 << 22))
+def test_the_ring_fits_the_budget_with_the_fewest_groups(pages: list[int], bpc: int,
+                                                        checked: bool, budget: int) -> None:
+    layout = slot_layout(pages, bpc, integrity=checked)
+    plan = stage_plan(layout, budget)
+    if isinstance(plan, str):
+        assert "whole chunks run on the kernel" in plan
+        return
+    assert plan.ring_bytes <= budget and plan.slots >= 2 and plan.rows_per_slice >= 1
+    assert plan.row_bytes % ROW_ALIGN == 0
+    covered = [t for g in plan.groups for t in range(g.first, g.first + g.count)]
+    assert covered == list(range(len(pages)))
+    for group in plan.groups:
+        assert group.row_bytes <= plan.row_bytes
+    # greedy in order: no group could have taken the next tensor too
+    limit = budget // 2 // ROW_ALIGN * ROW_ALIGN
+    for left, right in zip(plan.groups, plan.groups[1:], strict=False):
+        span = (layout.tensor_offsets[right.first] + bpc * pages[right.first]
+                - layout.tensor_offsets[left.first])
+        sums = integrity.WORD * bpc * sum(layout.units[left.first:right.first + 1])
+        row = -(-(-(-span // 8) * 8 + (sums if checked else 0)) // ROW_ALIGN) * ROW_ALIGN
+        assert row > limit
+
+
+def test_one_group_moves_a_chunk_as_one_dma_and_several_as_two() -> None:
+    layout = slot_layout([16 << 10] * 4, 16)
+    one = stage_plan(layout, 128 << 20)
+    assert not isinstance(one, str) and len(one.groups) == 1 and one.groups[0].one_copy
+    parts = job_slices(one, layout, np.array([5, 2, 9]))
+    assert parts.size.tolist() == [one.groups[0].row_bytes] * 3
+    assert parts.host.tolist() == [c * layout.row_stride + layout.slot_offset for c in (5, 2, 9)]
+    cut = stage_plan(layout, 2 * 2 * (16 << 10) * 16 + 4 * ROW_ALIGN)
+    assert not isinstance(cut, str) and len(cut.groups) == 2
+    parts = job_slices(cut, layout, np.array([3]))
+    assert len(parts) == 2 and parts.bounds.tolist() == [0, 2, 4]  # pages, sums per group
+
+
+@pytest.mark.parametrize(("blocks", "chunks", "positions", "expected"), [
+    (range(8, 12), [2] * 4, range(4), [2]),
+    ([9, 3, 30, 1, 4, 5, 6, 7], [1] * 4 + [0] * 4, [*range(4), *range(4)], [1, 0]),
+    (range(8, 12), [2] * 4, [1, 0, 2, 3], None),  # positions out of order
+    (range(8, 11), [2] * 3, range(3), None),  # not a whole chunk
+    (range(4), [1, 1, 2, 2], range(4), None),  # two half chunks
+    ([], [], [], None),
+])
+def test_whole_chunks_takes_blocks_from_anywhere(blocks: object, chunks: object,
+                                                 positions: object,
+                                                 expected: list[int] | None) -> None:
+    layout = slot_layout([64], 4)
+    job = check_job(layout, list(blocks), list(chunks), list(positions),  # type: ignore[call-overload]
+                    num_blocks=64, chunk_count=3)
+    found = whole_chunks(job, 4)
+    assert (None if found is None else found.tolist()) == expected
+
+
+def test_a_slot_too_large_for_half_the_budget_says_why() -> None:
+    layout = slot_layout([1 << 20], 16)
+    reason = stage_plan(layout, 8 << 20)
+    assert isinstance(reason, str) and "whole chunks run on the kernel" in reason
