@@ -12,7 +12,10 @@ thousand blocks.  For each backend and job size (``--blocks``), both directions,
 * link      one pinned buffer of ``--link-bytes`` copied in one piece, same run: the ratio's base.
 
 Every backend's last job of each size is verified byte for byte (stored blocks loaded back into
-other blocks).  ``--matmul`` adds a bf16 matmul's TFLOP/s while the largest jobs copy;
+other blocks).  ``--matmul`` runs a bf16 matmul loop (the stand-in forward pass) while jobs of
+each size copy without a pause and prints the fraction of its speed alone it kept
+(``mm_kept``) and the copies' rate meanwhile (``during``, x link);  ``path`` says which path
+of the engine ran (hybrid: ``staged``, ``kernel`` or ``copy_engine``);
 ``--sweep-programs 8,32:64,...`` runs the kernel with each program budget (and step KiB);
 ``--contention`` times a small job submitted behind a long compute queue (no data dependency)
 on a normal and a high-priority stream.  ``--ranks N`` runs N processes at once (GPU
@@ -51,6 +54,7 @@ from offload.transfer import SlotLayout, make_engine
 from offload.transfer.registration import host_registered
 
 MATMUL_N = 8192
+MATMUL_DURING = 80  # matmuls in one timed window (~0.1 s on an H200)
 
 
 def kv_tensors(layers: int, page: int, num_blocks: int, layout: str, device: torch.device
@@ -118,12 +122,13 @@ def matmul_tflops(a: torch.Tensor, count: int, during: Callable[[], None] | None
 
 
 def build_engine(name: str, kv: list[torch.Tensor], region: torch.Tensor, layout: SlotLayout,
-                 chunk_count: int, kernel: str | None) -> Any:
+                 chunk_count: int, kernel: str | None, priority: int = 0) -> Any:
     """``name`` through ``make_engine``, or the kernel with ``kernel`` =
     "PROGRAMS[:STEP_KIB[:WORD[:TILE_KIB[:WARPS]]]]" (the program budget of both directions,
     bytes a program moves per step, widest access, largest piece of a page, warps)."""
     if kernel is None:
-        return make_engine(kv, region, region.data_ptr(), layout, chunk_count, True, name)
+        return make_engine(kv, region, region.data_ptr(), layout, chunk_count, True, name,
+                           priority)
     from offload.transfer.kernel import (
         MAX_TILE_BYTES,
         MAX_WORD,
@@ -178,6 +183,7 @@ class Rank:
         jobs = [make_job(self.rng, n, self.num_blocks, self.chunk_count, a.bpc, a.pattern)
                 for _ in range(a.reps + 2)]
         walls, hosts = [], []
+        before = dict(getattr(engine, "routes", {}))
         for i, job in enumerate(jobs):
             self.sync()
             t0 = time.perf_counter()
@@ -189,8 +195,11 @@ class Rank:
                 walls.append(t2 - t0)
                 hosts.append(t1 - t0)
         wall = statistics.median(walls)
-        return {"GBps": n * self.job_bytes / wall / 1e9, "submit_us": statistics.median(hosts)
-                * 1e6, "b2b_us": self.back_to_back_submit(engine, jobs, direction) * 1e6,
+        routes = getattr(engine, "routes", {})
+        path = max(routes, key=lambda k: routes[k] - before.get(k, 0)) if routes else engine.name
+        return {"path": path, "GBps": n * self.job_bytes / wall / 1e9,
+                "submit_us": statistics.median(hosts) * 1e6,
+                "b2b_us": self.back_to_back_submit(engine, jobs, direction) * 1e6,
                 "wall_us": wall * 1e6}
 
     def back_to_back_submit(self, engine: Any, jobs: list[Any], direction: str) -> float:
@@ -248,10 +257,10 @@ class Rank:
             if a.matmul:
                 mm = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device=self.device)
                 matmul_tflops(mm, 5)  # cuBLAS set-up, untimed
-                out["matmul_TFLOPs_alone"] = matmul_tflops(mm, 20)
+                out["matmul_TFLOPs_alone"] = matmul_tflops(mm, MATMUL_DURING)
             for backend, kernel, integrity in configs:
                 engine = build_engine(backend, self.kv, self.region, self.layouts[integrity],
-                                      self.chunk_count, kernel)
+                                      self.chunk_count, kernel, a.priority)
                 self.fill(engine)
                 label = backend if kernel is None else f"triton@{kernel}"
                 for n in a.blocks:
@@ -262,8 +271,10 @@ class Rank:
                                **self.measure(engine, n, direction)}
                         row["mismatches"] = engine.mismatches - self.mismatches
                         row["ratio"] = row["GBps"] / out["link_GBps"][direction]
-                        if mm is not None and n == max(a.blocks):
-                            row["matmul_TFLOPs"] = self.during(engine, mm, n, direction)
+                        if mm is not None:
+                            row["matmul_TFLOPs"], row["GBps_during"] = self.during(
+                                engine, mm, n, direction)
+                            row["matmul_kept"] = row["matmul_TFLOPs"] / out["matmul_TFLOPs_alone"]
                         out["rows"].append(row)
                     out["rows"][-1]["verified"] = out["rows"][-2]["verified"] = \
                         self.verify(engine, n)
@@ -272,18 +283,32 @@ class Rank:
                 out["contention"] = self.contention()
         return out
 
-    def during(self, engine: Any, mm: torch.Tensor, n: int, direction: str) -> float:
-        """Matmul TFLOP/s while jobs of ``n`` blocks copy back to back."""
+    def during(self, engine: Any, mm: torch.Tensor, n: int, direction: str
+               ) -> tuple[float, float]:
+        """Matmul TFLOP/s while jobs of ``n`` blocks copy without a pause (two in flight,
+        the next submitted as one finishes), and the copies' GB/s over the same window."""
         jobs = [make_job(self.rng, n, self.num_blocks, self.chunk_count, self.args.bpc,
                          self.args.pattern) for _ in range(4)]
-
-        def copies() -> None:
-            for i, job in enumerate(jobs):
-                engine.submit(i, direction, *job)
-
-        tflops = matmul_tflops(mm, 20, copies)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        free = torch.cuda.Event()  # the copies depend on nothing the matmuls do
+        free.record()
+        start.record()
+        for _ in range(MATMUL_DURING):
+            mm @ mm
+        end.record()
+        t0, submitted, finished, last = time.perf_counter(), 0, 0, 0.0
+        while not end.query():
+            if submitted - finished < 2:
+                engine.submit(submitted, direction, *jobs[submitted % len(jobs)], after=free)
+                submitted += 1
+            done = len(engine.poll())
+            if done:
+                finished, last = finished + done, time.perf_counter()
+        window = max(last - t0, 1e-9)  # copies ran back to back until the last one finished
         engine.wait_all()
-        return tflops
+        tflops = MATMUL_DURING * 2 * MATMUL_N**3 / (start.elapsed_time(end) / 1e3) / 1e12
+        return tflops, finished * n * self.job_bytes / window / 1e9
 
     def contention(self) -> dict[str, float]:
         """Microseconds from submit to done of a 16-block load queued behind ~50 ms of matmuls
@@ -327,16 +352,20 @@ def rank_result(rank: int, args: argparse.Namespace, barrier: Any) -> dict[str, 
 def print_table(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
     print(f"{2 * args.layers} tensors x {format_size(args.page_bytes)} pages, layout "
           f"{args.layout}, pattern {args.pattern}, {args.bpc} blocks per chunk")
-    print(f"{'rank':>4} {'backend':>12} {'integ':>5} {'blocks':>6} {'bytes':>9} {'dir':>5} "
-          f"{'GB/s':>6} {'ratio':>5} {'sub_us':>7} {'b2b_us':>7} {'wall_us':>8} {'mm_TF':>5} ok")
+    print(f"{'rank':>4} {'backend':>12} {'path':>11} {'integ':>5} {'blocks':>6} {'bytes':>9} "
+          f"{'dir':>5} {'GB/s':>6} {'ratio':>5} {'sub_us':>7} {'b2b_us':>7} {'wall_us':>8} "
+          f"{'mm_TF':>5} {'mm_kept':>7} {'during':>6} ok")
     for r in results:
         for row in r["rows"]:
             mm = row.get("matmul_TFLOPs")
-            print(f"{r['rank']:>4} {row['backend']:>12} {row['integrity']:>5} {row['blocks']:>6} "
-                  f"{format_size(row['bytes']):>9} {row['direction']:>5} {row['GBps']:6.1f} "
-                  f"{row['ratio']:5.2f} {row['submit_us']:7.0f} {row['b2b_us']:7.0f} "
-                  f"{row['wall_us']:8.0f} "
-                  f"{'' if mm is None else f'{mm:.0f}':>5} "
+            kept = "" if mm is None else f"{row['matmul_kept']:.3f}"
+            link = r["link_GBps"][row["direction"]]
+            during = "" if mm is None else f"{row['GBps_during'] / link:.2f}"
+            print(f"{r['rank']:>4} {row['backend']:>12} {row['path']:>11} {row['integrity']:>5} "
+                  f"{row['blocks']:>6} {format_size(row['bytes']):>9} {row['direction']:>5} "
+                  f"{row['GBps']:6.1f} {row['ratio']:5.2f} {row['submit_us']:7.0f} "
+                  f"{row['b2b_us']:7.0f} {row['wall_us']:8.0f} "
+                  f"{'' if mm is None else f'{mm:.0f}':>5} {kept:>7} {during:>6} "
                   f"{'y' if row['verified'] and not row['mismatches'] else 'NO'}")
         link = r["link_GBps"]
         print(f"{r['rank']:>4} {r['device']}: link (one pinned buffer) store {link['store']:.1f} "
@@ -391,6 +420,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "a 64-byte-aligned torch.empty buffer (the kernel loses 6-10%% on it)")
     p.add_argument("--integrity", choices=("on", "off", "both"), default="on",
                    help="page checksums on, off, or each backend both ways in the same run")
+    p.add_argument("--priority", type=int, default=0,
+                   help="the engines' CUDA stream priority (lower is higher, as in "
+                        "torch.cuda.Stream; -1 is high on current GPUs)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     args.page_bytes = parse_size(args.page_bytes, "--page-bytes")

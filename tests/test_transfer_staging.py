@@ -42,19 +42,20 @@ def _emulate(plan: StagePlan, layout: object, kv: list[np.ndarray], job: Job,
     bpc = layout.blocks_per_chunk
     chunks = whole_chunks(job, bpc)
     assert chunks is not None
-    parts = job_slices(plan, layout, chunks)
+    parts = job_slices(plan, layout, int(chunks.size))
+    host = parts.host_offsets(chunks, layout.row_stride)
     ring = np.zeros(plan.ring_bytes, dtype=np.uint8)
     keys, offsets = layout.tensor_keys(), integrity.unit_offsets(layout.page_bytes)
     for s in range(len(parts)):
         base = (s % plan.slots) * plan.slice_bytes
-        group = plan.groups[int(parts.group[s])]
-        copies = range(int(parts.bounds[s]), int(parts.bounds[s + 1]))
+        group = plan.groups[parts.group[s]]
+        copies = range(parts.bounds[s], parts.bounds[s + 1])
         if load:
             for c in copies:
-                h, g, n = int(parts.host[c]), int(parts.stage[c]), int(parts.size[c])
+                h, g, n = int(host[c]), int(parts.stage[c]), int(parts.size[c])
                 ring[g:g + n] = region[h:h + n]
-        first = int(parts.first_entry[s])
-        for e in range(first, first + int(parts.entries[s])):
+        first = parts.first_entry[s]
+        for e in range(first, first + parts.entries[s]):
             row = base + (e - first) // bpc * plan.row_bytes
             chunk, position = divmod(int(job.host_pages[e]), bpc)
             block = int(job.blocks[e])
@@ -79,7 +80,7 @@ def _emulate(plan: StagePlan, layout: object, kv: list[np.ndarray], job: Job,
                             kv[t][None, block], keys[t], [chunk], [position]).view(np.uint8)
         if not load:
             for c in copies:
-                h, g, n = int(parts.host[c]), int(parts.stage[c]), int(parts.size[c])
+                h, g, n = int(host[c]), int(parts.stage[c]), int(parts.size[c])
                 region[h:h + n] = ring[g:g + n]
 
 
@@ -147,13 +148,14 @@ def test_one_group_moves_a_chunk_as_one_dma_and_several_as_two() -> None:
     layout = slot_layout([16 << 10] * 4, 16)
     one = stage_plan(layout, 128 << 20)
     assert not isinstance(one, str) and len(one.groups) == 1 and one.groups[0].one_copy
-    parts = job_slices(one, layout, np.array([5, 2, 9]))
+    parts = job_slices(one, layout, 3)
     assert parts.size.tolist() == [one.groups[0].row_bytes] * 3
-    assert parts.host.tolist() == [c * layout.row_stride + layout.slot_offset for c in (5, 2, 9)]
+    assert parts.host_offsets(np.array([5, 2, 9]), layout.row_stride).tolist() == [
+        c * layout.row_stride + layout.slot_offset for c in (5, 2, 9)]
     cut = stage_plan(layout, 2 * 2 * (16 << 10) * 16 + 4 * ROW_ALIGN)
     assert not isinstance(cut, str) and len(cut.groups) == 2
-    parts = job_slices(cut, layout, np.array([3]))
-    assert len(parts) == 2 and parts.bounds.tolist() == [0, 2, 4]  # pages, sums per group
+    parts = job_slices(cut, layout, 1)
+    assert len(parts) == 2 and parts.bounds == [0, 2, 4]  # pages, sums per group
 
 
 @pytest.mark.parametrize(("blocks", "chunks", "positions", "expected"), [

@@ -63,6 +63,11 @@ class BatchCopier:
         self._attrs = _Attributes(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, 0, 0, 0, 0, 0)
         self._attr_index = np.zeros(1, dtype=np.uint64)
 
+    @property
+    def attributes(self) -> tuple[int, int]:
+        """Addresses of the one attribute set every copy uses and of its index array."""
+        return ctypes.addressof(self._attrs), self._attr_index.ctypes.data
+
     def launch_runs(self, src: np.ndarray, dst: np.ndarray, size: np.ndarray
                     ) -> tuple[np.ndarray, ...]:
         srcs, dsts, sizes = (np.ascontiguousarray(a, dtype=np.uint64) for a in (src, dst, size))

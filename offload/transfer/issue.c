@@ -84,3 +84,128 @@ int offload_issue(struct offload_issue *c, int32_t order, void *caller, const vo
     }
     return 0;
 }
+
+/* ------------------------------------------------------------------ staged jobs */
+
+typedef int (*memcpy_batch_fn)(const uint64_t *dsts, const uint64_t *srcs, const uint64_t *sizes,
+                               size_t count, void *attrs, void *attr_indices, size_t num_attrs,
+                               void *stream);
+
+enum { STAGED_CELLS = 7 }; /* n, items, tensors, first entry, first tensor, stage, stage sums */
+enum { SLICE_FIELDS = 8 }; /* per slice: first entry, entries, first tensor, tensors, stage,
+                              stage sums, first copy, copies */
+
+/* Mirrored field by field by native.StagedContext; keep the two in the same order. */
+struct offload_staged {
+    event_record_fn event_record;           /* cuEventRecord */
+    stream_wait_event_fn stream_wait_event; /* cuStreamWaitEvent */
+    launch_kernel_fn launch_kernel;         /* cuLaunchKernel */
+    memcpy_batch_fn memcpy_batch;           /* cuMemcpyBatchAsync_v2 */
+    void *function;                         /* the staged pass (CUfunction) */
+    void **params;                          /* its parameter block, built once in Python */
+    void *cells[STAGED_CELLS];              /* the parameter cells a slice changes ... */
+    int32_t sizes[STAGED_CELLS];            /* ... and their widths in bytes (4 or 8) */
+    uint32_t threads;
+    uint32_t shared_bytes;
+    void *stream;                           /* the engine's stream: the staged passes */
+    void *dma_stream;                       /* the copy engines' stream */
+    void *start;                            /* event: a load's DMAs follow the engine stream */
+    void **staged;                          /* per ring slot: its rows are staged */
+    void **free_slot;                       /* per ring slot: its rows may be reused */
+    int64_t slots;
+    int64_t pieces;                         /* work items per page of the widest tensor */
+    int64_t rows_per_step;                  /* work items per program and step */
+    int64_t max_programs;
+    void *attrs;                            /* the batched copies' one attribute set */
+    void *attr_indices;
+    int32_t failed_step;
+};
+
+enum { STAGED_NONE, STAGED_FITS, STAGED_RECORD, STAGED_WAIT, STAGED_COPY, STAGED_LAUNCH };
+
+#define CALL(step, expr)              \
+    do {                              \
+        if ((rc = (expr)) != 0) {     \
+            c->failed_step = (step);  \
+            return rc;                \
+        }                             \
+    } while (0)
+
+static int64_t slice_value(const int64_t *slice, int cell, int64_t n) {
+    switch (cell) {
+    case 0: return n;
+    case 1: return 0; /* items: computed by the caller */
+    case 2: return slice[3];
+    case 3: return slice[0];
+    case 4: return slice[2];
+    case 5: return slice[4];
+    default: return slice[5];
+    }
+}
+
+/* Issues a whole-chunk job of ``slices`` slices (``slice``: SLICE_FIELDS values each) through
+ * the ring: per slice one staged pass on the engine stream and one batched copy of its rows on
+ * the DMA stream, ordered by the ring slot's two events (offload/transfer/staged.py says how).
+ * ``srcs``, ``dsts`` and ``sizes`` are the job's copies.  Returns 0, the failing driver call's
+ * CUresult (its step in failed_step), or -1 when a value does not fit the kernel's compiled
+ * parameter types (nothing was issued). */
+int offload_issue_staged(struct offload_staged *c, int32_t load, int64_t n, int64_t slices,
+                         const int64_t *slice, const uint64_t *srcs, const uint64_t *dsts,
+                         const uint64_t *sizes) {
+    int rc;
+    int64_t s;
+    int cell;
+    c->failed_step = STAGED_NONE;
+    for (s = 0; s < slices; s++) {
+        const int64_t *f = slice + s * SLICE_FIELDS;
+        int64_t items = f[1] * f[3] * c->pieces;
+        for (cell = 0; cell < STAGED_CELLS; cell++) {
+            int64_t value = cell == 1 ? items : slice_value(f, cell, n);
+            if (cell < 5 && !fits(c->sizes[cell], value)) {
+                c->failed_step = STAGED_FITS;
+                return -1;
+            }
+        }
+    }
+    if (load) {
+        CALL(STAGED_RECORD, c->event_record(c->start, c->stream));
+        CALL(STAGED_WAIT, c->stream_wait_event(c->dma_stream, c->start, 0));
+    }
+    for (s = 0; s < slices; s++) {
+        const int64_t *f = slice + s * SLICE_FIELDS;
+        int64_t r = s % c->slots;
+        int64_t items = f[1] * f[3] * c->pieces;
+        int64_t steps = (items + c->rows_per_step - 1) / c->rows_per_step;
+        uint32_t grid = (uint32_t)(steps < c->max_programs ? (steps > 0 ? steps : 1)
+                                                            : c->max_programs);
+        for (cell = 0; cell < STAGED_CELLS; cell++)
+            put(c->cells[cell], c->sizes[cell], cell == 1 ? items : slice_value(f, cell, n));
+        if (load) {
+            if (s >= c->slots)
+                CALL(STAGED_WAIT, c->stream_wait_event(c->dma_stream, c->free_slot[r], 0));
+            CALL(STAGED_COPY, c->memcpy_batch(dsts + f[6], srcs + f[6], sizes + f[6],
+                                              (size_t)f[7], c->attrs, c->attr_indices, 1,
+                                              c->dma_stream));
+            CALL(STAGED_RECORD, c->event_record(c->staged[r], c->dma_stream));
+            CALL(STAGED_WAIT, c->stream_wait_event(c->stream, c->staged[r], 0));
+            CALL(STAGED_LAUNCH, c->launch_kernel(c->function, grid, 1, 1, c->threads, 1, 1,
+                                                 c->shared_bytes, c->stream, c->params, NULL));
+            CALL(STAGED_RECORD, c->event_record(c->free_slot[r], c->stream));
+        } else {
+            if (s >= c->slots)
+                CALL(STAGED_WAIT, c->stream_wait_event(c->stream, c->free_slot[r], 0));
+            CALL(STAGED_LAUNCH, c->launch_kernel(c->function, grid, 1, 1, c->threads, 1, 1,
+                                                 c->shared_bytes, c->stream, c->params, NULL));
+            CALL(STAGED_RECORD, c->event_record(c->staged[r], c->stream));
+            CALL(STAGED_WAIT, c->stream_wait_event(c->dma_stream, c->staged[r], 0));
+            CALL(STAGED_COPY, c->memcpy_batch(dsts + f[6], srcs + f[6], sizes + f[6],
+                                              (size_t)f[7], c->attrs, c->attr_indices, 1,
+                                              c->dma_stream));
+            CALL(STAGED_RECORD, c->event_record(c->free_slot[r], c->dma_stream));
+        }
+    }
+    if (!load && slices > 0) /* the job's completion, recorded on the engine stream, follows */
+        CALL(STAGED_WAIT, c->stream_wait_event(c->stream, c->free_slot[(slices - 1) % c->slots],
+                                               0));
+    return 0;
+}

@@ -70,6 +70,7 @@ PARAMETERS = ("anchor", "table", "job", "n", "items", "num_tensors", "row_stride
 # integers compiled once whatever their value, and the staged pointers, whose alignment varies
 _SCALARS = (*PARAMETERS[3:8], *PARAMETERS[9:])
 VARYING = (3, 4, 5, 6, 9, 10, 12, 13)  # the cells a launch may change
+STAGED_CELLS = (3, 4, 5, 9, 10, 12, 13)  # the cells a staged slice changes (issue.c's order)
 # Programs of a staged pass: HBM to HBM, so short with many programs (one per SM or so).
 STAGE_PROGRAMS = 132
 TABLE_COLUMNS = 8
@@ -452,6 +453,18 @@ class KernelCopier:
         values[9], values[10], values[12], values[13] = first_entry, first_tensor, stage, \
             stage_sums
         self._run((load, True, True), grid, values)
+
+    def staged_kernel(self, load: bool) -> BoundKernel | None:
+        """The bound staged pass of one direction, once a launch compiled and bound it (for
+        the native staged issue, `offload.transfer.native.StagedIssuer`), and while no
+        profiler hook asks for Triton's launcher."""
+        return None if self._hooked() else self._bound.get((load, True, True))
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(work items per page of the widest tensor, work items per program and step, the
+        staged passes' program budget): how a launch's grid follows from its size."""
+        return self._pieces, self._rows, STAGE_PROGRAMS
 
     def _values(self, n: int, items: int) -> list[int]:
         """The kernel's runtime arguments (`PARAMETERS`) for a launch over the whole job."""

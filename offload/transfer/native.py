@@ -22,6 +22,8 @@ import ctypes
 from functools import cache
 from typing import Any
 
+import numpy as np
+
 from offload.cuda_driver import check, libcuda
 from offload.transfer.build_cache import SOURCES, load
 
@@ -30,6 +32,10 @@ STEPS = ("", "size check", "cuEventRecord", "cuStreamWaitEvent", "cuMemcpyHtoDAs
          "cuLaunchKernel")  # issue.c's failed_step, by value
 DRIVER_ENTRY_POINTS = ("cuEventRecord", "cuStreamWaitEvent", "cuMemcpyHtoDAsync_v2",
                        "cuLaunchKernel")
+STAGED_STEPS = ("", "size check", "cuEventRecord", "cuStreamWaitEvent", "cuMemcpyBatchAsync_v2",
+                "cuLaunchKernel")  # offload_issue_staged's failed_step, by value
+STAGED_CELLS = 7  # issue.c's STAGED_CELLS
+SLICE_FIELDS = 8  # issue.c's SLICE_FIELDS: a slice's row of the table it takes
 
 
 class IssueContext(ctypes.Structure):
@@ -54,6 +60,10 @@ def library() -> ctypes.CDLL | None:
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64,
                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_uint32]
         lib.offload_issue.restype = ctypes.c_int
+        lib.offload_issue_staged.argtypes = [ctypes.POINTER(StagedContext), ctypes.c_int32,
+                                             ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        lib.offload_issue_staged.restype = ctypes.c_int
     return lib
 
 
@@ -64,6 +74,16 @@ def driver_entry_points() -> tuple[int, ...] | None:
         return None
     return tuple(int(ctypes.cast(lib[name], ctypes.c_void_p).value or 0)
                  for name in DRIVER_ENTRY_POINTS)
+
+
+def staged_entry_points() -> tuple[int, int, int, int] | None:
+    """Addresses of the driver functions ``offload_issue_staged`` calls, or None."""
+    lib = libcuda()
+    names = ("cuEventRecord", "cuStreamWaitEvent", "cuLaunchKernel", "cuMemcpyBatchAsync_v2")
+    if lib is None or not all(hasattr(lib, name) for name in names):
+        return None
+    a, b, c, d = (int(ctypes.cast(lib[name], ctypes.c_void_p).value or 0) for name in names)
+    return a, b, c, d
 
 
 class NativeIssuer:
@@ -95,4 +115,61 @@ class NativeIssuer:
         if result == -1:
             return False
         check(result, STEPS[self.context.failed_step])  # raises unless result is 0
+        return True
+
+
+class StagedContext(ctypes.Structure):
+    """``struct offload_staged`` of issue.c, field by field."""
+
+    _fields_ = [("event_record", ctypes.c_void_p), ("stream_wait_event", ctypes.c_void_p),
+                ("launch_kernel", ctypes.c_void_p), ("memcpy_batch", ctypes.c_void_p),
+                ("function", ctypes.c_void_p), ("params", ctypes.c_void_p),
+                ("cells", ctypes.c_void_p * STAGED_CELLS),
+                ("sizes", ctypes.c_int32 * STAGED_CELLS),
+                ("threads", ctypes.c_uint32), ("shared_bytes", ctypes.c_uint32),
+                ("stream", ctypes.c_void_p), ("dma_stream", ctypes.c_void_p),
+                ("start", ctypes.c_void_p), ("staged", ctypes.c_void_p),
+                ("free_slot", ctypes.c_void_p), ("slots", ctypes.c_int64),
+                ("pieces", ctypes.c_int64), ("rows_per_step", ctypes.c_int64),
+                ("max_programs", ctypes.c_int64), ("attrs", ctypes.c_void_p),
+                ("attr_indices", ctypes.c_void_p), ("failed_step", ctypes.c_int32)]
+
+
+class StagedIssuer:
+    """`issue` runs issue.c's ``offload_issue_staged``: a whole staged job (every slice's pass,
+    batched copy and ring events) in one call.  ``cells`` are the indices of the kernel's
+    parameters a slice sets (n, items, tensors, first entry, first tensor, stage, stage sums);
+    ``driver`` the addresses of cuEventRecord, cuStreamWaitEvent, cuLaunchKernel and
+    cuMemcpyBatchAsync_v2; ``attrs`` the batched copies' attribute block and index (kept
+    alive by the caller, as are the events)."""
+
+    def __init__(self, lib: ctypes.CDLL, driver: tuple[int, int, int, int], kernel: Any,
+                 cells: tuple[int, ...], streams: tuple[int, int], start: int,
+                 ring: list[tuple[int, int]], shape: tuple[int, int, int],
+                 attrs: tuple[int, int]) -> None:
+        places = [kernel.cell(i) for i in cells]
+        self._staged = (ctypes.c_void_p * len(ring))(*[s for s, _ in ring])
+        self._free = (ctypes.c_void_p * len(ring))(*[f for _, f in ring])
+        pieces, rows, programs = shape
+        self.context = StagedContext(
+            *driver, kernel.function, kernel.params_address,
+            (ctypes.c_void_p * STAGED_CELLS)(*[a for a, _ in places]),
+            (ctypes.c_int32 * STAGED_CELLS)(*[size for _, size in places]),
+            kernel.threads, kernel.shared, *streams, start,
+            ctypes.addressof(self._staged), ctypes.addressof(self._free), len(ring), pieces,
+            rows, programs, *attrs, 0)
+        self._pointer = ctypes.pointer(self.context)
+        self._issue = lib.offload_issue_staged
+        self._kernel = kernel
+
+    def issue(self, load: bool, n: int, slices: np.ndarray, srcs: np.ndarray, dsts: np.ndarray,
+              sizes: np.ndarray) -> bool:
+        """Issue one job (``slices``: int64 rows of `SLICE_FIELDS`; the copies as uint64
+        arrays); False (nothing issued) when a value overflows the kernel's compiled integer
+        types.  A failed driver call raises with its name."""
+        result = self._issue(self._pointer, load, n, len(slices), slices.ctypes.data,
+                             srcs.ctypes.data, dsts.ctypes.data, sizes.ctypes.data)
+        if result == -1:
+            return False
+        check(result, STAGED_STEPS[self.context.failed_step])
         return True

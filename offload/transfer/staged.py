@@ -31,9 +31,12 @@ import torch
 from offload.cuda_driver import bound_function, check
 from offload.transfer.base import Direction
 from offload.transfer.batch_copy import BatchCopier
-from offload.transfer.kernel import KernelCopier, StagingSlot
+from offload.transfer.kernel import STAGED_CELLS, KernelCopier, StagingSlot
 from offload.transfer.layout import IndexArray, Job, SlotLayout
-from offload.transfer.staging import StagePlan, TensorGroup, job_slices
+from offload.transfer.native import SLICE_FIELDS, StagedIssuer, library, staged_entry_points
+from offload.transfer.staging import JobSlices, StagePlan, TensorGroup, job_slices
+
+KEPT_SHAPES = 64  # job sizes (in chunks) whose slices an engine keeps
 
 
 class StagedCopier:
@@ -63,6 +66,10 @@ class StagedCopier:
                                     ctypes.c_uint)
         self._handles = [(s.cuda_event, f.cuda_event) for s, f in self._events]
         self._raw = (stream.cuda_stream, self.dma_stream.cuda_stream)
+        self._shapes: dict[int, _Slices] = {}
+        self._native: dict[bool, StagedIssuer | None] = {}  # by direction (load)
+        self.issued = {"native": 0, "python": 0}  # jobs per issue path
+
 
     def _record_on(self, event: int, stream: int) -> None:
         check(self._record(event, stream), "cuEventRecord")
@@ -75,19 +82,30 @@ class StagedCopier:
         """Issue whole-chunk ``job`` (``chunks``: the chunk of each run of ``bpc`` entries),
         first ordered after the raw stream ``caller`` when given; returns what the job holds
         until it completes (its index slot, the DMA arrays)."""
-        plan, layout = self.plan, self._layout
-        parts = job_slices(plan, layout, chunks)
-        host = (parts.host + self._region).astype(np.uint64)
-        stage = (parts.stage + self._base).astype(np.uint64)
-        size = parts.size.astype(np.uint64)
+        layout = self._layout
+        parts = self._slices(int(chunks.size))
+        host = (parts.host_offsets(chunks, layout.row_stride) + self._region).astype(np.uint64)
         load = direction == "load"
-        src, dst = (host, stage) if load else (stage, host)
+        src, dst = (host, parts.stage) if load else (parts.stage, host)
         slot = self._kernel.upload(direction, job, caller)
+        issuer = self._issuer(load)
+        if issuer is not None and issuer.issue(load, len(job), parts.table, src, dst,
+                                               parts.size):
+            self.issued["native"] += 1
+        else:
+            self._issue_here(load, len(job), parts, src, dst)
+            self.issued["python"] += 1
+        return slot, (host,)
+
+    def _issue_here(self, load: bool, n: int, parts: _Slices, src: np.ndarray,
+                    dst: np.ndarray) -> None:
+        """What ``offload_issue_staged`` does, from Python: before the staged passes are
+        compiled and bound, or without the native library."""
+        plan = self.plan
         main, dma = self._raw
-        n, slots, bounds = len(job), plan.slots, parts.bounds.tolist()
-        starts = parts.first_entry.tolist()
-        counts = parts.entries.tolist()
-        groups = [plan.groups[g] for g in parts.group.tolist()]
+        slots, bounds = plan.slots, parts.bounds
+        starts, counts = parts.first_entry, parts.entries
+        groups = [plan.groups[g] for g in parts.group]
         if load:
             self._record_on(self._start.cuda_event, main)
             self._wait_on(dma, self._start.cuda_event)
@@ -98,7 +116,7 @@ class StagedCopier:
             if load:
                 if s >= slots:
                     self._wait_on(dma, free)
-                self._batch.launch_part(src, dst, size, first, count)
+                self._batch.launch_part(src, dst, parts.size, first, count)
                 self._record_on(staged, dma)
                 self._wait_on(main, staged)
                 self._rows(True, n, starts[s], counts[s], group, base)
@@ -109,13 +127,61 @@ class StagedCopier:
                 self._rows(False, n, starts[s], counts[s], group, base)
                 self._record_on(staged, main)
                 self._wait_on(dma, staged)
-                self._batch.launch_part(src, dst, size, first, count)
+                self._batch.launch_part(src, dst, parts.size, first, count)
                 self._record_on(free, dma)
         if not load:  # the job's completion event, recorded on the engine stream, follows this
             self._wait_on(main, self._handles[(len(groups) - 1) % slots][1])
-        return slot, (src, dst, size)
+
+    def _issuer(self, load: bool) -> StagedIssuer | None:
+        """The native staged issue of one direction, made once its pass is bound; None before
+        that, or without the native library."""
+        if load in self._native:
+            return self._native[load]
+        kernel = self._kernel.staged_kernel(load)
+        if kernel is None:
+            return None  # not compiled yet (its first job compiles it), or a profiler watches
+        lib, driver = library(), staged_entry_points()
+        issuer = None
+        if lib is not None and driver is not None:
+            issuer = StagedIssuer(lib, driver, kernel, STAGED_CELLS, self._raw,
+                                  self._start.cuda_event, self._handles, self._kernel.shape,
+                                  self._batch.attributes)
+        self._native[load] = issuer
+        return issuer
+
+    def _slices(self, count: int) -> _Slices:
+        """The slices of a job of ``count`` chunks, with absolute staging addresses, kept per
+        count (the most recent `KEPT_SHAPES` counts): the same for every such job."""
+        parts = self._shapes.pop(count, None)
+        if parts is None:
+            parts = _Slices(job_slices(self.plan, self._layout, count), self.plan, self._base)
+            if len(self._shapes) >= KEPT_SHAPES:
+                del self._shapes[next(iter(self._shapes))]
+        self._shapes[count] = parts  # newest last
+        return parts
 
     def _rows(self, load: bool, n: int, first: int, count: int, group: TensorGroup,
               base: int) -> None:
         self._kernel.launch_rows(load, n, first, count, group.first, group.count,
                                  self.plan.row_bytes, base, base + group.stage_trailer)
+
+
+class _Slices:
+    """`JobSlices` as the driver and ``offload_issue_staged`` take them: staging addresses and
+    sizes as uint64 (a job adds its host addresses), and one int64 row of `SLICE_FIELDS` per
+    slice -- first entry, entries, first tensor, tensors, its ring slot's staging address and
+    that of its sums, first copy, copies."""
+
+    def __init__(self, parts: JobSlices, plan: StagePlan, ring: int) -> None:
+        self.first_entry, self.entries = parts.first_entry, parts.entries
+        self.group, self.bounds = parts.group, parts.bounds
+        self.stage = (parts.stage + ring).astype(np.uint64)
+        self.size = parts.size.astype(np.uint64)
+        self.host_offsets = parts.host_offsets
+        base = [ring + (s % plan.slots) * plan.slice_bytes for s in range(len(parts))]
+        groups = [plan.groups[g] for g in parts.group]
+        self.table = np.array(
+            [[first, entries, g.first, g.count, at, at + g.stage_trailer, start, stop - start]
+             for first, entries, g, at, start, stop in zip(
+                 parts.first_entry, parts.entries, groups, base, parts.bounds,
+                 parts.bounds[1:], strict=False)], dtype=np.int64).reshape(-1, SLICE_FIELDS)

@@ -83,21 +83,28 @@ class StagePlan:
 
 @dataclass(frozen=True)
 class JobSlices:
-    """A whole-chunk job cut into slices, in order.  Slice ``s`` covers job entries
+    """A whole-chunk job of a given number of chunks cut into slices, in order (the same for
+    every job of that many chunks, so an engine keeps it).  Slice ``s`` covers job entries
     ``first_entry[s]`` .. ``+ entries[s]`` and group ``group[s]``; its DMAs are copies
-    ``bounds[s]`` .. ``bounds[s + 1]`` of (``host``, ``stage``, ``size``), ``stage`` counted
-    from the ring's first byte."""
+    ``bounds[s]`` .. ``bounds[s + 1]``.  Copy ``c`` moves ``size[c]`` bytes between ``stage[c]``
+    (counted from the ring's first byte) and byte ``host[c]`` of the row of the job's
+    ``chunk_index[c]``-th chunk (`host_offsets`)."""
 
-    first_entry: IndexArray
-    entries: IndexArray
-    group: IndexArray
+    first_entry: list[int]
+    entries: list[int]
+    group: list[int]
+    bounds: list[int]
+    chunk_index: IndexArray
     host: IndexArray
     stage: IndexArray
     size: IndexArray
-    bounds: IndexArray
 
     def __len__(self) -> int:
-        return int(self.first_entry.size)
+        return len(self.first_entry)
+
+    def host_offsets(self, chunks: IndexArray, row_stride: int) -> IndexArray:
+        """Each copy's byte offset in the region for a job of these ``chunks``."""
+        return chunks[self.chunk_index] * row_stride + self.host
 
 
 def tensor_groups(layout: SlotLayout, limit: int) -> tuple[TensorGroup, ...] | None:
@@ -152,66 +159,65 @@ def stage_plan(layout: SlotLayout, staging_bytes: int = DEFAULT_STAGING_BYTES
 
 def whole_chunks(job: Job, bpc: int) -> IndexArray | None:
     """If ``job`` is whole chunks, each filled in position order (from any blocks), the chunk
-    of each run of ``bpc`` entries; else None."""
+    of each run of ``bpc`` entries; else None.  Three whole-array operations: entry ``i`` of
+    a run must hold host page ``run start + i``, and every run must start a chunk."""
     n = len(job)
     if n == 0 or n % bpc:
         return None
     pages = job.host_pages.reshape(-1, bpc)
-    first = pages[:, 0]
-    if (first % bpc).any() or not np.array_equal(pages - first[:, None],
-                                                 np.broadcast_to(np.arange(bpc), pages.shape)):
+    starts = pages - np.arange(bpc)  # a run in order: one value per row
+    if (starts != starts[:, :1]).any() or (starts[:, 0] % bpc).any():
         return None
-    return first // bpc
+    return starts[:, 0] // bpc
 
 
-def job_slices(plan: StagePlan, layout: SlotLayout, chunks: IndexArray) -> JobSlices:
-    """Cut a whole-chunk job (the chunk of each run of ``bpc`` entries, in order) into
-    slices and their DMAs.  One group: ``rows_per_slice`` chunks a slice; several: one
-    (chunk, group) a slice, chunk by chunk, groups in order.  Whole-array numpy work."""
-    bpc, count, groups = layout.blocks_per_chunk, int(chunks.size), plan.groups
+def job_slices(plan: StagePlan, layout: SlotLayout, count: int) -> JobSlices:
+    """Cut a whole-chunk job of ``count`` chunks into slices and their DMAs.  One group:
+    ``rows_per_slice`` chunks a slice; several: one (chunk, group) a slice, chunk by chunk,
+    groups in order."""
+    bpc, groups = layout.blocks_per_chunk, plan.groups
     g = len(groups)
     if g == 1:
         per = plan.rows_per_slice
-        units = count  # one row per chunk
-        unit_chunk = chunks
+        unit_chunk = np.arange(count)  # one row per chunk
         unit_group = np.zeros(count, dtype=np.int64)
-        unit_slice = np.arange(count) // per
-        unit_row = np.arange(count) % per
+        unit_slice = unit_chunk // per
+        unit_row = unit_chunk % per
         slices = -(-count // per)
         first_entry = np.arange(slices) * per * bpc
         entries = np.minimum(per, count - np.arange(slices) * per) * bpc
         slice_group = np.zeros(slices, dtype=np.int64)
     else:
-        units = count * g
-        unit_chunk = np.repeat(chunks, g)
+        unit_chunk = np.repeat(np.arange(count), g)
         unit_group = np.tile(np.arange(g), count)
-        unit_slice = np.arange(units)
-        unit_row = np.zeros(units, dtype=np.int64)
-        first_entry = np.repeat(np.arange(count) * bpc, g)
-        entries = np.full(units, bpc)
+        unit_slice = np.arange(count * g)
+        unit_row = np.zeros(count * g, dtype=np.int64)
+        first_entry = unit_chunk * bpc
+        entries = np.full(count * g, bpc)
         slice_group = unit_group
-    start = ((unit_slice % plan.slots) * plan.slice_bytes + unit_row * plan.row_bytes)
-    row_base = unit_chunk.astype(np.int64) * layout.row_stride
-    pages_at = np.array([gr.pages_offset for gr in groups], dtype=np.int64)[unit_group]
-    pages_bytes = np.array([gr.pages_bytes for gr in groups], dtype=np.int64)[unit_group]
-    one = np.array([gr.one_copy for gr in groups])[unit_group]
+    start = (unit_slice % plan.slots) * plan.slice_bytes + unit_row * plan.row_bytes
+
+    def per_group(field: str) -> IndexArray:
+        return np.array([getattr(gr, field) for gr in groups], dtype=np.int64)[unit_group]
+
+    pages_at, pages_bytes = per_group("pages_offset"), per_group("pages_bytes")
     if layout.integrity:
-        sums_at = np.array([gr.trailer_offset for gr in groups], dtype=np.int64)[unit_group]
-        sums_bytes = np.array([gr.trailer_bytes for gr in groups], dtype=np.int64)[unit_group]
-        stage_sums = np.array([gr.stage_trailer for gr in groups], dtype=np.int64)[unit_group]
+        one = np.array([gr.one_copy for gr in groups])[unit_group]
+        sums_bytes = per_group("trailer_bytes")
         # one copy where pages and sums are one run, else two: pages, then sums
-        host = np.stack([row_base + pages_at, row_base + sums_at], axis=1)
-        stage = np.stack([start, start + stage_sums], axis=1)
+        host = np.stack([pages_at, per_group("trailer_offset")], axis=1)
+        stage = np.stack([start, start + per_group("stage_trailer")], axis=1)
         size = np.stack([np.where(one, pages_bytes + sums_bytes, pages_bytes),
                          np.where(one, 0, sums_bytes)], axis=1)
         keep = size > 0
         per_unit = keep.sum(axis=1)
+        chunk_index = np.broadcast_to(unit_chunk[:, None], keep.shape)[keep]
         host, stage, size = host[keep], stage[keep], size[keep]
     else:
-        host, stage, size = row_base + pages_at, start, pages_bytes
-        per_unit = np.ones(units, dtype=np.int64)
-    per_slice = np.bincount(unit_slice, weights=per_unit, minlength=len(first_entry))
+        host, stage, size, chunk_index = pages_at, start, pages_bytes, unit_chunk
+        per_unit = np.ones(unit_chunk.size, dtype=np.int64)
+    per_slice = np.bincount(unit_slice, weights=per_unit, minlength=first_entry.size)
     bounds = np.concatenate(([0], np.cumsum(per_slice))).astype(np.int64)
-    return JobSlices(first_entry.astype(np.int64), entries.astype(np.int64), slice_group,
-                     host.astype(np.int64), stage.astype(np.int64), size.astype(np.int64),
-                     bounds)
+    return JobSlices(first_entry.tolist(), entries.tolist(), slice_group.tolist(),
+                     bounds.tolist(), chunk_index.astype(np.int64), host.astype(np.int64),
+                     stage.astype(np.int64), size.astype(np.int64))

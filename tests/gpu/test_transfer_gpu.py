@@ -191,7 +191,7 @@ def test_jobs_after_the_first_launch_skip_tritons_launcher(path: str) -> None:
         engine.submit(1, "load", *scattered_job(rng, 2, 320, 80, 4))
         engine.wait_all()
         kernel = engine.kernel
-        keys = {(False, True), (True, True)}  # (load, copy): both directions, copying
+        keys = {(False, True, False), (True, True, False)}  # (load, copy, staged)
         assert all(kernel._bound[key] is not None for key in keys)
         assert set(kernel._native) == (keys if library() is not None else set())
         if path != "native":
@@ -461,6 +461,21 @@ def test_staged_jobs_larger_than_the_ring_are_exact(pages: tuple[int, ...], stag
         assert engine.routes["staged"] == 2
         if checked:
             assert engine.mismatches == 0
+
+
+@needs_triton
+@needs_batch
+@needs_native
+def test_staged_jobs_after_the_first_are_issued_in_one_native_call() -> None:
+    """Each direction's first staged job compiles and binds its pass from Python; later ones
+    go through ``offload_issue_staged`` and move the same bytes."""
+    kv = kv_set(96, [16 * KiB] * 6, "cuda")
+    with cuda_engine("hybrid", kv, 10, bpc=8, staging_bytes=3 * 6 * 16 * KiB * 8
+                     ) as (engine, kv, region):
+        rng = np.random.default_rng(9)
+        for chunks in ([3, 1, 7, 0, 9], [2], [4, 8, 6, 5]):
+            round_trip(engine, kv, region, engine.layout, _whole_chunks(rng, chunks, 96, 8))
+        assert engine.staged.issued == {"python": 2, "native": 4}
 
 
 @needs_triton

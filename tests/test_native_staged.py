@@ -1,0 +1,160 @@
+"""The native staged issue (issue.c's ``offload_issue_staged``) built with this host's compiler
+and driven with stand-in driver functions: per slice, the pass and the batched copy in the
+order the ring needs, each ring slot's events, the kernel's cells at every launch, and its
+refusals and failures.  The real driver runs it in tests/gpu/test_transfer_gpu.py."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+import pytest
+
+from offload.transfer import build_cache, native
+
+pytestmark = pytest.mark.skipif(build_cache.compiler() is None, reason="needs a C compiler")
+
+RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+WAIT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
+LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
+                          ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
+BATCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_uint64),
+                         ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                         ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                         ctypes.c_void_p)
+MAIN, DMA, START, FUNCTION, ATTRS, INDEX = 0x5000, 0x5100, 0x6000, 0x7000, 0x7100, 0x7200
+RING = [(0x6100, 0x6200), (0x6101, 0x6201)]  # (staged, free) per slot
+CELLS = (3, 4, 5, 9, 10, 12, 13)
+SIZES = {3: 4, 4: 8, 5: 4, 9: 4, 10: 4, 12: 8, 13: 8}  # as Triton may type them
+
+
+class FakeKernel:
+    """A parameter block of 14 cells, the staged pass's."""
+
+    function, threads, shared = FUNCTION, 128, 0
+
+    def __init__(self) -> None:
+        self.cells: list[Any] = [(ctypes.c_int32 if SIZES.get(i) == 4 else ctypes.c_int64)(0)
+                                 for i in range(14)]
+        self.params = (ctypes.c_void_p * 14)(*[ctypes.addressof(c) for c in self.cells])
+        self.params_address = ctypes.addressof(self.params)
+
+    def cell(self, index: int) -> tuple[int, int]:
+        return ctypes.addressof(self.cells[index]), ctypes.sizeof(self.cells[index])
+
+
+class FakeDriver:
+    """Stand-ins that append what they were given to ``calls`` and return ``fail.get(name,
+    0)``; the launch reads the cells it runs with, the copy the addresses it was given."""
+
+    def __init__(self, kernel: FakeKernel, fail: dict[str, int] | None = None) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.fail = fail or {}
+
+        def record(event: int | None, stream: int | None) -> int:
+            self.calls.append(("record", event, stream))
+            return self.fail.get("record", 0)
+
+        def wait(stream: int | None, event: int | None, flags: int) -> int:
+            self.calls.append(("wait", stream, event))
+            return self.fail.get("wait", 0)
+
+        def launch(function: int | None, gx: int, gy: int, gz: int, bx: int, by: int, bz: int,
+                   shared: int, stream: int | None, params: Any, extra: int | None) -> int:
+            cells = tuple(kernel.cells[i].value for i in CELLS)
+            self.calls.append(("launch", stream, gx, cells))
+            return self.fail.get("launch", 0)
+
+        def batch(dsts: Any, srcs: Any, sizes: Any, count: int, attrs: int | None,
+                  indices: int | None, num: int, stream: int | None) -> int:
+            self.calls.append(("copy", stream, [(srcs[i], dsts[i], sizes[i])
+                                                for i in range(count)], attrs, indices, num))
+            return self.fail.get("copy", 0)
+
+        self._functions = [RECORD(record), WAIT(wait), LAUNCH(launch), BATCH(batch)]
+        self.entry_points = tuple(int(ctypes.cast(f, ctypes.c_void_p).value or 0)
+                                  for f in self._functions)
+
+
+def _issuer(fail: dict[str, int] | None = None) -> tuple[native.StagedIssuer, FakeDriver]:
+    lib = native.library()
+    assert lib is not None, "the native issue path must build on this host"
+    kernel = FakeKernel()
+    driver = FakeDriver(kernel, fail)
+    a, b, c, d = driver.entry_points
+    # 4 work items per page, 64 per program step, at most 8 programs
+    return native.StagedIssuer(lib, (a, b, c, d), kernel, CELLS, (MAIN, DMA), START, RING,
+                               (4, 64, 8), (ATTRS, INDEX)), driver
+
+
+# three slices through two ring slots: (first entry, entries, first tensor, tensors, stage,
+# stage sums, first copy, copies); the second cut into two copies
+SLICES = np.array([[0, 16, 0, 10, 0xA000, 0xA800, 0, 1],
+                   [16, 16, 0, 10, 0xB000, 0xB800, 1, 2],
+                   [32, 8, 2, 3, 0xA000, 0xA400, 3, 1]], dtype=np.int64)
+SRCS = np.array([1, 2, 3, 4], dtype=np.uint64) << np.uint64(20)
+DSTS = np.array([5, 6, 7, 8], dtype=np.uint64) << np.uint64(20)
+SIZES_ = np.array([100, 200, 8, 300], dtype=np.uint64)
+
+
+def _launch(first: int, entries: int, first_tensor: int, tensors: int, stage: int,
+            sums: int, stream: int = MAIN) -> tuple[Any, ...]:
+    items = entries * tensors * 4
+    grid = min(8, -(-items // 64))
+    return ("launch", stream, grid, (40, items, tensors, first, first_tensor, stage, sums))
+
+
+def _copy(first: int, count: int) -> tuple[Any, ...]:
+    pairs = [(int(SRCS[i]), int(DSTS[i]), int(SIZES_[i])) for i in range(first, first + count)]
+    return ("copy", DMA, pairs, ATTRS, INDEX, 1)
+
+
+def test_a_store_gathers_then_copies_each_slice_and_reuses_a_slot_after_its_copy() -> None:
+    issuer, driver = _issuer()
+    assert issuer.issue(False, 40, SLICES, SRCS, DSTS, SIZES_)
+    (s0, f0), (s1, f1) = RING
+    assert driver.calls == [
+        _launch(0, 16, 0, 10, 0xA000, 0xA800), ("record", s0, MAIN), ("wait", DMA, s0),
+        _copy(0, 1), ("record", f0, DMA),
+        _launch(16, 16, 0, 10, 0xB000, 0xB800), ("record", s1, MAIN), ("wait", DMA, s1),
+        _copy(1, 2), ("record", f1, DMA),
+        ("wait", MAIN, f0),  # slot 0 again: after slice 0's copy
+        _launch(32, 8, 2, 3, 0xA000, 0xA400), ("record", s0, MAIN), ("wait", DMA, s0),
+        _copy(3, 1), ("record", f0, DMA),
+        ("wait", MAIN, f0)]  # the job's completion follows its last copy
+
+
+def test_a_load_follows_the_engine_stream_copies_then_scatters_each_slice() -> None:
+    issuer, driver = _issuer()
+    assert issuer.issue(True, 40, SLICES, SRCS, DSTS, SIZES_)
+    (s0, f0), (s1, f1) = RING
+    assert driver.calls == [
+        ("record", START, MAIN), ("wait", DMA, START),
+        _copy(0, 1), ("record", s0, DMA), ("wait", MAIN, s0),
+        _launch(0, 16, 0, 10, 0xA000, 0xA800), ("record", f0, MAIN),
+        _copy(1, 2), ("record", s1, DMA), ("wait", MAIN, s1),
+        _launch(16, 16, 0, 10, 0xB000, 0xB800), ("record", f1, MAIN),
+        ("wait", DMA, f0),  # slot 0 again: after slice 0's scatter
+        _copy(3, 1), ("record", s0, DMA), ("wait", MAIN, s0),
+        _launch(32, 8, 2, 3, 0xA000, 0xA400), ("record", f0, MAIN)]
+
+
+def test_values_beyond_the_compiled_types_issue_nothing() -> None:
+    issuer, driver = _issuer()
+    assert not issuer.issue(False, 2**31, SLICES, SRCS, DSTS, SIZES_)  # n is an int32 cell
+    wide = SLICES.copy()
+    wide[2, 0] = 2**31  # a first entry beyond int32
+    assert not issuer.issue(True, 40, wide, SRCS, DSTS, SIZES_)
+    assert driver.calls == []
+
+
+@pytest.mark.parametrize(("step", "name", "issued"), [
+    ("launch", "cuLaunchKernel", 1), ("record", "cuEventRecord", 2),
+    ("wait", "cuStreamWaitEvent", 3), ("copy", "cuMemcpyBatchAsync_v2", 4)])
+def test_a_failed_driver_call_raises_with_its_name_and_stops_there(step: str, name: str,
+                                                                   issued: int) -> None:
+    issuer, driver = _issuer({step: 700})
+    with pytest.raises(RuntimeError, match=f"{name} failed: CUDA error 700"):
+        issuer.issue(False, 40, SLICES, SRCS, DSTS, SIZES_)
+    assert len(driver.calls) == issued
