@@ -112,7 +112,7 @@ def _copy(first: int, count: int) -> tuple[Any, ...]:
 
 def test_a_store_gathers_then_copies_each_slice_and_reuses_a_slot_after_its_copy() -> None:
     issuer, driver = _issuer()
-    assert issuer.issue(False, 40, SLICES, SRCS, DSTS, SIZES_)
+    assert issuer.issue(False, True, 0, 40, SLICES, SRCS, DSTS, SIZES_)
     (s0, f0), (s1, f1) = RING
     assert driver.calls == [
         _launch(0, 16, 0, 10, 0xA000, 0xA800), ("record", s0, MAIN), ("wait", DMA, s0),
@@ -125,27 +125,38 @@ def test_a_store_gathers_then_copies_each_slice_and_reuses_a_slot_after_its_copy
         ("wait", MAIN, f0)]  # the job's completion follows its last copy
 
 
-def test_a_load_follows_the_engine_stream_copies_then_scatters_each_slice() -> None:
+@pytest.mark.parametrize("after_engine", [True, False])
+def test_a_load_copies_into_each_slot_after_its_last_use_then_scatters(after_engine: bool
+                                                                       ) -> None:
+    """From ring slot 1 on: every copy into a slot waits for that slot's last use (by this
+    job or an earlier one); only after a job that wrote host rows on the engine stream does
+    the load first wait for that stream."""
     issuer, driver = _issuer()
-    assert issuer.issue(True, 40, SLICES, SRCS, DSTS, SIZES_)
+    assert issuer.issue(True, after_engine, 1, 40, SLICES, SRCS, DSTS, SIZES_)
     (s0, f0), (s1, f1) = RING
-    assert driver.calls == [
-        ("record", START, MAIN), ("wait", DMA, START),
-        _copy(0, 1), ("record", s0, DMA), ("wait", MAIN, s0),
-        _launch(0, 16, 0, 10, 0xA000, 0xA800), ("record", f0, MAIN),
-        _copy(1, 2), ("record", s1, DMA), ("wait", MAIN, s1),
-        _launch(16, 16, 0, 10, 0xB000, 0xB800), ("record", f1, MAIN),
-        ("wait", DMA, f0),  # slot 0 again: after slice 0's scatter
-        _copy(3, 1), ("record", s0, DMA), ("wait", MAIN, s0),
-        _launch(32, 8, 2, 3, 0xA000, 0xA400), ("record", f0, MAIN)]
+    first = [("record", START, MAIN), ("wait", DMA, START)] if after_engine else []
+    assert driver.calls == first + [
+        ("wait", DMA, f1), _copy(0, 1), ("record", s1, DMA), ("wait", MAIN, s1),
+        _launch(0, 16, 0, 10, 0xA000, 0xA800), ("record", f1, MAIN),
+        ("wait", DMA, f0), _copy(1, 2), ("record", s0, DMA), ("wait", MAIN, s0),
+        _launch(16, 16, 0, 10, 0xB000, 0xB800), ("record", f0, MAIN),
+        ("wait", DMA, f1), _copy(3, 1), ("record", s1, DMA), ("wait", MAIN, s1),
+        _launch(32, 8, 2, 3, 0xA000, 0xA400), ("record", f1, MAIN)]
+
+
+def test_a_store_from_another_slot_waits_for_that_slot_in_turn() -> None:
+    issuer, driver = _issuer()
+    assert issuer.issue(False, False, 1, 40, SLICES, SRCS, DSTS, SIZES_)
+    waits = [c for c in driver.calls if c[0] == "wait" and c[1] == MAIN]
+    assert waits == [("wait", MAIN, RING[1][1]), ("wait", MAIN, RING[1][1])]  # slice 2, end
 
 
 def test_values_beyond_the_compiled_types_issue_nothing() -> None:
     issuer, driver = _issuer()
-    assert not issuer.issue(False, 2**31, SLICES, SRCS, DSTS, SIZES_)  # n is an int32 cell
+    assert not issuer.issue(False, True, 0, 2**31, SLICES, SRCS, DSTS, SIZES_)  # an int32 n
     wide = SLICES.copy()
     wide[2, 0] = 2**31  # a first entry beyond int32
-    assert not issuer.issue(True, 40, wide, SRCS, DSTS, SIZES_)
+    assert not issuer.issue(True, True, 0, 40, wide, SRCS, DSTS, SIZES_)
     assert driver.calls == []
 
 
@@ -156,5 +167,5 @@ def test_a_failed_driver_call_raises_with_its_name_and_stops_there(step: str, na
                                                                    issued: int) -> None:
     issuer, driver = _issuer({step: 700})
     with pytest.raises(RuntimeError, match=f"{name} failed: CUDA error 700"):
-        issuer.issue(False, 40, SLICES, SRCS, DSTS, SIZES_)
+        issuer.issue(False, True, 0, 40, SLICES, SRCS, DSTS, SIZES_)
     assert len(driver.calls) == issued

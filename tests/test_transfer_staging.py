@@ -33,7 +33,7 @@ PAGES = st.sampled_from([8, 60, 64, 256, 1000, 4096, 20_000])
 
 
 def _emulate(plan: StagePlan, layout: object, kv: list[np.ndarray], job: Job,
-             region: np.ndarray, load: bool) -> None:
+             region: np.ndarray, load: bool, first_slot: int) -> None:
     """Run ``job`` as the staged path would: per slice, the GPU pass over its ring slot and
     the DMAs `job_slices` lists (a load checks every page's sums before taking it)."""
     from offload.transfer.layout import SlotLayout
@@ -42,12 +42,14 @@ def _emulate(plan: StagePlan, layout: object, kv: list[np.ndarray], job: Job,
     bpc = layout.blocks_per_chunk
     chunks = whole_chunks(job, bpc)
     assert chunks is not None
-    parts = job_slices(plan, layout, int(chunks.size))
+    parts = job_slices(plan, layout, int(chunks.size), first_slot)
     host = parts.host_offsets(chunks, layout.row_stride)
-    ring = np.zeros(plan.ring_bytes, dtype=np.uint8)
+    ring = np.full(plan.ring_bytes, 0xEE, dtype=np.uint8)  # what earlier jobs left there
     keys, offsets = layout.tensor_keys(), integrity.unit_offsets(layout.page_bytes)
     for s in range(len(parts)):
-        base = (s % plan.slots) * plan.slice_bytes
+        base = ((first_slot + s) % plan.slots) * plan.slice_bytes
+        if len(parts) >= plan.slots:  # within a job, slot reuse needs a full ring turn
+            assert {int(x) // plan.slice_bytes for x in parts.stage} == set(range(plan.slots))
         group = plan.groups[parts.group[s]]
         copies = range(parts.bounds[s], parts.bounds[s + 1])
         if load:
@@ -108,12 +110,13 @@ def test_staged_store_and_load_match_the_page_by_page_reference(
     kv = [rng.integers(0, 256, (num_blocks, p), dtype=np.uint8) for p in pages]
     before = rng.integers(0, 256, layout.region_bytes(chunk_count), dtype=np.uint8)
     region = before.copy()
-    _emulate(plan, layout, kv, job, region, load=False)
+    first = seed % plan.slots
+    _emulate(plan, layout, kv, job, region, load=False, first_slot=first)
     expected = expected_region(torch.from_numpy(before), [torch.from_numpy(k) for k in kv],
                                layout, (blocks, host // bpc, host % bpc), checked)
     assert np.array_equal(region, expected.numpy())
     loaded = [np.zeros_like(k) for k in kv]
-    _emulate(plan, layout, loaded, job, region, load=True)
+    _emulate(plan, layout, loaded, job, region, load=True, first_slot=(first + 1) % plan.slots)
     for t in range(len(pages)):
         assert np.array_equal(loaded[t][blocks], kv[t][blocks])
 

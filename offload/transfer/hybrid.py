@@ -83,6 +83,8 @@ class HybridEngine(StreamEngine):
                       if self.staged is not None else None)
             if chunks is None:
                 self.routes["kernel"] += 1
+                if self.staged is not None and direction == "store":
+                    self.staged.engine_wrote()
                 return self.kernel.launch(direction, job, caller)
             self.routes["staged"] += 1
             return self.staged.launch(direction, job, chunks, caller)  # type: ignore[union-attr]

@@ -144,14 +144,15 @@ static int64_t slice_value(const int64_t *slice, int cell, int64_t n) {
 }
 
 /* Issues a whole-chunk job of ``slices`` slices (``slice``: SLICE_FIELDS values each) through
- * the ring: per slice one staged pass on the engine stream and one batched copy of its rows on
- * the DMA stream, ordered by the ring slot's two events (offload/transfer/staged.py says how).
- * ``srcs``, ``dsts`` and ``sizes`` are the job's copies.  Returns 0, the failing driver call's
+ * the ring from slot ``first_slot`` on: per slice one staged pass on the engine stream and one
+ * batched copy of its rows on the DMA stream, ordered by the ring slot's two events
+ * (offload/transfer/staged.py says how); a load first follows the engine stream where
+ * ``after_engine`` is set.  ``srcs``, ``dsts`` and ``sizes`` are the job's copies.  Returns 0, the failing driver call's
  * CUresult (its step in failed_step), or -1 when a value does not fit the kernel's compiled
  * parameter types (nothing was issued). */
-int offload_issue_staged(struct offload_staged *c, int32_t load, int64_t n, int64_t slices,
-                         const int64_t *slice, const uint64_t *srcs, const uint64_t *dsts,
-                         const uint64_t *sizes) {
+int offload_issue_staged(struct offload_staged *c, int32_t load, int32_t after_engine,
+                         int64_t first_slot, int64_t n, int64_t slices, const int64_t *slice,
+                         const uint64_t *srcs, const uint64_t *dsts, const uint64_t *sizes) {
     int rc;
     int64_t s;
     int cell;
@@ -167,22 +168,21 @@ int offload_issue_staged(struct offload_staged *c, int32_t load, int64_t n, int6
             }
         }
     }
-    if (load) {
+    if (load && after_engine) {
         CALL(STAGED_RECORD, c->event_record(c->start, c->stream));
         CALL(STAGED_WAIT, c->stream_wait_event(c->dma_stream, c->start, 0));
     }
     for (s = 0; s < slices; s++) {
         const int64_t *f = slice + s * SLICE_FIELDS;
-        int64_t r = s % c->slots;
+        int64_t r = (first_slot + s) % c->slots;
         int64_t items = f[1] * f[3] * c->pieces;
         int64_t steps = (items + c->rows_per_step - 1) / c->rows_per_step;
         uint32_t grid = (uint32_t)(steps < c->max_programs ? (steps > 0 ? steps : 1)
                                                             : c->max_programs);
         for (cell = 0; cell < STAGED_CELLS; cell++)
             put(c->cells[cell], c->sizes[cell], cell == 1 ? items : slice_value(f, cell, n));
-        if (load) {
-            if (s >= c->slots)
-                CALL(STAGED_WAIT, c->stream_wait_event(c->dma_stream, c->free_slot[r], 0));
+        if (load) { /* the slot's last use, by this job or an earlier one */
+            CALL(STAGED_WAIT, c->stream_wait_event(c->dma_stream, c->free_slot[r], 0));
             CALL(STAGED_COPY, c->memcpy_batch(dsts + f[6], srcs + f[6], sizes + f[6],
                                               (size_t)f[7], c->attrs, c->attr_indices, 1,
                                               c->dma_stream));
@@ -205,7 +205,7 @@ int offload_issue_staged(struct offload_staged *c, int32_t load, int64_t n, int6
         }
     }
     if (!load && slices > 0) /* the job's completion, recorded on the engine stream, follows */
-        CALL(STAGED_WAIT, c->stream_wait_event(c->stream, c->free_slot[(slices - 1) % c->slots],
-                                               0));
+        CALL(STAGED_WAIT, c->stream_wait_event(
+                              c->stream, c->free_slot[(first_slot + slices - 1) % c->slots], 0));
     return 0;
 }

@@ -71,8 +71,11 @@ PARAMETERS = ("anchor", "table", "job", "n", "items", "num_tensors", "row_stride
 _SCALARS = (*PARAMETERS[3:8], *PARAMETERS[9:])
 VARYING = (3, 4, 5, 6, 9, 10, 12, 13)  # the cells a launch may change
 STAGED_CELLS = (3, 4, 5, 9, 10, 12, 13)  # the cells a staged slice changes (issue.c's order)
-# Programs of a staged pass: HBM to HBM, so short with many programs (one per SM or so).
-STAGE_PROGRAMS = 132
+# Programs of a staged pass: HBM to HBM, so short with many programs.  Two per SM of an H200
+# left a concurrent matmul more than one per SM and let loads beside it copy faster (a pass
+# waits for SMs behind the matmul, then finishes sooner): docs/BENCHMARKS.md, "Copies beside
+# compute".
+STAGE_PROGRAMS = 264
 TABLE_COLUMNS = 8
 
 

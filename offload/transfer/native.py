@@ -61,8 +61,9 @@ def library() -> ctypes.CDLL | None:
                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_uint32]
         lib.offload_issue.restype = ctypes.c_int
         lib.offload_issue_staged.argtypes = [ctypes.POINTER(StagedContext), ctypes.c_int32,
-                                             ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+                                             ctypes.c_int32, ctypes.c_int64, ctypes.c_int64,
+                                             ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                             ctypes.c_void_p, ctypes.c_void_p]
         lib.offload_issue_staged.restype = ctypes.c_int
     return lib
 
@@ -162,13 +163,16 @@ class StagedIssuer:
         self._issue = lib.offload_issue_staged
         self._kernel = kernel
 
-    def issue(self, load: bool, n: int, slices: np.ndarray, srcs: np.ndarray, dsts: np.ndarray,
-              sizes: np.ndarray) -> bool:
-        """Issue one job (``slices``: int64 rows of `SLICE_FIELDS`; the copies as uint64
-        arrays); False (nothing issued) when a value overflows the kernel's compiled integer
-        types.  A failed driver call raises with its name."""
-        result = self._issue(self._pointer, load, n, len(slices), slices.ctypes.data,
-                             srcs.ctypes.data, dsts.ctypes.data, sizes.ctypes.data)
+    def issue(self, load: bool, after_engine: bool, first_slot: int, n: int,
+              slices: np.ndarray, srcs: np.ndarray, dsts: np.ndarray, sizes: np.ndarray
+              ) -> bool:
+        """Issue one job of ``n`` entries from ring slot ``first_slot`` on (``slices``: int64
+        rows of `SLICE_FIELDS`; the copies as uint64 arrays; a load after the engine stream's
+        work so far where ``after_engine``); False (nothing issued) when a value overflows
+        the kernel's compiled integer types.  A failed driver call raises with its name."""
+        result = self._issue(self._pointer, load, after_engine, first_slot, n, len(slices),
+                             slices.ctypes.data, srcs.ctypes.data, dsts.ctypes.data,
+                             sizes.ctypes.data)
         if result == -1:
             return False
         check(result, STAGED_STEPS[self.context.failed_step])

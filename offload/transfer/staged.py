@@ -3,22 +3,25 @@
 
 `offload.transfer.staging` says where every byte goes; this module issues it.  Two streams:
 the engine's stream runs the kernel's staged passes (`KernelCopier.launch_rows`, checksums
-included) and a DMA stream runs one ``cuMemcpyBatchAsync`` per slice.  Per slice ``s`` in ring
-slot ``r = s % slots``, with two events per ring slot:
+included) and a DMA stream runs one ``cuMemcpyBatchAsync`` per slice.  Jobs take the ring's
+slots in turn; per slice ``s`` in ring slot ``r``, with two events per slot (*staged*: its rows
+are in staging; *free*: their last reader or writer is done):
 
-* store: the engine stream waits until slice ``s - slots``'s DMA freed slot ``r``, gathers
-  into it and records *staged*; the DMA stream waits for *staged*, copies the rows to the
-  region and records *free*.  The engine stream finally waits for the last DMA, so the job's
-  completion event (recorded there) covers every byte.
-* load: the DMA stream first waits for the engine stream's state at the job's start (earlier
-  jobs' stores to the same rows), then per slice waits until slice ``s - slots``'s scatter
-  freed slot ``r``, copies the rows from the region and records *staged*; the engine stream
-  waits for it, scatters (checking the sums) and records *free*.
+* store: the engine stream waits until the job's own slice ``s - slots`` freed slot ``r`` (an
+  earlier job's use of it is already behind: the engine stream waited for its last DMA),
+  gathers into it and records *staged*; the DMA stream waits for *staged*, copies the rows to
+  the region and records *free*.  The engine stream finally waits for the last DMA, so the
+  job's completion event (recorded there) covers every byte.
+* load: the DMA stream waits for *free* of slot ``r`` (its last use, in this job or an earlier
+  one), copies the rows from the region and records *staged*; the engine stream waits for it,
+  scatters (checking the sums) and records *free*.  Host rows are written only by the DMA
+  stream itself (staged stores, in order) or by the engine stream (kernel and copy-engine
+  jobs): after such a job, a load's DMAs first wait for the engine stream's work so far.
 
-A later job reuses the ring after the earlier job's last use on the engine stream, which every
-job's work follows, so no event crosses jobs.  All waits are on the GPU: ``submit`` never
-blocks.  Host work per slice is a few driver calls (event record, stream wait, one launch, one
-batched copy); the DMA arrays are built once per job with numpy.
+So a load's DMAs run ahead while earlier scatters wait for SMs behind a forward pass, the
+copy engines stay busy, and no event is waited on the host: ``submit`` never blocks.  The
+whole issue is one native call (``offload_issue_staged`` in issue.c), or the same driver calls
+from Python before the staged passes are compiled and bound.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from offload.transfer.layout import IndexArray, Job, SlotLayout
 from offload.transfer.native import SLICE_FIELDS, StagedIssuer, library, staged_entry_points
 from offload.transfer.staging import JobSlices, StagePlan, TensorGroup, job_slices
 
-KEPT_SHAPES = 64  # job sizes (in chunks) whose slices an engine keeps
+KEPT_SHAPES = 64  # job shapes (chunks, first ring slot) whose slices an engine keeps
 
 
 class StagedCopier:
@@ -66,7 +69,9 @@ class StagedCopier:
                                     ctypes.c_uint)
         self._handles = [(s.cuda_event, f.cuda_event) for s, f in self._events]
         self._raw = (stream.cuda_stream, self.dma_stream.cuda_stream)
-        self._shapes: dict[int, _Slices] = {}
+        self._shapes: dict[tuple[int, int], _Slices] = {}
+        self._next_slot = 0  # where the next job's first slice goes
+        self._engine_wrote = True  # until a load followed it: see `engine_wrote`
         self._native: dict[bool, StagedIssuer | None] = {}  # by direction (load)
         self.issued = {"native": 0, "python": 0}  # jobs per issue path
 
@@ -83,22 +88,32 @@ class StagedCopier:
         first ordered after the raw stream ``caller`` when given; returns what the job holds
         until it completes (its index slot, the DMA arrays)."""
         layout = self._layout
-        parts = self._slices(int(chunks.size))
+        first = self._next_slot
+        parts = self._slices(int(chunks.size), first)
         host = (parts.host_offsets(chunks, layout.row_stride) + self._region).astype(np.uint64)
         load = direction == "load"
         src, dst = (host, parts.stage) if load else (parts.stage, host)
         slot = self._kernel.upload(direction, job, caller)
+        after_engine = load and self._engine_wrote
+        if load:
+            self._engine_wrote = False
         issuer = self._issuer(load)
-        if issuer is not None and issuer.issue(load, len(job), parts.table, src, dst,
-                                               parts.size):
+        if issuer is not None and issuer.issue(load, after_engine, first, len(job),
+                                               parts.table, src, dst, parts.size):
             self.issued["native"] += 1
         else:
-            self._issue_here(load, len(job), parts, src, dst)
+            self._issue_here(load, after_engine, first, len(job), parts, src, dst)
             self.issued["python"] += 1
+        self._next_slot = (first + len(parts.first_entry)) % self.plan.slots
         return slot, (host,)
 
-    def _issue_here(self, load: bool, n: int, parts: _Slices, src: np.ndarray,
-                    dst: np.ndarray) -> None:
+    def engine_wrote(self) -> None:
+        """The engine stream was given a job that writes host rows (a kernel or copy-engine
+        store, or anything else not staged): the next staged load's DMAs follow it."""
+        self._engine_wrote = True
+
+    def _issue_here(self, load: bool, after_engine: bool, first_slot: int, n: int,
+                    parts: _Slices, src: np.ndarray, dst: np.ndarray) -> None:
         """What ``offload_issue_staged`` does, from Python: before the staged passes are
         compiled and bound, or without the native library."""
         plan = self.plan
@@ -106,16 +121,16 @@ class StagedCopier:
         slots, bounds = plan.slots, parts.bounds
         starts, counts = parts.first_entry, parts.entries
         groups = [plan.groups[g] for g in parts.group]
-        if load:
+        if after_engine:
             self._record_on(self._start.cuda_event, main)
             self._wait_on(dma, self._start.cuda_event)
         for s, group in enumerate(groups):
-            staged, free = self._handles[s % slots]
-            base = self._base + (s % slots) * plan.slice_bytes
+            r = (first_slot + s) % slots
+            staged, free = self._handles[r]
+            base = self._base + r * plan.slice_bytes
             first, count = bounds[s], bounds[s + 1] - bounds[s]
-            if load:
-                if s >= slots:
-                    self._wait_on(dma, free)
+            if load:  # the slot's last use, by this job or an earlier one
+                self._wait_on(dma, free)
                 self._batch.launch_part(src, dst, parts.size, first, count)
                 self._record_on(staged, dma)
                 self._wait_on(main, staged)
@@ -130,7 +145,7 @@ class StagedCopier:
                 self._batch.launch_part(src, dst, parts.size, first, count)
                 self._record_on(free, dma)
         if not load:  # the job's completion event, recorded on the engine stream, follows this
-            self._wait_on(main, self._handles[(len(groups) - 1) % slots][1])
+            self._wait_on(main, self._handles[(first_slot + len(groups) - 1) % slots][1])
 
     def _issuer(self, load: bool) -> StagedIssuer | None:
         """The native staged issue of one direction, made once its pass is bound; None before
@@ -149,15 +164,18 @@ class StagedCopier:
         self._native[load] = issuer
         return issuer
 
-    def _slices(self, count: int) -> _Slices:
-        """The slices of a job of ``count`` chunks, with absolute staging addresses, kept per
-        count (the most recent `KEPT_SHAPES` counts): the same for every such job."""
-        parts = self._shapes.pop(count, None)
+    def _slices(self, count: int, first_slot: int) -> _Slices:
+        """The slices of a job of ``count`` chunks from ring slot ``first_slot`` on, with
+        absolute staging addresses, kept per shape (the most recent `KEPT_SHAPES`): the same
+        for every such job."""
+        key = (count, first_slot)
+        parts = self._shapes.pop(key, None)
         if parts is None:
-            parts = _Slices(job_slices(self.plan, self._layout, count), self.plan, self._base)
+            parts = _Slices(job_slices(self.plan, self._layout, count, first_slot), self.plan,
+                            first_slot, self._base)
             if len(self._shapes) >= KEPT_SHAPES:
                 del self._shapes[next(iter(self._shapes))]
-        self._shapes[count] = parts  # newest last
+        self._shapes[key] = parts  # newest last
         return parts
 
     def _rows(self, load: bool, n: int, first: int, count: int, group: TensorGroup,
@@ -172,13 +190,14 @@ class _Slices:
     slice -- first entry, entries, first tensor, tensors, its ring slot's staging address and
     that of its sums, first copy, copies."""
 
-    def __init__(self, parts: JobSlices, plan: StagePlan, ring: int) -> None:
+    def __init__(self, parts: JobSlices, plan: StagePlan, first_slot: int, ring: int) -> None:
         self.first_entry, self.entries = parts.first_entry, parts.entries
         self.group, self.bounds = parts.group, parts.bounds
         self.stage = (parts.stage + ring).astype(np.uint64)
         self.size = parts.size.astype(np.uint64)
         self.host_offsets = parts.host_offsets
-        base = [ring + (s % plan.slots) * plan.slice_bytes for s in range(len(parts))]
+        base = [ring + ((first_slot + s) % plan.slots) * plan.slice_bytes
+                for s in range(len(parts))]
         groups = [plan.groups[g] for g in parts.group]
         self.table = np.array(
             [[first, entries, g.first, g.count, at, at + g.stage_trailer, start, stop - start]

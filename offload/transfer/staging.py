@@ -8,8 +8,8 @@ row to or from the region with one DMA (two where the checksum trailer is not co
 the pages).  No SM is held for the PCIe leg, and the HBM pass is ~80x shorter than it.
 
 Staging is bounded (``staging_bytes``, default 128 MiB) whatever the job size: a ring of
-``slots`` slices of ``rows_per_slice`` rows each; slice ``s`` of a job uses ring slot
-``s % slots``, so the gather of one slice overlaps the DMA of the one before.  A slot image too
+``slots`` slices of ``rows_per_slice`` rows each, taken in turn, job after job, so the
+gather of one slice overlaps the DMA of the one before.  A slot image too
 large for half the ring is cut into *tensor groups* (consecutive tensors, whose pages and sums
 are each contiguous in the slot, tensor-major): a staged row then holds one (chunk, group).
 
@@ -171,10 +171,12 @@ def whole_chunks(job: Job, bpc: int) -> IndexArray | None:
     return starts[:, 0] // bpc
 
 
-def job_slices(plan: StagePlan, layout: SlotLayout, count: int) -> JobSlices:
+def job_slices(plan: StagePlan, layout: SlotLayout, count: int, first_slot: int = 0
+               ) -> JobSlices:
     """Cut a whole-chunk job of ``count`` chunks into slices and their DMAs.  One group:
     ``rows_per_slice`` chunks a slice; several: one (chunk, group) a slice, chunk by chunk,
-    groups in order."""
+    groups in order.  Slice ``s`` uses ring slot ``(first_slot + s) % slots`` (jobs take
+    the slots in turn, so a job's first slice need not wait for the last job's)."""
     bpc, groups = layout.blocks_per_chunk, plan.groups
     g = len(groups)
     if g == 1:
@@ -195,7 +197,7 @@ def job_slices(plan: StagePlan, layout: SlotLayout, count: int) -> JobSlices:
         first_entry = unit_chunk * bpc
         entries = np.full(count * g, bpc)
         slice_group = unit_group
-    start = (unit_slice % plan.slots) * plan.slice_bytes + unit_row * plan.row_bytes
+    start = ((unit_slice + first_slot) % plan.slots) * plan.slice_bytes + unit_row * plan.row_bytes
 
     def per_group(field: str) -> IndexArray:
         return np.array([getattr(gr, field) for gr in groups], dtype=np.int64)[unit_group]

@@ -506,6 +506,29 @@ def test_staged_load_follows_a_staged_store_of_the_same_rows() -> None:
 
 @needs_triton
 @needs_batch
+def test_a_staged_load_follows_a_kernel_store_of_the_same_rows() -> None:
+    """A kernel store (positions shuffled) delayed behind a sleeping compute stream, then at
+    once a staged load of the same chunk: the load's DMAs must wait for the engine stream's
+    store, or they read the rows (and sums) from before it."""
+    kv = kv_set(64, [16 * KiB] * 4, "cuda")
+    with cuda_engine("hybrid", kv, 4, bpc=8) as (engine, kv, region):
+        order = np.random.default_rng(4).permutation(8)
+        engine.submit(-1, "store", np.arange(8), np.full(8, 1), np.arange(8))  # compiles
+        engine.submit(-2, "load", np.arange(8, 16), np.full(8, 1), np.arange(8))
+        engine.wait_all()
+        _slow_write(kv[1], 20, 0x77)
+        engine.submit(0, "store", np.arange(20, 28), np.full(8, 1), order)
+        engine.submit(1, "load", np.arange(40, 48), np.full(8, 1), np.arange(8))
+        assert engine.wait_all() == [0, 1] and engine.job_error(1) is None
+        assert engine.routes["kernel"] == 1 and engine.routes["staged"] == 3
+        for t in kv:  # block 40 + p holds position p, stored from block 20 + order^-1(p)
+            pages = t.view(torch.uint8)
+            assert torch.equal(pages[40 + order], pages[20:28])
+        assert (kv[1].view(torch.uint8)[40 + order[0]] == 0x77).all()
+
+
+@needs_triton
+@needs_batch
 def test_hybrid_sends_jobs_of_long_pages_to_copy_engines() -> None:
     """Pages of at least the threshold: every job (scattered too) goes to the copy engines."""
     kv = kv_set(16, [1 * MiB], "cuda")
