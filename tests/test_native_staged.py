@@ -25,6 +25,7 @@ BATCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_uint64),
                          ctypes.c_void_p)
 MAIN, DMA, START, FUNCTION, ATTRS, INDEX = 0x5000, 0x5100, 0x6000, 0x7000, 0x7100, 0x7200
 RING = [(0x6100, 0x6200), (0x6101, 0x6201)]  # (staged, free) per slot
+PASSES = [0x5200, 0x5201]  # per slot: the stream of a load's scatters
 CELLS = (3, 4, 5, 9, 10, 12, 13)
 SIZES = {3: 4, 4: 8, 5: 4, 9: 4, 10: 4, 12: 8, 13: 8}  # as Triton may type them
 
@@ -84,8 +85,8 @@ def _issuer(fail: dict[str, int] | None = None) -> tuple[native.StagedIssuer, Fa
     driver = FakeDriver(kernel, fail)
     a, b, c, d = driver.entry_points
     # 4 work items per page, 64 per program step, at most 8 programs
-    return native.StagedIssuer(lib, (a, b, c, d), kernel, CELLS, (MAIN, DMA), START, RING,
-                               (4, 64, 8), (ATTRS, INDEX)), driver
+    return native.StagedIssuer(lib, (a, b, c, d), kernel, CELLS, (MAIN, DMA), START, PASSES,
+                               RING, (4, 64, 8), (ATTRS, INDEX)), driver
 
 
 # three slices through two ring slots: (first entry, entries, first tensor, tensors, stage,
@@ -129,19 +130,23 @@ def test_a_store_gathers_then_copies_each_slice_and_reuses_a_slot_after_its_copy
 def test_a_load_copies_into_each_slot_after_its_last_use_then_scatters(after_engine: bool
                                                                        ) -> None:
     """From ring slot 1 on: every copy into a slot waits for that slot's last use (by this
-    job or an earlier one); only after a job that wrote host rows on the engine stream does
-    the load first wait for that stream."""
+    job or an earlier one), each slot's scatters run on its own stream after the engine
+    stream's work so far, and the engine stream ends after every slot's last scatter.  Only
+    after a job that wrote host rows on the engine stream do the copies wait for it too."""
     issuer, driver = _issuer()
     assert issuer.issue(True, after_engine, 1, 40, SLICES, SRCS, DSTS, SIZES_)
     (s0, f0), (s1, f1) = RING
-    first = [("record", START, MAIN), ("wait", DMA, START)] if after_engine else []
-    assert driver.calls == first + [
-        ("wait", DMA, f1), _copy(0, 1), ("record", s1, DMA), ("wait", MAIN, s1),
-        _launch(0, 16, 0, 10, 0xA000, 0xA800), ("record", f1, MAIN),
-        ("wait", DMA, f0), _copy(1, 2), ("record", s0, DMA), ("wait", MAIN, s0),
-        _launch(16, 16, 0, 10, 0xB000, 0xB800), ("record", f0, MAIN),
-        ("wait", DMA, f1), _copy(3, 1), ("record", s1, DMA), ("wait", MAIN, s1),
-        _launch(32, 8, 2, 3, 0xA000, 0xA400), ("record", f1, MAIN)]
+    p0, p1 = PASSES
+    first = [("wait", DMA, START)] if after_engine else []
+    assert driver.calls == [("record", START, MAIN), *first,
+                            ("wait", p1, START), ("wait", p0, START),
+        ("wait", DMA, f1), _copy(0, 1), ("record", s1, DMA), ("wait", p1, s1),
+        _launch(0, 16, 0, 10, 0xA000, 0xA800, p1), ("record", f1, p1),
+        ("wait", DMA, f0), _copy(1, 2), ("record", s0, DMA), ("wait", p0, s0),
+        _launch(16, 16, 0, 10, 0xB000, 0xB800, p0), ("record", f0, p0),
+        ("wait", DMA, f1), _copy(3, 1), ("record", s1, DMA), ("wait", p1, s1),
+        _launch(32, 8, 2, 3, 0xA000, 0xA400, p1), ("record", f1, p1),
+        ("wait", MAIN, f1), ("wait", MAIN, f0)]
 
 
 def test_a_store_from_another_slot_waits_for_that_slot_in_turn() -> None:

@@ -109,7 +109,8 @@ struct offload_staged {
     uint32_t shared_bytes;
     void *stream;                           /* the engine's stream: the staged passes */
     void *dma_stream;                       /* the copy engines' stream */
-    void *start;                            /* event: a load's DMAs follow the engine stream */
+    void *start;                            /* event: a load's start on the engine stream */
+    void **pass_streams;                    /* per ring slot: a load's scatters from it */
     void **staged;                          /* per ring slot: its rows are staged */
     void **free_slot;                       /* per ring slot: its rows may be reused */
     int64_t slots;
@@ -168,9 +169,13 @@ int offload_issue_staged(struct offload_staged *c, int32_t load, int32_t after_e
             }
         }
     }
-    if (load && after_engine) {
+    if (load) { /* the scatters follow the engine stream's work so far (the caller's too) */
         CALL(STAGED_RECORD, c->event_record(c->start, c->stream));
-        CALL(STAGED_WAIT, c->stream_wait_event(c->dma_stream, c->start, 0));
+        if (after_engine)
+            CALL(STAGED_WAIT, c->stream_wait_event(c->dma_stream, c->start, 0));
+        for (s = 0; s < slices && s < c->slots; s++)
+            CALL(STAGED_WAIT, c->stream_wait_event(c->pass_streams[(first_slot + s) % c->slots],
+                                                   c->start, 0));
     }
     for (s = 0; s < slices; s++) {
         const int64_t *f = slice + s * SLICE_FIELDS;
@@ -182,15 +187,16 @@ int offload_issue_staged(struct offload_staged *c, int32_t load, int32_t after_e
         for (cell = 0; cell < STAGED_CELLS; cell++)
             put(c->cells[cell], c->sizes[cell], cell == 1 ? items : slice_value(f, cell, n));
         if (load) { /* the slot's last use, by this job or an earlier one */
+            void *pass = c->pass_streams[r];
             CALL(STAGED_WAIT, c->stream_wait_event(c->dma_stream, c->free_slot[r], 0));
             CALL(STAGED_COPY, c->memcpy_batch(dsts + f[6], srcs + f[6], sizes + f[6],
                                               (size_t)f[7], c->attrs, c->attr_indices, 1,
                                               c->dma_stream));
             CALL(STAGED_RECORD, c->event_record(c->staged[r], c->dma_stream));
-            CALL(STAGED_WAIT, c->stream_wait_event(c->stream, c->staged[r], 0));
+            CALL(STAGED_WAIT, c->stream_wait_event(pass, c->staged[r], 0));
             CALL(STAGED_LAUNCH, c->launch_kernel(c->function, grid, 1, 1, c->threads, 1, 1,
-                                                 c->shared_bytes, c->stream, c->params, NULL));
-            CALL(STAGED_RECORD, c->event_record(c->free_slot[r], c->stream));
+                                                 c->shared_bytes, pass, c->params, NULL));
+            CALL(STAGED_RECORD, c->event_record(c->free_slot[r], pass));
         } else {
             if (s >= c->slots)
                 CALL(STAGED_WAIT, c->stream_wait_event(c->stream, c->free_slot[r], 0));
@@ -204,7 +210,11 @@ int offload_issue_staged(struct offload_staged *c, int32_t load, int32_t after_e
             CALL(STAGED_RECORD, c->event_record(c->free_slot[r], c->dma_stream));
         }
     }
-    if (!load && slices > 0) /* the job's completion, recorded on the engine stream, follows */
+    if (load) /* the job's completion, recorded on the engine stream, follows every scatter */
+        for (s = slices - 1; s >= 0 && s >= slices - c->slots; s--)
+            CALL(STAGED_WAIT, c->stream_wait_event(
+                                  c->stream, c->free_slot[(first_slot + s) % c->slots], 0));
+    else if (slices > 0) /* ... and every copy of a store */
         CALL(STAGED_WAIT, c->stream_wait_event(
                               c->stream, c->free_slot[(first_slot + slices - 1) % c->slots], 0));
     return 0;

@@ -443,19 +443,20 @@ class KernelCopier:
 
     def launch_rows(self, load: bool, n: int, first_entry: int, entries: int,
                     first_tensor: int, tensors: int, row_bytes: int, stage: int,
-                    stage_sums: int) -> None:
+                    stage_sums: int, stream: torch.cuda.Stream | None = None) -> None:
         """One staged pass over the uploaded job of ``n`` entries: entries ``first_entry`` to
         ``first_entry + entries`` (whole chunks) and tensors ``first_tensor`` to
         ``first_tensor + tensors`` between the KV tensors and rows of ``row_bytes`` from GPU
         address ``stage`` (a store gathers the pages into them and writes their sums from
-        ``stage_sums``; a load checks those sums and scatters the pages)."""
+        ``stage_sums``; a load checks those sums and scatters the pages), on ``stream``
+        (default: the engine's)."""
         items = entries * tensors * self._pieces
         grid = max(1, min(STAGE_PROGRAMS, -(-items // self._rows)))
         values = self._values(n, items)
         values[5], values[6] = tensors, row_bytes // self._element
         values[9], values[10], values[12], values[13] = first_entry, first_tensor, stage, \
             stage_sums
-        self._run((load, True, True), grid, values)
+        self._run((load, True, True), grid, values, stream)
 
     def staged_kernel(self, load: bool) -> BoundKernel | None:
         """The bound staged pass of one direction, once a launch compiled and bound it (for
@@ -482,7 +483,8 @@ class KernelCopier:
         Triton's launcher, where they run."""
         return hooks_active(_launch_hooks())
 
-    def _run(self, key: tuple[bool, bool, bool], grid: int, values: list[int]) -> None:
+    def _run(self, key: tuple[bool, bool, bool], grid: int, values: list[int],
+             on: torch.cuda.Stream | None = None) -> None:
         """Launch variant ``key`` (load, copy, staged) over ``values``.  The first launch of a
         variant compiles the kernel through Triton's normal path; later ones go through the
         native issue call (`launch`) or the `BoundKernel` made from it (``cuLaunchKernel``,
@@ -490,7 +492,8 @@ class KernelCopier:
         or, where binding was refused or a value outgrew the compiled integer type, the
         compiled kernel's own launcher."""
         load, copy, staged = key
-        stream = self._stream.cuda_stream
+        on = on or self._stream
+        stream = on.cuda_stream
         bound = self._bound.get(key)
         knobs = _triton_knobs()
         hooks = _launch_hooks()
@@ -517,7 +520,7 @@ class KernelCopier:
                     8: self._anchor.view(torch.int64), 12: _Address(values[12], element),
                     13: _Address(values[13], torch.int64)}
         args = [pointers.get(i, v) for i, v in enumerate(values)]
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(on):
             compiled = _copy_pages[(grid,)](
                 *args, LOAD=load, PIECES=self._pieces, ROWS=self._rows, TILE=self._tile,
                 VEC=self._vec, COPY=copy, INTEGRITY=self.integrity, ELEMENT=self._element,

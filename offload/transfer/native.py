@@ -129,7 +129,8 @@ class StagedContext(ctypes.Structure):
                 ("sizes", ctypes.c_int32 * STAGED_CELLS),
                 ("threads", ctypes.c_uint32), ("shared_bytes", ctypes.c_uint32),
                 ("stream", ctypes.c_void_p), ("dma_stream", ctypes.c_void_p),
-                ("start", ctypes.c_void_p), ("staged", ctypes.c_void_p),
+                ("start", ctypes.c_void_p), ("pass_streams", ctypes.c_void_p),
+                ("staged", ctypes.c_void_p),
                 ("free_slot", ctypes.c_void_p), ("slots", ctypes.c_int64),
                 ("pieces", ctypes.c_int64), ("rows_per_step", ctypes.c_int64),
                 ("max_programs", ctypes.c_int64), ("attrs", ctypes.c_void_p),
@@ -138,7 +139,8 @@ class StagedContext(ctypes.Structure):
 
 class StagedIssuer:
     """`issue` runs issue.c's ``offload_issue_staged``: a whole staged job (every slice's pass,
-    batched copy and ring events) in one call.  ``cells`` are the indices of the kernel's
+    batched copy and ring events) in one call.  ``passes`` are the ring slots' streams for a
+    load's scatters.  ``cells`` are the indices of the kernel's
     parameters a slice sets (n, items, tensors, first entry, first tensor, stage, stage sums);
     ``driver`` the addresses of cuEventRecord, cuStreamWaitEvent, cuLaunchKernel and
     cuMemcpyBatchAsync_v2; ``attrs`` the batched copies' attribute block and index (kept
@@ -146,9 +148,10 @@ class StagedIssuer:
 
     def __init__(self, lib: ctypes.CDLL, driver: tuple[int, int, int, int], kernel: Any,
                  cells: tuple[int, ...], streams: tuple[int, int], start: int,
-                 ring: list[tuple[int, int]], shape: tuple[int, int, int],
+                 passes: list[int], ring: list[tuple[int, int]], shape: tuple[int, int, int],
                  attrs: tuple[int, int]) -> None:
         places = [kernel.cell(i) for i in cells]
+        self._passes = (ctypes.c_void_p * len(passes))(*passes)
         self._staged = (ctypes.c_void_p * len(ring))(*[s for s, _ in ring])
         self._free = (ctypes.c_void_p * len(ring))(*[f for _, f in ring])
         pieces, rows, programs = shape
@@ -156,7 +159,7 @@ class StagedIssuer:
             *driver, kernel.function, kernel.params_address,
             (ctypes.c_void_p * STAGED_CELLS)(*[a for a, _ in places]),
             (ctypes.c_int32 * STAGED_CELLS)(*[size for _, size in places]),
-            kernel.threads, kernel.shared, *streams, start,
+            kernel.threads, kernel.shared, *streams, start, ctypes.addressof(self._passes),
             ctypes.addressof(self._staged), ctypes.addressof(self._free), len(ring), pieces,
             rows, programs, *attrs, 0)
         self._pointer = ctypes.pointer(self.context)

@@ -69,6 +69,11 @@ class StagedCopier:
                                     ctypes.c_uint)
         self._handles = [(s.cuda_event, f.cuda_event) for s, f in self._events]
         self._raw = (stream.cuda_stream, self.dma_stream.cuda_stream)
+        # a load's scatters run on one stream per ring slot: when SMs free up behind a forward
+        # pass, every slice whose DMA is done can be scattered at once, not one after another
+        self._pass_streams = [torch.cuda.Stream(device, priority=priority)
+                              for _ in range(plan.slots)]
+        self._passes = [p.cuda_stream for p in self._pass_streams]
         self._shapes: dict[tuple[int, int], _Slices] = {}
         self._next_slot = 0  # where the next job's first slice goes
         self._engine_wrote = True  # until a load followed it: see `engine_wrote`
@@ -121,9 +126,13 @@ class StagedCopier:
         slots, bounds = plan.slots, parts.bounds
         starts, counts = parts.first_entry, parts.entries
         groups = [plan.groups[g] for g in parts.group]
-        if after_engine:
-            self._record_on(self._start.cuda_event, main)
-            self._wait_on(dma, self._start.cuda_event)
+        start = self._start.cuda_event
+        if load:  # the scatters follow the engine stream's work so far (the caller's too)
+            self._record_on(start, main)
+            if after_engine:
+                self._wait_on(dma, start)
+            for s in range(min(len(groups), slots)):
+                self._wait_on(self._passes[(first_slot + s) % slots], start)
         for s, group in enumerate(groups):
             r = (first_slot + s) % slots
             staged, free = self._handles[r]
@@ -133,19 +142,22 @@ class StagedCopier:
                 self._wait_on(dma, free)
                 self._batch.launch_part(src, dst, parts.size, first, count)
                 self._record_on(staged, dma)
-                self._wait_on(main, staged)
-                self._rows(True, n, starts[s], counts[s], group, base)
-                self._record_on(free, main)
+                self._wait_on(self._passes[r], staged)
+                self._rows(True, n, starts[s], counts[s], group, base, self._pass_streams[r])
+                self._record_on(free, self._passes[r])
             else:
                 if s >= slots:
                     self._wait_on(main, free)
-                self._rows(False, n, starts[s], counts[s], group, base)
+                self._rows(False, n, starts[s], counts[s], group, base, self._stream)
                 self._record_on(staged, main)
                 self._wait_on(dma, staged)
                 self._batch.launch_part(src, dst, parts.size, first, count)
                 self._record_on(free, dma)
-        if not load:  # the job's completion event, recorded on the engine stream, follows this
-            self._wait_on(main, self._handles[(first_slot + len(groups) - 1) % slots][1])
+        # the job's completion event, recorded on the engine stream, follows every scatter of
+        # a load and every copy of a store
+        last = range(max(0, len(groups) - slots), len(groups)) if load else [len(groups) - 1]
+        for s in last:
+            self._wait_on(main, self._handles[(first_slot + s) % slots][1])
 
     def _issuer(self, load: bool) -> StagedIssuer | None:
         """The native staged issue of one direction, made once its pass is bound; None before
@@ -159,8 +171,8 @@ class StagedCopier:
         issuer = None
         if lib is not None and driver is not None:
             issuer = StagedIssuer(lib, driver, kernel, STAGED_CELLS, self._raw,
-                                  self._start.cuda_event, self._handles, self._kernel.shape,
-                                  self._batch.attributes)
+                                  self._start.cuda_event, self._passes, self._handles,
+                                  self._kernel.shape, self._batch.attributes)
         self._native[load] = issuer
         return issuer
 
@@ -179,9 +191,9 @@ class StagedCopier:
         return parts
 
     def _rows(self, load: bool, n: int, first: int, count: int, group: TensorGroup,
-              base: int) -> None:
+              base: int, stream: torch.cuda.Stream) -> None:
         self._kernel.launch_rows(load, n, first, count, group.first, group.count,
-                                 self.plan.row_bytes, base, base + group.stage_trailer)
+                                 self.plan.row_bytes, base, base + group.stage_trailer, stream)
 
 
 class _Slices:
