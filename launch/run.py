@@ -37,7 +37,13 @@ from offload.config import FS_BYTES_FACTOR, LAYOUTS, TierConfig
 from offload.errors import OffloadError
 from offload.log import setup_logging
 from offload.quorum import default_store
-from offload.report import count_shm_files, integrity_block, render_table, write_json
+from offload.report import (
+    count_shm_files,
+    integrity_block,
+    paths_block,
+    render_table,
+    write_json,
+)
 from offload.rpc import Aborted
 from offload.sizes import parse_size
 from offload.tier import HostTier
@@ -268,6 +274,7 @@ def drive(tier: HostTier, args: argparse.Namespace, dp_rank: int) -> dict[str, A
     if args.audit:
         replica["audit"] = {key: sum(r["audit"][key] for r in ranks)
                             for key in ("checked_blocks", "mismatched_blocks")}
+    replica["paths"] = paths_block(ranks)
     replica["integrity"] = integrity_block(all(r["integrity"]["enabled"] for r in ranks),
                                            sum(r["integrity"]["mismatches"] for r in ranks))
     return replica

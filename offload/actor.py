@@ -297,6 +297,7 @@ class RankActor:
             "pinned": region.pinned,
             "numa_node": stats.numa_node, "numa_bytes": stats.numa_bytes,
             "engine": self.engine.name if self.engine else None,
+            "paths": dict(self.engine.routes) if self.engine else {},
             "audit": self.auditor.to_json() if self.auditor else None,
             "integrity": {"enabled": self.engine.integrity if self.engine else False,
                           "mismatches": self.engine.mismatches if self.engine else 0},

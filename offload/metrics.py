@@ -120,6 +120,13 @@ class TierCollector:
                 cumulative.append((bound, total))
             latency.add_metric([d], cumulative, sum_value=tally.seconds[d])
         yield from (moved, jobs, latency)
+        engine = tier.actor.engine
+        if engine is not None:
+            paths = core.CounterMetricFamily("offload_copies_by_path", "This rank's copies by "
+                                             "the path that moved them", labels=["path"])
+            for name, count in engine.routes.items():
+                paths.add_metric([name], count)
+            yield paths
         plan = tier.plan
         rows = core.GaugeMetricFamily("offload_rows_total", "Rows (chunks) of the tier")
         rows.add_metric([], plan.chunk_count)

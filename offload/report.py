@@ -76,6 +76,12 @@ def _replica_lines(report: dict[str, Any]) -> list[str]:
             f"{format_size(fs['read_bytes'])} at {fs['read_GBps']} GB/s, hits {fs['hits']}, "
             f"misses {fs['misses']}, corrupt {fs['corrupt']}, evicted {fs['evicted']}"
             + (f", write errors {fs['write_errors']}" if fs["write_errors"] else ""))
+    paths = report.get("paths")
+    if paths:
+        total = sum(paths.values()) or 1
+        lines.append("paths: " + ", ".join(f"{name} {count} ({100 * count / total:.0f}%)"
+                                           for name, count in paths.items() if count)
+                     + " of the ranks' copies")
     integrity = report.get("integrity")
     if integrity:
         state = "on" if integrity["enabled"] else "off"
@@ -86,6 +92,16 @@ def _replica_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"audit: {audit['checked_blocks']} blocks hashed on load, "
                      f"{audit['mismatched_blocks']} mismatched")
     return lines
+
+
+def paths_block(ranks: list[dict[str, Any]]) -> dict[str, int]:
+    """The report's ``paths`` block: copies per transfer path (``staged``, ``kernel``,
+    ``copy_engine``, or the engine's one path), summed over the ranks."""
+    total: dict[str, int] = {}
+    for rank in ranks:
+        for name, count in rank.get("paths", {}).items():
+            total[name] = total.get(name, 0) + count
+    return total
 
 
 def integrity_block(enabled: bool, mismatches: int) -> dict[str, Any]:

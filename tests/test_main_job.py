@@ -74,6 +74,10 @@ def test_tp2_pp2_report_matches_the_plan_formula(tmp_path: Path, shm_dir: str) -
     assert report["transfer"]["verified"] and report["transfer"]["rounds"] == 2
     assert report["shm_files_left"] == 0
     assert "shm files left: 0" in proc.stdout
+    # every copy each rank made, on the CPU's one path, counted per rank and in total
+    assert set(report["paths"]) == {"host"}
+    assert report["paths"]["host"] == sum(r["paths"]["host"] for r in report["ranks"]) > 0
+    assert "paths: host " in proc.stdout
     header = next(line for line in proc.stdout.splitlines() if line.lstrip().startswith("rank"))
     assert header.split()[:8] == ["rank", "node", "lr", "tp", "pp", "slot", "memory", "region"]
     for r in report["ranks"]:

@@ -94,6 +94,8 @@ def test_every_rank_serves_metrics_that_move_with_its_jobs() -> None:
         assert a["offload_transfer_bytes_total{direction=store}"] == 2 * 1024
         assert a["offload_transfer_bytes_total{direction=load}"] == 1024
         assert a["offload_rows_total{}"] == a["offload_rows_ready{}"] > 0
+    # the host engine's one path moved every copy the rank took (rank 1 refused job 2)
+    assert [a["offload_copies_by_path_total{path=host}"] for a in after] == [3, 2]
     # the decider times jobs and sees every rank's watermark; rank 0 also owns the manager
     assert after[0]["offload_job_seconds_count{direction=store}"] == 2
     assert after[1].get("offload_job_seconds_count{direction=store}", 0) == 0

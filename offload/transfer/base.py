@@ -48,6 +48,7 @@ class TransferEngine(Protocol):
     name: str
     integrity: bool
     mismatches: int
+    routes: dict[str, int]  # jobs per path that moved them (hybrid: kernel, staged, copy_engine)
 
     def submit(self, job_id: int, direction: Direction, gpu_blocks: object, chunk_ids: object,
                positions: object, after: After = None) -> torch.cuda.Event | None: ...
@@ -128,6 +129,8 @@ class EngineBase:
         self.integrity = layout.integrity  # whether this engine's jobs write and check sums
         self.mismatches = 0  # finished jobs whose checksums did not match
         self._errors: dict[int, str] = {}
+        # jobs per path; an engine of one path counts them here, one of several overrides it
+        self.routes: dict[str, int] = {self.name: 0}
 
     @cached_property
     def _fast(self) -> FastCheck | None:
@@ -161,7 +164,10 @@ class EngineBase:
         if direction not in DIRECTIONS:
             raise OffloadError(f"job {job_id} has direction {direction!r}; use 'store' or 'load'")
         job = self._check(gpu_blocks, chunk_ids, positions, direction, self._pack_target)
-        return self._issue(job_id, direction, job, after)
+        done = self._issue(job_id, direction, job, after)
+        if self.name in self.routes:  # an engine of one path (hybrid counts in its router)
+            self.routes[self.name] += 1
+        return done
 
     def check(self, gpu_blocks: object, chunk_ids: object, positions: object) -> None:
         """Validate a job without moving anything (a replicated store's non-writer ranks)."""
