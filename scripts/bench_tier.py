@@ -16,6 +16,10 @@ sleeps, so each `submit` starts on a CPU that just woke up) or ``--barrier spin`
 shared-memory counter they spin on, as a busy engine's workers wait for the next step: vLLM's
 spin on a shared-memory broadcast queue).  The first is the cold case, the second the hot one.
 
+``--matmul`` repeats each size's jobs beside a bf16 matmul loop on the compute stream (the
+stand-in forward pass; CUDA): ``mm_kept`` is the matmul's rate then over its rate alone,
+``during`` the copies' rate meanwhile (x link).
+
 ``--integrity on|off|both`` runs the tier with page checksums (the default), without, or each
 in turn in the same run (rows carry ``integrity``; ``both`` prints on/off ratios).
 
@@ -44,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np
 import torch
 from bench_completion import meet  # this script's folder
-from bench_engine import kv_tensors, link_rate, make_job
+from bench_engine import MATMUL_DURING, MATMUL_N, kv_tensors, link_rate, make_job
 
 from offload import cleanup
 from offload.integrity import trailer_bytes
@@ -102,7 +106,8 @@ def _measure(tier: Any, args: argparse.Namespace, rank: int, arrived: Any,
     mark = None
     job_id = 0
 
-    def one(direction: str, blocks: Any, chunks: Any, positions: Any) -> tuple[float, float]:
+    def one(direction: str, blocks: Any, chunks: Any, positions: Any, after: Any = None
+            ) -> tuple[float, float]:
         """Submit on every rank; rank 0 returns (submit s, submit -> decided s)."""
         nonlocal mark, job_id
         box = [mark]
@@ -111,7 +116,7 @@ def _measure(tier: Any, args: argparse.Namespace, rank: int, arrived: Any,
             tier.finished(box[0])
         meet(arrived, rank, job_id + 1)
         began = time.perf_counter()
-        tier.submit(CopyJob(job_id, direction, blocks, chunks, positions))
+        tier.submit(CopyJob(job_id, direction, blocks, chunks, positions), after)
         submitted = time.perf_counter() - began
         if rank == 0:
             while not any(r.job_id == job_id for r in tier.finished()):
@@ -123,6 +128,11 @@ def _measure(tier: Any, args: argparse.Namespace, rank: int, arrived: Any,
         job_id += 1
         return submitted, time.perf_counter() - began
 
+    mm = None
+    if args.matmul and device.type == "cuda":
+        mm = torch.randn(MATMUL_N, MATMUL_N, dtype=torch.bfloat16, device=device)
+        for _ in range(5):
+            mm @ mm  # cuBLAS set-up, untimed
     pages = np.arange(chunk_count * bpc)  # untimed: every chunk stored once, so loads read
     one("store", pages % num_blocks, pages // bpc, pages % bpc)  # stored pages (sums match)
     for n in args.blocks:
@@ -137,6 +147,9 @@ def _measure(tier: Any, args: argparse.Namespace, rank: int, arrived: Any,
                          "ratio": n * page * tensors / span / 1e9 / link[direction],
                          "submit_us": statistics.median(s for s, _ in samples) * 1e6,
                          "decided_us": span * 1e6})
+            if mm is not None:
+                rows[-1].update(_beside_matmul(one, mm, direction, jobs, rows[-1]["bytes"],
+                                               link[direction]))
         rows[-1]["verified"] = rows[-2]["verified"] = _verify(one, kv, rng, n, num_blocks,
                                                               chunk_count, bpc)
     box = [mark]
@@ -145,6 +158,44 @@ def _measure(tier: Any, args: argparse.Namespace, rank: int, arrived: Any,
         tier.finished(box[0])
     engine = tier.actor.engine.name if tier.actor.engine else "?"
     return link, engine
+
+
+def _beside_matmul(one: Any, mm: torch.Tensor, direction: str, jobs: list[Any],
+                   job_bytes: int, link: float) -> dict[str, float]:
+    """The same jobs again while a bf16 matmul loop runs on the compute stream: each rank
+    queues ``MATMUL_DURING`` matmuls right after its first submit, and its jobs (which do not
+    wait for them) go on until they have moved ~1.25x what the link moves in the matmuls'
+    time alone, so the matmul runs beside copies throughout.  Returns the matmul's rate kept
+    (during / alone, timed by CUDA events) and the copies' rate meanwhile (x link)."""
+    alone = _matmul_seconds(mm, MATMUL_DURING)
+    count = max(2, round(1.25 * alone * link * 1e9 / job_bytes))  # the same on every rank
+    free = torch.cuda.Event()  # the copies depend on nothing the matmuls do
+    free.record()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    began = time.perf_counter()
+    for i in range(count):
+        one(direction, *jobs[i % len(jobs)], after=free)
+        if i == 0:
+            start.record()
+            for _ in range(MATMUL_DURING):
+                mm @ mm
+            end.record()
+    copies = time.perf_counter() - began
+    end.synchronize()
+    during = start.elapsed_time(end) / 1e3
+    return {"matmul_kept": alone / during,
+            "during_ratio": count * job_bytes / copies / 1e9 / link}
+
+
+def _matmul_seconds(mm: torch.Tensor, count: int) -> float:
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(count):
+        mm @ mm
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def _link(tier: Any, device: torch.device, nbytes: int) -> dict[str, float]:
@@ -202,11 +253,13 @@ def print_table(args: argparse.Namespace, result: dict[str, Any]) -> None:
           f" {result['engine']} engine on {result['name']}, {args.barrier} barrier; link store "
           f"{link['store']:.1f} / load {link['load']:.1f} GB/s")
     print(f"{'integ':>5} {'blocks':>6} {'bytes':>10} {'dir':>5} {'GB/s':>6} {'ratio':>5} "
-          f"{'submit_us':>9} {'decided_us':>10} ok")
+          f"{'submit_us':>9} {'decided_us':>10} {'mm_kept':>7} {'during':>6} ok")
     for row in result["rows"]:
+        kept = f"{row['matmul_kept']:.3f}" if "matmul_kept" in row else ""
+        during = f"{row['during_ratio']:.2f}" if "during_ratio" in row else ""
         print(f"{row['integrity']:>5} {row['blocks']:>6} {format_size(row['bytes']):>10} "
               f"{row['direction']:>5} {row['GBps']:6.1f} {row['ratio']:5.2f} "
-              f"{row['submit_us']:9.0f} {row['decided_us']:10.0f} "
+              f"{row['submit_us']:9.0f} {row['decided_us']:10.0f} {kept:>7} {during:>6} "
               f"{'y' if row['verified'] else 'NO'}")
     off = {(r["blocks"], r["direction"]): r for r in result["rows"] if r["integrity"] == "off"}
     pairs = [(r, off[r["blocks"], r["direction"]]) for r in result["rows"]
@@ -233,6 +286,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "on shared memory like a busy engine loop")
     p.add_argument("--integrity", choices=("on", "off", "both"), default="on",
                    help="page checksums on, off, or each in turn in the same run")
+    p.add_argument("--matmul", action="store_true",
+                   help="also run each size's jobs beside a bf16 matmul loop (CUDA): the "
+                        "matmul's rate kept (mm_kept) and the copies' rate meanwhile (during, "
+                        "x link)")
     p.add_argument("--json", metavar="PATH", help="write the rows there too")
     args = p.parse_args(argv)
     if not 0 < args.timeout < float("inf"):  # before the ranks start: torch's store takes it
