@@ -458,11 +458,15 @@ class KernelCopier:
             stage_sums
         self._run((load, True, True), grid, values, stream)
 
-    def staged_kernel(self, load: bool) -> BoundKernel | None:
-        """The bound staged pass of one direction, once a launch compiled and bound it (for
-        the native staged issue, `offload.transfer.native.StagedIssuer`), and while no
+    def staged_kernel(self, load: bool, row_bytes: int) -> BoundKernel | None:
+        """The bound staged pass of one direction, once a launch compiled and bound it, with
+        its row stride set for rows of ``row_bytes`` (the one cell the native staged issue,
+        `offload.transfer.native.StagedIssuer`, does not set per slice); None while a
         profiler hook asks for Triton's launcher."""
-        return None if self._hooked() else self._bound.get((load, True, True))
+        bound = None if self._hooked() else self._bound.get((load, True, True))
+        if bound is not None:
+            bound.set(6, row_bytes // self._element)
+        return bound
 
     @property
     def shape(self) -> tuple[int, int, int]:

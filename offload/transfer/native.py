@@ -164,7 +164,7 @@ class StagedIssuer:
             rows, programs, *attrs, 0)
         self._pointer = ctypes.pointer(self.context)
         self._issue = lib.offload_issue_staged
-        self._kernel = kernel
+        self.kernel = kernel  # the bound pass whose cells the context points into
 
     def issue(self, load: bool, after_engine: bool, first_slot: int, n: int,
               slices: np.ndarray, srcs: np.ndarray, dsts: np.ndarray, sizes: np.ndarray

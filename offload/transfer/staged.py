@@ -26,6 +26,7 @@ from Python before the staged passes are compiled and bound.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 import numpy as np
@@ -54,7 +55,10 @@ class StagedCopier:
         self._region = region_address
         self._stream = stream
         device = stream.device
-        self.staging = torch.zeros(plan.ring_bytes, dtype=torch.uint8, device=device)
+        with torch.cuda.stream(stream):  # the engine stream owns it in torch's allocator
+            # no fill: every byte a job reads from a staged row, a pass or a DMA of that job
+            # wrote first (padding between pages and sums is never copied)
+            self.staging = torch.empty(plan.ring_bytes, dtype=torch.uint8, device=device)
         self._base = self.staging.data_ptr()
         self.dma_stream = torch.cuda.Stream(device, priority=priority)
         self._batch = BatchCopier(self.dma_stream)
@@ -98,19 +102,35 @@ class StagedCopier:
         host = (parts.host_offsets(chunks, layout.row_stride) + self._region).astype(np.uint64)
         load = direction == "load"
         src, dst = (host, parts.stage) if load else (parts.stage, host)
-        slot = self._kernel.upload(direction, job, caller)
         after_engine = load and self._engine_wrote
+        slot = self._kernel.upload(direction, job, caller)
+        try:
+            issuer = self._issuer(load)
+            if issuer is not None and issuer.issue(load, after_engine, first, len(job),
+                                                   parts.table, src, dst, parts.size):
+                self.issued["native"] += 1
+            else:
+                self._issue_here(load, after_engine, first, len(job), parts, src, dst)
+                self.issued["python"] += 1
+        except BaseException:
+            self._fence(slot)
+            raise
         if load:
             self._engine_wrote = False
-        issuer = self._issuer(load)
-        if issuer is not None and issuer.issue(load, after_engine, first, len(job),
-                                               parts.table, src, dst, parts.size):
-            self.issued["native"] += 1
-        else:
-            self._issue_here(load, after_engine, first, len(job), parts, src, dst)
-            self.issued["python"] += 1
         self._next_slot = (first + len(parts.first_entry)) % self.plan.slots
-        return slot, (host,)
+        return slot, (host, parts.stage, parts.size)  # the DMA arrays, kept to the end
+
+    def _fence(self, slot: StagingSlot) -> None:
+        """A job failed part-way: whatever it issued must not outlive it.  The engine stream
+        waits for the DMA and scatter streams (so every later job, and its completion event,
+        follows the stray work), the host waits for that, and the next load's DMAs follow the
+        engine stream again; only then is the job's index slot reused."""
+        with contextlib.suppress(Exception):  # a broken context: the original error matters
+            for other in (self.dma_stream, *self._pass_streams):
+                self._stream.wait_stream(other)
+            self._stream.synchronize()
+            slot.release()
+        self._engine_wrote = True
 
     def engine_wrote(self) -> None:
         """The engine stream was given a job that writes host rows (a kernel or copy-engine
@@ -160,13 +180,17 @@ class StagedCopier:
             self._wait_on(main, self._handles[(first_slot + s) % slots][1])
 
     def _issuer(self, load: bool) -> StagedIssuer | None:
-        """The native staged issue of one direction, made once its pass is bound; None before
-        that, or without the native library."""
-        if load in self._native:
-            return self._native[load]
-        kernel = self._kernel.staged_kernel(load)
+        """The native staged issue of one direction over its pass as bound now; None before
+        the pass is bound, while a profiler watches Triton's launches, or without the native
+        library.  Made again if the pass was bound again (the issuer holds its cells)."""
+        kernel = self._kernel.staged_kernel(load, self.plan.row_bytes)
         if kernel is None:
             return None  # not compiled yet (its first job compiles it), or a profiler watches
+        cached = self._native.get(load)
+        if cached is not None and cached.kernel is kernel:
+            return cached
+        if load in self._native and cached is None:
+            return None  # no native library: known since the first try
         lib, driver = library(), staged_entry_points()
         issuer = None
         if lib is not None and driver is not None:

@@ -30,6 +30,7 @@ from offload.transfer.layout import IndexArray, Job, SlotLayout
 
 ROW_ALIGN = 256  # staged rows start on this boundary (DMA- and vector-friendly)
 MAX_SLOTS = 4  # ring slices: enough to keep the copy engines fed; more only adds host calls
+MAX_ROW_BYTES = 1 << 31  # the pass may compute a row's offset in 32 bits
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,9 @@ def stage_plan(layout: SlotLayout, staging_bytes: int = DEFAULT_STAGING_BYTES
         return (f"staging of {staging_bytes} B holds no two rows of one tensor's chunk "
                 "(or the slot's pages are not back to back); whole chunks run on the kernel")
     row_bytes = max(round_up(g.row_bytes, ROW_ALIGN) for g in groups)
+    if row_bytes >= MAX_ROW_BYTES:
+        return (f"a staged row of {row_bytes} B is past the pass's 32-bit row arithmetic; "
+                f"give staging_bytes below {2 * MAX_ROW_BYTES} B")
     slots = min(MAX_SLOTS, staging_bytes // row_bytes)
     rows = staging_bytes // (slots * row_bytes) if len(groups) == 1 else 1
     return StagePlan(groups, row_bytes, rows, slots)

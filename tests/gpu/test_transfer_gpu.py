@@ -506,6 +506,40 @@ def test_staged_load_follows_a_staged_store_of_the_same_rows() -> None:
 
 @needs_triton
 @needs_batch
+@pytest.mark.parametrize("direction", ["store", "load"])
+def test_a_staged_job_that_fails_part_way_leaves_nothing_running(direction: str) -> None:
+    """The second slice's DMA call fails (Python issue path): the error reaches the caller,
+    the work already issued is fenced, the job's index slot is free again, the next load
+    waits for the engine stream, and the engine goes on byte-exact."""
+    kv = kv_set(96, [16 * KiB] * 4, "cuda")
+    with cuda_engine("hybrid", kv, 10, bpc=8, staging_bytes=3 * 4 * 16 * KiB * 8
+                     ) as (engine, kv, region):
+        staged = engine.staged
+        job = _whole_chunks(np.random.default_rng(2), [1, 5, 7, 2], 96, 8)
+        engine.submit(0, "store", *job)
+        engine.wait_all()
+        real, calls = staged._batch.launch_part, []
+
+        def failing(*args: object) -> None:
+            calls.append(args)
+            if len(calls) == 2:
+                raise RuntimeError("cuMemcpyBatchAsync_v2 failed: CUDA error 1 (injected)")
+            real(*args)
+
+        staged._batch.launch_part = failing
+        staged._native = {}  # the Python path, whose calls the stand-in sees
+        staged._kernel._bound.pop((direction == "load", True, True))
+        free = len(engine.kernel._free)
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.submit(1, direction, *job)
+        assert len(engine.kernel._free) == free  # the job's slot came back after the fence
+        assert staged._engine_wrote and engine.wait_all() == []
+        staged._batch.launch_part = real
+        round_trip(engine, kv, region, engine.layout, job)
+
+
+@needs_triton
+@needs_batch
 def test_a_staged_load_follows_a_kernel_store_of_the_same_rows() -> None:
     """A kernel store (positions shuffled) delayed behind a sleeping compute stream, then at
     once a staged load of the same chunk: the load's DMAs must wait for the engine stream's
