@@ -272,9 +272,9 @@ class Rank:
                         row["mismatches"] = engine.mismatches - self.mismatches
                         row["ratio"] = row["GBps"] / out["link_GBps"][direction]
                         if mm is not None:
-                            row["matmul_TFLOPs"], row["GBps_during"] = self.during(
+                            alone, row["matmul_TFLOPs"], row["GBps_during"] = self.during(
                                 engine, mm, n, direction)
-                            row["matmul_kept"] = row["matmul_TFLOPs"] / out["matmul_TFLOPs_alone"]
+                            row["matmul_kept"] = row["matmul_TFLOPs"] / alone
                         out["rows"].append(row)
                     out["rows"][-1]["verified"] = out["rows"][-2]["verified"] = \
                         self.verify(engine, n)
@@ -284,11 +284,13 @@ class Rank:
         return out
 
     def during(self, engine: Any, mm: torch.Tensor, n: int, direction: str
-               ) -> tuple[float, float]:
-        """Matmul TFLOP/s while jobs of ``n`` blocks copy without a pause (two in flight,
-        the next submitted as one finishes), and the copies' GB/s over the same window."""
+               ) -> tuple[float, float, float]:
+        """Matmul TFLOP/s alone (measured right before), then while jobs of ``n`` blocks copy
+        without a pause (two in flight, the next submitted as one finishes), and the copies'
+        GB/s over the same window."""
         jobs = [make_job(self.rng, n, self.num_blocks, self.chunk_count, self.args.bpc,
                          self.args.pattern) for _ in range(4)]
+        alone = matmul_tflops(mm, MATMUL_DURING)  # just before: GPU clocks drift over a run
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         free = torch.cuda.Event()  # the copies depend on nothing the matmuls do
@@ -308,7 +310,7 @@ class Rank:
         window = max(last - t0, 1e-9)  # copies ran back to back until the last one finished
         engine.wait_all()
         tflops = MATMUL_DURING * 2 * MATMUL_N**3 / (start.elapsed_time(end) / 1e3) / 1e12
-        return tflops, finished * n * self.job_bytes / window / 1e9
+        return alone, tflops, finished * n * self.job_bytes / window / 1e9
 
     def contention(self) -> dict[str, float]:
         """Microseconds from submit to done of a 16-block load queued behind ~50 ms of matmuls

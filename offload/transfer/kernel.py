@@ -72,9 +72,9 @@ _SCALARS = (*PARAMETERS[3:8], *PARAMETERS[9:])
 VARYING = (3, 4, 5, 6, 9, 10, 12, 13)  # the cells a launch may change
 STAGED_CELLS = (3, 4, 5, 9, 10, 12, 13)  # the cells a staged slice changes (issue.c's order)
 # Programs of a staged pass: HBM to HBM, so short with many programs.  Two per SM of an H200
-# left a concurrent matmul more than one per SM and let loads beside it copy faster (a pass
-# waits for SMs behind the matmul, then finishes sooner): docs/BENCHMARKS.md, "Copies beside
-# compute".
+# let loads beside a concurrent matmul copy faster than one per SM (a pass waits for SMs behind
+# the matmul, then finishes sooner) and cost the matmul no more; a quarter per SM cost it more
+# (docs/BENCHMARKS.md, "Copies beside compute").
 STAGE_PROGRAMS = 264
 TABLE_COLUMNS = 8
 

@@ -528,7 +528,7 @@ def test_a_staged_job_that_fails_part_way_leaves_nothing_running(direction: str)
 
         staged._batch.launch_part = failing
         staged._native = {}  # the Python path, whose calls the stand-in sees
-        staged._kernel._bound.pop((direction == "load", True, True))
+        staged._kernel._bound.pop((direction == "load", True, True), None)
         free = len(engine.kernel._free)
         with pytest.raises(RuntimeError, match="injected"):
             engine.submit(1, direction, *job)
