@@ -348,6 +348,10 @@ class Rank:
 
 
 def rank_result(rank: int, args: argparse.Namespace, barrier: Any) -> dict[str, Any]:
+    if args.stage_programs is not None:  # in the rank's own process
+        import offload.transfer.kernel as kernel  # read at every staged launch
+
+        kernel.STAGE_PROGRAMS = args.stage_programs
     return Rank(args, rank, barrier).run()
 
 
@@ -422,6 +426,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "a 64-byte-aligned torch.empty buffer (the kernel loses 6-10%% on it)")
     p.add_argument("--integrity", choices=("on", "off", "both"), default="on",
                    help="page checksums on, off, or each backend both ways in the same run")
+    p.add_argument("--stage-programs", type=int, default=None, metavar="N",
+                   help="programs of the staged path's GPU pass (default: the library's "
+                        "STAGE_PROGRAMS), to sweep it")
     p.add_argument("--priority", type=int, default=0,
                    help="the engines' CUDA stream priority (lower is higher, as in "
                         "torch.cuda.Stream; -1 is high on current GPUs)")
