@@ -91,6 +91,7 @@ class RankActor:
     jobs: JobBook = field(default_factory=JobBook)  # every job until its result is taken
     _block_bytes: int = 0  # this rank's bytes per job entry (every tensor's page), once started
     last_event: torch.cuda.Event | None = None  # the last submitted copy's completion
+    layer_events: list[torch.cuda.Event | None] = field(default_factory=list)  # its groups
 
     # ------------------------------------------------------------------ set-up
     def describe(self) -> RankDescriptor:
@@ -169,7 +170,8 @@ class RankActor:
         """Jobs this rank has submitted: the next job's sequence number."""
         return self.jobs.submitted
 
-    def submit(self, job: CopyJob, keep: bool = False, after: After = None) -> int:
+    def submit(self, job: CopyJob, keep: bool = False, after: After = None,
+               layer_groups: int | None = None) -> int:
         """Queue a copy on this rank (non-blocking where the backend allows) and return its
         sequence number: its place in the submission order, the same on every rank.
 
@@ -179,8 +181,10 @@ class RankActor:
         the tier takes its result (SPMD); its id is live until then.  ``after`` (a CUDA event
         or stream; default the current stream) is what the copy waits for; the copy's own
         completion event is left in `last_event` (None when this rank moves nothing, or on the
-        host backend)."""
+        host backend).  ``layer_groups`` loads layer group by layer group
+        (`TransferEngine.load_layers`), leaving the groups' events in `layer_events`."""
         self.last_event = None
+        self.layer_events = []
         entry = self.jobs.open(job.job_id, job, keep, time.perf_counter(), time.monotonic(),
                                self.topology.rank)
         taken = False  # whether the engine holds the job (it then reports it in poll)
@@ -198,9 +202,18 @@ class RankActor:
                 raise OffloadError(f"job {job.job_id}: writer_only applies to stores in the "
                                    f"replicated layout, not a {job.direction} in "
                                    f"{self.config.layout!r}; drop writer_only")
+            if layer_groups is not None and job.direction != "load":
+                raise OffloadError(f"job {job.job_id}: layer_groups applies to loads, not a "
+                                   f"{job.direction}; drop layer_groups")
             if job.writer_only and not self.topology.is_stage_writer:
                 engine.check(blocks, chunks, positions)  # the stage's writer copies; we check
                 entry.done = True
+            elif layer_groups is not None:
+                self.layer_events = engine.load_layers(entry.seq, blocks, chunks, positions,
+                                                       layer_groups, after=after)
+                self.last_event = self.layer_events[-1]
+                taken = True
+                entry.bytes = len(blocks) * self._block_bytes
             else:
                 self.last_event = engine.submit(entry.seq, job.direction, blocks, chunks,
                                                 positions, after=after)

@@ -33,7 +33,7 @@ import time
 import uuid
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
@@ -204,7 +204,16 @@ class HostTier:
         return self.actor.submitted
 
     # ------------------------------------------------------------------ SPMD data path
-    def submit(self, job: CopyJob, after: After = None) -> torch.cuda.Event | None:
+    @overload
+    def submit(self, job: CopyJob, after: After = None, layer_groups: None = None
+               ) -> torch.cuda.Event | None: ...
+
+    @overload
+    def submit(self, job: CopyJob, after: After = None, *, layer_groups: int
+               ) -> list[torch.cuda.Event | None]: ...
+
+    def submit(self, job: CopyJob, after: After = None, layer_groups: int | None = None
+               ) -> torch.cuda.Event | None | list[torch.cuda.Event | None]:
         """Queue this rank's share of ``job``; every rank submits the same jobs in the same
         order (a job's sequence number is its place in that order).  A job id may be reused
         once `finished` or `wait` has returned the job on this rank.  A job that raises here
@@ -219,8 +228,16 @@ class HostTier:
         piece that fails its checksum is overwritten with all-ones bytes (NaN in fp16 to fp64)
         before the event fires, so nothing read ahead of the verdict is a damaged byte.  None
         when this rank moves nothing (a replicated store's non-writer) or its KV lives in host
-        memory."""
-        self.actor.submit(job, keep=True, after=after)
+        memory.
+
+        ``layer_groups=G`` (loads): the copy runs group by group over ``G`` runs of
+        consecutive KV tensors, in the order given to `create` (G = layers: each layer's K
+        and V), and the call returns ``G`` events, one per group in that order, so the
+        forward pass can wait for each layer's KV just before that layer (the completion
+        and the verdict stay per job)."""
+        self.actor.submit(job, keep=True, after=after, layer_groups=layer_groups)
+        if layer_groups is not None:
+            return list(self.actor.layer_events)
         return self.actor.last_event
 
     def poll(self) -> int:

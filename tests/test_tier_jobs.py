@@ -228,3 +228,38 @@ def test_wait_takes_the_newest_job_of_an_id_live_twice() -> None:
     out = run_group(_wait_on_an_id_live_twice, 2, timeout=90)
     assert all(o.ok for o in out), [o.error for o in out]
     assert [o.value for o in out] == [([(5, True)], (1, 5), 0)] * 2
+
+
+def _layer_wise(rank: int) -> object:
+    import torch
+
+    from offload import CopyJob, HostTier, OffloadError
+
+    kv = [torch.randint(1, 256, (8, 256), generator=torch.Generator().manual_seed(rank + t),
+                        dtype=torch.uint8) for t in range(4)]
+    tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=4 * MiB, blocks_per_chunk=4,
+                                          tp=2, timeout_s=20))
+    tier.submit(CopyJob(1, "store", (0, 1), (1, 1), (0, 1)))
+    events = tier.submit(CopyJob(2, "load", (5, 6), (1, 1), (0, 1)), layer_groups=2)
+    refused = None
+    try:
+        tier.submit(CopyJob(3, "store", (2,), (2,), (0,)), layer_groups=2)
+    except OffloadError as exc:
+        refused = str(exc)
+    results = _decide_all(tier, rank)
+    loaded = all(torch.equal(t[5:7], t[0:2]) for t in kv)
+    tier.close()
+    return events, refused, results, loaded
+
+
+def test_a_layer_wise_load_through_the_tier_is_one_job_with_an_event_per_group() -> None:
+    """Host KV: one None per group; the job is decided once, like any other; layer_groups on a
+    store is refused on every rank alike (its place in the sequence kept)."""
+    out = run_group(_layer_wise, 2, timeout=120)
+    assert all(o.ok for o in out), [o.error for o in out]
+    for events, refused, results, loaded in (o.value for o in out):
+        assert events == [None, None] and loaded
+        assert refused is not None and "layer_groups applies to loads, not a store" in refused
+        assert results[:2] == [(1, True, None, None), (2, True, None, None)]
+        job, success, failed_rank, error = results[2]
+        assert (job, success, failed_rank) == (3, False, 0) and "layer_groups" in error

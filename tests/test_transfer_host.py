@@ -176,3 +176,22 @@ def test_auto_and_host_pick_the_host_backend() -> None:
     for backend in ("auto", "host"):
         engine = make_engine(kv_set(8, HYBRID_PAGES), region, None, layout, 3, True, backend)
         assert engine.name == "host"
+
+
+def test_a_layer_wise_load_brings_every_group_back_with_one_event_each() -> None:
+    """The host backend finishes inside the call: one None per group, every byte loaded, the
+    job reported once; a bad group count is refused before anything moves."""
+    engine, kv, region, layout = host_engine(pages=[512, 256, 64, 1024, 128])
+    job = scattered_job(np.random.default_rng(8), 9, 32, 5, 4)
+    engine.submit(1, "store", *job)
+    original = [t.clone() for t in kv]
+    for t in kv:
+        t.zero_()
+    assert engine.load_layers(2, *job, groups=3) == [None, None, None]
+    assert engine.wait_all() == [1, 2] and engine.job_error(2) is None
+    index = torch.from_numpy(job[0])
+    for now, before in zip(kv, original, strict=True):  # bytes: random bits hold NaNs
+        assert torch.equal(now.view(torch.uint8)[index], before.view(torch.uint8)[index])
+    with pytest.raises(OffloadError, match="layer_groups = 6 for 5 KV tensors"):
+        engine.load_layers(3, *job, groups=6)
+    assert engine.wait_all() == []

@@ -19,6 +19,7 @@ from offload.transfer.layout import (
     UniqueDestinations,
     as_index_array,
     common_alignment,
+    tensor_ranges,
 )
 
 
@@ -285,3 +286,19 @@ def test_coalesce_joins_a_chunk_of_consecutive_blocks_into_one_copy() -> None:
     dst = np.arange(16, dtype=np.int64)[::-1] * 4096 + 8192
     src_m, dst_m, count_m = coalesce(src, dst, np.full(16, 4096, dtype=np.int64))
     assert (src_m.tolist(), dst_m.tolist(), count_m.tolist()) == ([65536], [8192], [65536])
+
+
+@pytest.mark.parametrize("num_tensors", range(1, 13))
+def test_tensor_ranges_cover_every_tensor_once_in_order(num_tensors: int) -> None:
+    for groups in range(1, num_tensors + 1):
+        ranges = tensor_ranges(num_tensors, groups)
+        assert len(ranges) == groups
+        assert [t for first, count in ranges for t in range(first, first + count)] == list(
+            range(num_tensors))
+        sizes = [count for _, count in ranges]
+        assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    assert tensor_ranges(160, 80) == [(2 * layer, 2) for layer in range(80)]  # K and V a layer
+    for bad in (0, num_tensors + 1):
+        with pytest.raises(OffloadError, match=f"layer_groups = {bad} for {num_tensors} KV "
+                           "tensors; give 1 to"):
+            tensor_ranges(num_tensors, bad)

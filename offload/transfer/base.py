@@ -16,7 +16,14 @@ import torch
 from offload.errors import OffloadError
 from offload.integrity import UNIT_BYTES, WORD, trailer_bytes
 from offload.transfer.fast_check import FastCheck, Target, checker_library
-from offload.transfer.layout import IndexArray, Job, SlotLayout, UniqueDestinations, check_job
+from offload.transfer.layout import (
+    IndexArray,
+    Job,
+    SlotLayout,
+    UniqueDestinations,
+    check_job,
+    tensor_ranges,
+)
 from offload.transfer.tensors import KVGeometry, kv_geometry, page_view, region_pages
 
 # what a job is ordered after: an event, a stream, or None for the device's current stream
@@ -52,6 +59,10 @@ class TransferEngine(Protocol):
 
     def submit(self, job_id: int, direction: Direction, gpu_blocks: object, chunk_ids: object,
                positions: object, after: After = None) -> torch.cuda.Event | None: ...
+
+    def load_layers(self, job_id: int, gpu_blocks: object, chunk_ids: object,
+                    positions: object, groups: int, after: After = None
+                    ) -> list[torch.cuda.Event | None]: ...
 
     def check(self, gpu_blocks: object, chunk_ids: object, positions: object) -> None: ...
 
@@ -168,6 +179,30 @@ class EngineBase:
         if self.name in self.routes:  # an engine of one path (hybrid counts in its router)
             self.routes[self.name] += 1
         return done
+
+    def load_layers(self, job_id: int, gpu_blocks: object, chunk_ids: object,
+                    positions: object, groups: int, after: After = None
+                    ) -> list[torch.cuda.Event | None]:
+        """Load job ``job_id`` layer group by layer group (`tensor_ranges`: ``groups`` runs of
+        consecutive KV tensors, in the order the tensors were given), so a forward pass can
+        start on the first layers while later ones still copy.  Returns one event per group,
+        in order: group ``g``'s blocks are loaded (or poisoned, on a checksum mismatch) once
+        its event fired.  The job is still one job: it completes, and is checked, as a whole
+        (`poll`, `job_error`).  A backend without group launches (the copy engines, the host)
+        returns the job's completion event (None on the host) for every group."""
+        if self._closed:
+            raise OffloadError(f"job {job_id} submitted to a closed {self.name} engine")
+        ranges = tensor_ranges(self._layout.num_tensors, groups)
+        job = self._check(gpu_blocks, chunk_ids, positions, "load", self._pack_target)
+        events = self._issue_layers(job_id, job, ranges, after)
+        if self.name in self.routes:
+            self.routes[self.name] += 1
+        return events
+
+    def _issue_layers(self, job_id: int, job: Job, ranges: list[tuple[int, int]], after: After
+                      ) -> list[torch.cuda.Event | None]:
+        """Without group launches: the whole job, its completion event for every group."""
+        return [self._issue(job_id, "load", job, after)] * len(ranges)
 
     def check(self, gpu_blocks: object, chunk_ids: object, positions: object) -> None:
         """Validate a job without moving anything (a replicated store's non-writer ranks)."""

@@ -72,33 +72,47 @@ class StreamEngine(EngineBase):
         for the call (one device query per job otherwise)."""
         if torch.cuda.current_device() != self._device.index:
             with torch.cuda.device(self._device):
-                return self._issue_here(job_id, direction, job, after)
-        return self._issue_here(job_id, direction, job, after)
+                return self._issue_here(job_id, direction, job, after, None)[0]
+        return self._issue_here(job_id, direction, job, after, None)[0]
 
-    def _issue_here(self, job_id: int, direction: Direction, job: Job, after: After
-                    ) -> torch.cuda.Event:
+    def _issue_layers(self, job_id: int, job: Job, ranges: list[tuple[int, int]], after: After
+                      ) -> list[torch.cuda.Event | None]:
+        if torch.cuda.current_device() != self._device.index:
+            with torch.cuda.device(self._device):
+                return self._issue_here(job_id, "load", job, after, ranges)[1]
+        return self._issue_here(job_id, "load", job, after, ranges)[1]
+
+    def _issue_here(self, job_id: int, direction: Direction, job: Job, after: After,
+                    ranges: list[tuple[int, int]] | None
+                    ) -> tuple[torch.cuda.Event, list[torch.cuda.Event | None]]:
+        """Order, launch (the whole job, or a load group by group with ``ranges``), record
+        the job's completion event; returns it and the groups' events."""
         stream = self._stream
         keep: object = None
+        caller: int | None = None
         if after is None:  # the default: after the caller's current stream
             caller = torch._C._cuda_getCurrentRawStream(self._device.index)
-            if len(job):
-                keep = self._launch_after(caller, direction, job)
-            else:
-                self._wait_for(caller)
+        elif isinstance(after, torch.cuda.Event):
+            stream.wait_event(after)
+        elif isinstance(after, torch.cuda.Stream):
+            stream.wait_stream(after)
         else:
-            if isinstance(after, torch.cuda.Event):
-                stream.wait_event(after)
-            elif isinstance(after, torch.cuda.Stream):
-                stream.wait_stream(after)
-            else:
-                raise OffloadError(f"job {job_id}: after={after!r} is neither a torch.cuda."
-                                   "Event nor a torch.cuda.Stream; pass one of them or None")
-            if len(job):
-                keep = self._launch(direction, job)
+            raise OffloadError(f"job {job_id}: after={after!r} is neither a torch.cuda."
+                               "Event nor a torch.cuda.Stream; pass one of them or None")
+        groups: list[torch.cuda.Event | None] = []
+        if not len(job):
+            if caller is not None:
+                self._wait_for(caller)
+        elif ranges is not None:
+            keep, groups = self._launch_layers(job, ranges, caller)
+        elif caller is not None:
+            keep = self._launch_after(caller, direction, job)
+        else:
+            keep = self._launch(direction, job)
         done = torch.cuda.Event()
         done.record(stream)
         self._pending.append((job_id, done, keep, job))
-        return done
+        return done, groups or [done] * len(ranges or ())
 
     def _wait_for(self, caller: int) -> None:
         """Order the copy stream after the caller's current stream (raw handle ``caller``).
@@ -118,6 +132,16 @@ class StreamEngine(EngineBase):
 
     def _launch(self, direction: Direction, job: Job) -> object:
         raise NotImplementedError
+
+    def _launch_layers(self, job: Job, ranges: list[tuple[int, int]], caller: int | None
+                       ) -> tuple[object, list[torch.cuda.Event | None]]:
+        """Launch a load group by group (``ranges`` of tensors), after the raw stream
+        ``caller`` when given; returns what the job holds and one event per group.  Here, for
+        backends without group launches: the whole job, and no group events (each group then
+        gets the job's completion event)."""
+        if caller is not None:
+            return self._launch_after(caller, "load", job), []
+        return self._launch("load", job), []
 
     def poll(self) -> list[int]:
         finished = []
@@ -168,12 +192,28 @@ class PerBlockEngine(StreamEngine):
         self.integrity = False
 
     def _launch(self, direction: Direction, job: Job) -> None:
+        self._copy(direction, job, self._pages)
+
+    def _launch_layers(self, job: Job, ranges: list[tuple[int, int]], caller: int | None
+                       ) -> tuple[object, list[torch.cuda.Event | None]]:
+        if caller is not None:
+            self._wait_for(caller)
+        events: list[torch.cuda.Event | None] = []
+        for first, count in ranges:
+            self._copy("load", job, self._pages[first:first + count])
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            events.append(event)
+        return None, events
+
+    def _copy(self, direction: Direction, job: Job,
+              pages: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         bpc = self._layout.blocks_per_chunk
         with torch.cuda.stream(self._stream):
             for block, host_page in zip(job.blocks.tolist(), job.host_pages.tolist(),
                                         strict=True):
                 chunk, position = divmod(host_page, bpc)
-                for kv, host in self._pages:
+                for kv, host in pages:
                     if direction == "store":
                         host[chunk, position].copy_(kv[block], non_blocking=True)
                     else:

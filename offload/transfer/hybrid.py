@@ -75,6 +75,15 @@ class HybridEngine(StreamEngine):
     def _launch_after(self, caller: int, direction: Direction, job: Job) -> object:
         return self._route(direction, job, caller)
 
+    def _launch_layers(self, job: Job, ranges: list[tuple[int, int]], caller: int | None
+                       ) -> tuple[object, list[torch.cuda.Event | None]]:
+        """A layer-wise load runs on the kernel, one launch per group (the staged path does
+        not stage group by group yet); with every page on the copy engines, as one job."""
+        if self.page_runs:
+            return super()._launch_layers(job, ranges, caller)
+        self.routes["kernel"] += 1
+        return self.kernel.launch_layers(job, ranges, caller)
+
     def _route(self, direction: Direction, job: Job, caller: int | None) -> object:
         """Run ``job`` on the staged path, the kernel or the copy engines, after the raw
         stream ``caller`` when given (the kernel orders itself, natively where it can)."""

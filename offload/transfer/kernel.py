@@ -433,6 +433,29 @@ class KernelCopier:
         self._run((load, copy, False), grid, self._values(n, items))
         return slot
 
+    def launch_layers(self, job: Job, ranges: list[tuple[int, int]], caller: int | None
+                      ) -> tuple[StagingSlot, list[torch.cuda.Event | None]]:
+        """A load of ``job`` as one launch per tensor range in ``ranges`` (first, count), in
+        order, each followed by an event on the stream: one upload, one result word for the
+        job.  Returns the slot the job holds and the ranges' events."""
+        slot = self.upload("load", job, caller)
+        n = len(job)
+        events: list[torch.cuda.Event | None] = []
+        for first, count in ranges:
+            items = n * count * self._pieces
+            grid = max(1, min(self._programs["load"], -(-items // self._rows)))
+            values = self._values(n, items)
+            values[5], values[10] = count, first
+            self._run((True, True, False), grid, values)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            events.append(event)
+        bound = self._bound.get((True, True, False))
+        if bound is not None:  # the native issue sets only n and items: the whole job again
+            bound.set(5, self._num_tensors)
+            bound.set(10, 0)
+        return slot, events
+
     def upload(self, direction: Direction, job: Job, caller: int | None = None
                ) -> StagingSlot:
         """Put ``job``'s indices on the GPU for `launch_rows` launches, first ordered after
@@ -588,6 +611,10 @@ class TritonEngine(StreamEngine):
 
     def _launch_after(self, caller: int, direction: Direction, job: Job) -> StagingSlot:
         return self.kernel.launch(direction, job, caller)
+
+    def _launch_layers(self, job: Job, ranges: list[tuple[int, int]], caller: int | None
+                       ) -> tuple[object, list[torch.cuda.Event | None]]:
+        return self.kernel.launch_layers(job, ranges, caller)
 
     def compile_all(self) -> None:
         """Compile every variant a tier's jobs will launch -- copy in both directions, with

@@ -251,6 +251,23 @@ def page_addresses(kv_bases: IndexArray, block_strides: IndexArray, region_base:
     return kv, host
 
 
+def tensor_ranges(num_tensors: int, groups: int) -> list[tuple[int, int]]:
+    """``groups`` runs of consecutive tensors, in order, as (first, count), sizes differing by
+    at most one (the earlier ones larger): the layer groups of a layer-wise load, which follow
+    the order the KV tensors were given in (an engine's [K0, V0, K1, V1, ...] and
+    ``groups`` = layers puts each layer's K and V in one group)."""
+    if not 1 <= groups <= num_tensors:
+        raise OffloadError(f"layer_groups = {groups} for {num_tensors} KV tensors; give 1 to "
+                           f"{num_tensors} (one group per layer: the number of layers)")
+    size, extra = divmod(num_tensors, groups)
+    ranges, first = [], 0
+    for g in range(groups):
+        count = size + (g < extra)
+        ranges.append((first, count))
+        first += count
+    return ranges
+
+
 def coalesce(src: IndexArray, dst: IndexArray, count: IndexArray,
              row: IndexArray | None = None) -> tuple[IndexArray, IndexArray, IndexArray]:
     """Merge copies that continue each other on both sides into one longer copy.

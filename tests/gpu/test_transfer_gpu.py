@@ -666,3 +666,52 @@ def test_per_block_runs_without_checksums_and_says_so(caplog: pytest.LogCaptureF
     with caplog.at_level("WARNING"), cuda_engine("per_block", kv, 4) as (engine, kv, region):
         assert engine.layout.integrity and not engine.integrity
     assert "does not checksum pages" in caplog.text
+
+
+# ------------------------------------------------------------------ layer-wise loads
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_layer_wise_load_gives_each_group_its_event(backend: str) -> None:
+    """Three groups of two tensors: a compute stream that waits for group g's event reads
+    group g's loaded blocks; the job is reported once; a flipped byte in group 2 names its
+    tensor by its place among all tensors; a whole-job load after it (the native issue,
+    whose cells the group launches changed) is still exact."""
+    pages = [16 * KiB, 4 * KiB, 64 * KiB, 16 * KiB, 1000, 32 * KiB]
+    kv = kv_set(64, pages, "cuda")
+    with cuda_engine(backend, kv, 8) as (engine, kv, region):
+        layout = engine.layout
+        job = scattered_job(np.random.default_rng(21), 20, 64, 8, 4)
+        engine.submit(1, "store", *job)
+        engine.wait_all()
+        original = [t.view(torch.uint8).clone() for t in kv]
+        for t in kv:
+            t.zero_()
+        torch.cuda._sleep(SLEEP_CYCLES // 4)  # the groups queue behind the compute stream
+        events = engine.load_layers(2, *job, groups=3)
+        assert len(events) == 3 and all(e is not None for e in events)
+        if backend == "copy_engine":  # no group launches: the job's completion, thrice
+            assert events[0] is events[1] is events[2]
+        compute = torch.cuda.Stream()
+        index = torch.from_numpy(np.asarray(job[0])).cuda()
+        seen = []
+        with torch.cuda.stream(compute):
+            for group, event in enumerate(events):
+                compute.wait_event(event)
+                seen += [kv[t].view(torch.uint8)[index].clone() for t in (2 * group,
+                                                                           2 * group + 1)]
+        compute.synchronize()
+        assert engine.wait_all() == [2] and engine.job_error(2) is None
+        for t, got in enumerate(seen):
+            assert torch.equal(got, original[t][index]), f"tensor {t}"
+        if backend == "hybrid":
+            assert engine.routes["kernel"] >= 1
+        if engine.integrity:
+            chunk, position = int(job[1][0]), int(job[2][0])
+            start = (chunk * layout.row_stride + layout.slot_offset + layout.tensor_offsets[4]
+                     + position * 1000)
+            region[start + 10] ^= 0x01
+            engine.load_layers(3, *job, groups=3)
+            assert engine.wait_all() == [3]
+            assert engine.job_error(3) == (f"integrity: tensor 4 chunk {chunk} position "
+                                           f"{position} does not match what was stored")
+            region[start + 10] ^= 0x01
+        round_trip(engine, kv, region, layout, job)
