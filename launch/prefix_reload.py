@@ -45,6 +45,7 @@ from offload.errors import OffloadError
 from offload.report import write_json
 from offload.sizes import parse_size
 from offload.transfer.base import Direction
+from offload.transfer.layout import tensor_ranges
 
 log = logging.getLogger("launch.prefix_reload")
 
@@ -82,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-views", action="store_true",
                    help="hold each layer's K and V as views kv[:, 0], kv[:, 1] of one "
                         "[blocks, 2, ...] tensor instead of two tensors")
+    p.add_argument("--layerwise", type=int, default=0, metavar="G",
+                   help="also reload every prompt layer-wise each time: the load in G groups "
+                        "of KV tensors (G = layers: one a layer), the forward pass starting at "
+                        "once with each decoder layer waiting only for its group; reports the "
+                        "time to first token with and without the overlap (0: off; needs "
+                        "every rank to hold all KV heads: --layout replicated or one rank)")
     p.add_argument("--corrupt-after-load", action="store_true",
                    help="self-test of the check: rank 0 flips one byte of the first reloaded "
                         "page; the job must report a mismatch and exit 1")
@@ -377,9 +384,69 @@ def reload_once(engine: Engine, prompt: Prompt, reload: int, table: list[int], a
     cache = build_cache(engine.tf, full)
     sync(engine.device)
     rebuilt = time.perf_counter()
+    first = greedy(engine.model, cache, prompt.first_token, prompt.tokens, 1)
+    sync(engine.device)
+    answered = time.perf_counter()
     kv_diff = page_difference(prompt, pages, engine.heads, args) or cache_difference(prompt,
                                                                                      full)
-    tokens = greedy(engine.model, cache, prompt.first_token, prompt.tokens, args.decode_tokens)
+    tokens = first + greedy(engine.model, cache, first[-1], prompt.tokens + 1,
+                            args.decode_tokens - 1)[1:]
+    outcome = judge(prompt, reload, tokens, kv_diff)
+    return {**outcome, "mode": "whole", "reload_s": loaded - started,
+            "rebuild_s": rebuilt - loaded, "ttft_s": answered - started,
+            "forward_s": answered - rebuilt}
+
+
+def reload_layerwise(engine: Engine, prompt: Prompt, reload: int, table: list[int],
+                     args: Any) -> dict[str, Any]:
+    """The same reload, layer-wise: the load goes in ``--layerwise`` groups and the first
+    decode step starts at once, each decoder layer waiting (on the GPU) for its group's event
+    and then building its cache entry from the pages; the host waits for the job's decision
+    only after the first token.  Every rank holds all heads (no gather)."""
+    engine.paged.poison()
+    layers, tokens = args.layers, prompt.tokens
+    group = {t: g for g, (first, count) in enumerate(tensor_ranges(2 * layers, args.layerwise))
+             for t in range(first, first + count)}
+    index = torch.tensor(table, device=engine.device)
+    cache = engine.tf.DynamicCache()
+    started = engine.start_together()
+    job = CopyJob(next(engine.job_ids), "load", blocks=tuple(table), chunks=prompt.chunks,
+                  positions=prompt.positions)
+    events = engine.tier.submit(job, layer_groups=args.layerwise)
+
+    def fill(layer: int) -> None:
+        event = events[group[2 * layer + 1]]  # V follows K: its group's event covers both
+        if event is not None:
+            torch.cuda.current_stream(engine.device).wait_event(event)
+        k, v = (from_pages(engine.paged.tensors[2 * layer + half][index], tokens)
+                for half in (0, 1))
+        cache.update(k[None], v[None], layer)
+
+    fill(0)  # before the forward: the attention mask is sized from layer 0's length
+    hooks = [layer.register_forward_pre_hook(lambda _m, _a, at=at: fill(at))
+             for at, layer in enumerate(engine.model.model.layers) if at > 0]
+    try:
+        first = greedy(engine.model, cache, prompt.first_token, tokens, 1)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    sync(engine.device)
+    answered = time.perf_counter()
+    engine.tier.wait([job.job_id])
+    decided = time.perf_counter()
+    pages = engine.paged.pages(table)
+    full = [t[0] for layer in range(layers) for t in layer_kv(cache, layer)]
+    kv_diff = page_difference(prompt, pages, engine.heads, args) or cache_difference(
+        prompt, [t[:, :tokens] for t in full])
+    rest = greedy(engine.model, cache, first[-1], tokens + 1, args.decode_tokens - 1)
+    outcome = judge(prompt, reload, first + rest[1:], kv_diff)
+    return {**outcome, "mode": "layerwise", "reload_s": decided - started, "rebuild_s": 0.0,
+            "ttft_s": answered - started, "forward_s": None}
+
+
+def judge(prompt: Prompt, reload: int, tokens: list[int], kv_diff: dict[str, Any] | None
+          ) -> dict[str, Any]:
+    """This rank's outcome of one reload: its first difference (KV or token), or none."""
     step = next((i for i, (a, b) in enumerate(zip(tokens, prompt.reference_tokens, strict=True))
                  if a != b), None)
     token_diff = None if step is None else {
@@ -389,8 +456,7 @@ def reload_once(engine: Engine, prompt: Prompt, reload: int, table: list[int], a
     if diff is not None:  # where, what, and whether decoding diverged (at which step)
         diff = {"rank": dist.get_rank(), "prompt": prompt.index, "reload": reload, **diff,
                 "decode_diverged_at_step": step}
-    return {"ok": diff is None, "difference": diff,
-            "reload_s": loaded - started, "rebuild_s": rebuilt - loaded}
+    return {"ok": diff is None, "difference": diff}
 
 
 def tensor_name(t: int) -> tuple[int, str]:
@@ -439,8 +505,16 @@ def check_args(args: argparse.Namespace) -> None:
         if getattr(args, name) < 1:
             raise OffloadError(f"--{name.replace('_', '-')} {getattr(args, name)} must be at "
                                "least 1")
-    if args.decode_tokens < 0:
-        raise OffloadError(f"--decode-tokens {args.decode_tokens} must be at least 0")
+    if args.decode_tokens < 1:
+        raise OffloadError(f"--decode-tokens {args.decode_tokens} must be at least 1")
+    if not 0 <= args.layerwise <= 2 * args.layers:
+        raise OffloadError(f"--layerwise {args.layerwise} must be 0 (off) to 2 x --layers "
+                           f"({2 * args.layers}): one group per layer is --layerwise "
+                           f"{args.layers}")
+    if args.layerwise and args.layout != "replicated" and dist.get_world_size() > 1:
+        raise OffloadError(f"--layerwise needs every rank to hold all KV heads, but layout "
+                           f"{args.layout!r} splits them over {dist.get_world_size()} ranks; "
+                           "use --layout replicated or one rank")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -509,6 +583,11 @@ def drive(engine: Engine, lengths: list[int], args: Any
             table = reload_table(gen, args.num_gpu_blocks, avoid, len(prompt.original_table))
             prompt.tables.append(table)
             outcomes.append(reload_once(engine, prompt, reload, table, args))
+            if args.layerwise:
+                avoid = set(prompt.original_table).union(table)
+                table = reload_table(gen, args.num_gpu_blocks, avoid, len(table))
+                prompt.tables.append(table)
+                outcomes.append(reload_layerwise(engine, prompt, reload, table, args))
     return prompts, outcomes
 
 
@@ -521,11 +600,21 @@ def build_report(args: argparse.Namespace, tier: HostTier, kv_heads: int,
     per_reload = list(zip(*gathered, strict=True))
     matched = [all(o["ok"] for o in ranks) for ranks in per_reload]
     diffs = [o["difference"] for ranks in per_reload for o in ranks if o["difference"]]
-    reload_s = [max(o["reload_s"] for o in ranks) for ranks in per_reload]
-    rebuild_s = [max(o["rebuild_s"] for o in ranks) for ranks in per_reload]
-    order = [p for _ in range(args.reloads_per_prompt) for p in prompts]
+    modes = ["whole", "layerwise"] if args.layerwise else ["whole"]
+    order = [p for _ in range(args.reloads_per_prompt) for p in prompts for _ in modes]
+
+    def slowest(field: str, mode: str = "whole") -> list[float]:
+        """Per reload of ``mode``, the slowest rank's ``field``."""
+        return [max(o[field] for o in ranks) for ranks in per_reload
+                if ranks[0]["mode"] == mode]
+
+    reload_s, rebuild_s = slowest("reload_s"), slowest("rebuild_s")
     prefill = statistics.median(p.prefill_s for p in prompts)
     reload = statistics.median(reload_s)
+    ttft = {"whole": slowest("ttft_s"), "forward": slowest("forward_s")}
+    if args.layerwise:
+        ttft["layerwise"] = slowest("ttft_s", "layerwise")
+        ttft["layerwise_load"] = slowest("reload_s", "layerwise")
     return {
         "world_size": dist.get_world_size(), "tp": dist.get_world_size(), "layout": args.layout,
         "device": str(prompts[0].pages[0].device.type), "dtype": str(dtype).removeprefix("torch."),
@@ -546,19 +635,29 @@ def build_report(args: argparse.Namespace, tier: HostTier, kv_heads: int,
         "time_s": {"prefill_median": prefill, "reload_median": reload,
                    "rebuild_median": statistics.median(rebuild_s),
                    "reload_over_prefill": reload / prefill if prefill else None,
-                   "reload": reload_s, "rebuild": rebuild_s},
+                   "reload": reload_s, "rebuild": rebuild_s,
+                   "ttft": ttft, "ttft_median": {k: statistics.median(v)
+                                                 for k, v in ttft.items()}},
+        "layerwise_groups": args.layerwise,
         "first_difference": diffs[0] if diffs else None,
     }
 
 
 def summary(report: dict[str, Any]) -> str:
     t = report["time_s"]
-    return (f"prefix reload ({report['layout']}, {report['world_size']} ranks, "
+    first = t["ttft_median"]
+    line = (f"prefix reload ({report['layout']}, {report['world_size']} ranks, "
             f"{report['device']} {report['dtype']}): {report['matched']}/{report['reloads']} "
             f"reloads matched, {report['mismatched']} mismatched, {report['restored_tokens']} "
             f"tokens restored; median reload {t['reload_median'] * 1e3:.2f} ms (+ rebuild "
             f"{t['rebuild_median'] * 1e3:.2f} ms) vs prefill {t['prefill_median'] * 1e3:.2f} ms; "
-            f"shm files left: {report['shm_files_left']}")
+            f"first token {first['whole'] * 1e3:.2f} ms after the load started")
+    if "layerwise" in first:
+        line += (f", layer-wise ({report['layerwise_groups']} groups) "
+                 f"{first['layerwise'] * 1e3:.2f} ms (its load decided after "
+                 f"{first['layerwise_load'] * 1e3:.2f} ms; one forward step "
+                 f"{first['forward'] * 1e3:.2f} ms)")
+    return line + f"; shm files left: {report['shm_files_left']}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -167,3 +167,31 @@ def test_missing_transformers_is_one_line(tmp_path: Path, shm_dir: str) -> None:
     assert proc.returncode != 0
     errors = our_errors(proc)
     assert len(errors) == 1 and "pip install 'offload[model]'" in errors[0], proc.stderr[-3000:]
+
+
+@needs_transformers
+@pytest.mark.parametrize(("nproc", "layout"), [(1, "private"), (2, "replicated")])
+def test_a_layer_wise_reload_continues_exactly_too(nproc: int, layout: str, tmp_path: Path,
+                                                   shm_dir: str) -> None:
+    """Each reload also runs layer-wise (the load in groups, the first decode step started at
+    once, each layer waiting for its group): every one of those reloads matches as well, and
+    the report times the first token both ways."""
+    report_path = tmp_path / "r.json"
+    proc = torchrun(nproc, "--layout", layout, *SMALL, "--layerwise", "3", "--report-json",
+                    str(report_path), shm_dir=shm_dir)
+    assert proc.returncode == 0, tail(proc)
+    report = json.loads(report_path.read_text())
+    assert report["reloads"] == report["matched"] == 12 and report["mismatched"] == 0
+    assert report["layerwise_groups"] == 3 and report["restored_tokens"] == 6 * (21 + 40)
+    first = report["time_s"]["ttft_median"]
+    assert set(first) == {"whole", "forward", "layerwise", "layerwise_load"}
+    assert all(v > 0 for v in first.values())
+    assert "layer-wise (3 groups)" in proc.stdout
+
+
+def test_layer_wise_reloads_of_split_heads_are_one_line(shm_dir: str) -> None:
+    proc = torchrun(2, "--layerwise", "2", shm_dir=shm_dir)
+    assert proc.returncode != 0
+    errors = our_errors(proc)
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "--layerwise needs every rank to hold all KV heads" in errors[0]
