@@ -33,6 +33,7 @@ per job.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from collections.abc import Callable, Mapping, Sequence
 from functools import cache
@@ -441,19 +442,28 @@ class KernelCopier:
         slot = self.upload("load", job, caller)
         n = len(job)
         events: list[torch.cuda.Event | None] = []
-        for first, count in ranges:
-            items = n * count * self._pieces
-            grid = max(1, min(self._programs["load"], -(-items // self._rows)))
-            values = self._values(n, items)
-            values[5], values[10] = count, first
-            self._run((True, True, False), grid, values)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-            events.append(event)
-        bound = self._bound.get((True, True, False))
-        if bound is not None:  # the native issue sets only n and items: the whole job again
-            bound.set(5, self._num_tensors)
-            bound.set(10, 0)
+        try:
+            for first, count in ranges:
+                items = n * count * self._pieces
+                grid = max(1, min(self._programs["load"], -(-items // self._rows)))
+                values = self._values(n, items)
+                values[5], values[10] = count, first
+                self._run((True, True, False), grid, values)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+                events.append(event)
+        except BaseException:
+            # a launch failed part-way: nothing already queued outlives the job, and its
+            # index slot is reused only after its upload ran
+            with contextlib.suppress(Exception):
+                self._stream.synchronize()
+                slot.release()
+            raise
+        finally:
+            bound = self._bound.get((True, True, False))
+            if bound is not None:  # the native issue sets only n and items: the whole job
+                bound.set(5, self._num_tensors)
+                bound.set(10, 0)
         return slot, events
 
     def upload(self, direction: Direction, job: Job, caller: int | None = None

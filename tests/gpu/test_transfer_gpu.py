@@ -715,3 +715,31 @@ def test_a_layer_wise_load_gives_each_group_its_event(backend: str) -> None:
                                            f"{position} does not match what was stored")
             region[start + 10] ^= 0x01
         round_trip(engine, kv, region, layout, job)
+
+
+@needs_triton
+def test_a_layer_wise_load_that_fails_part_way_leaves_whole_jobs_whole() -> None:
+    """The second group's launch fails: the error reaches the caller, the job's index slot is
+    free again after the fence, and the kernel's tensor cells are the whole job's again, so a
+    later load issued natively still moves every tensor."""
+    kv = kv_set(32, [16 * KiB] * 6, "cuda")
+    with cuda_engine("triton", kv, 8) as (engine, kv, region):
+        job = scattered_job(np.random.default_rng(31), 10, 32, 8, 4)
+        engine.submit(1, "store", *job)
+        engine.submit(2, "load", *job)  # compiles and binds both directions
+        engine.wait_all()
+        real, calls = engine.kernel._run, []
+
+        def failing(*args: Any, **kwargs: Any) -> None:
+            calls.append(args)
+            if len(calls) == 2:
+                raise RuntimeError("cuLaunchKernel failed: CUDA error 701 (injected)")
+            real(*args, **kwargs)
+
+        engine.kernel._run = failing
+        free = len(engine.kernel._free)
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.load_layers(3, *job, groups=3)
+        engine.kernel._run = real
+        assert len(engine.kernel._free) == free and engine.wait_all() == []
+        round_trip(engine, kv, region, engine.layout, job)
