@@ -208,15 +208,14 @@ class RankActor:
             if job.writer_only and not self.topology.is_stage_writer:
                 engine.check(blocks, chunks, positions)  # the stage's writer copies; we check
                 entry.done = True
-            elif layer_groups is not None:
-                self.layer_events = engine.load_layers(entry.seq, blocks, chunks, positions,
-                                                       layer_groups, after=after)
-                self.last_event = self.layer_events[-1]
-                taken = True
-                entry.bytes = len(blocks) * self._block_bytes
             else:
-                self.last_event = engine.submit(entry.seq, job.direction, blocks, chunks,
-                                                positions, after=after)
+                if layer_groups is not None:
+                    self.layer_events = engine.load_layers(entry.seq, blocks, chunks,
+                                                           positions, layer_groups, after=after)
+                    self.last_event = self.layer_events[-1]
+                else:
+                    self.last_event = engine.submit(entry.seq, job.direction, blocks, chunks,
+                                                    positions, after=after)
                 taken = True
                 entry.bytes = len(blocks) * self._block_bytes
             if self.auditor is not None and job.direction == "store":

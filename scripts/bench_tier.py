@@ -48,7 +48,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np
 import torch
 from bench_completion import meet  # this script's folder
-from bench_engine import MATMUL_DURING, MATMUL_N, kv_tensors, link_rate, make_job
+from bench_engine import (
+    MATMUL_DURING,
+    MATMUL_N,
+    kv_tensors,
+    link_rate,
+    make_job,
+    matmul_tflops,
+)
 
 from offload import cleanup
 from offload.integrity import trailer_bytes
@@ -167,7 +174,7 @@ def _beside_matmul(one: Any, mm: torch.Tensor, direction: str, jobs: list[Any],
     wait for them) go on until they have moved ~1.25x what the link moves in the matmuls'
     time alone, so the matmul runs beside copies throughout.  Returns the matmul's rate kept
     (during / alone, timed by CUDA events) and the copies' rate meanwhile (x link)."""
-    alone = _matmul_seconds(mm, MATMUL_DURING)
+    alone = MATMUL_DURING * 2 * MATMUL_N**3 / (matmul_tflops(mm, MATMUL_DURING) * 1e12)  # s
     count = max(2, round(1.25 * alone * link * 1e9 / job_bytes))  # the same on every rank
     free = torch.cuda.Event()  # the copies depend on nothing the matmuls do
     free.record()
@@ -185,17 +192,6 @@ def _beside_matmul(one: Any, mm: torch.Tensor, direction: str, jobs: list[Any],
     during = start.elapsed_time(end) / 1e3
     return {"matmul_kept": alone / during,
             "during_ratio": count * job_bytes / copies / 1e9 / link}
-
-
-def _matmul_seconds(mm: torch.Tensor, count: int) -> float:
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(count):
-        mm @ mm
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
 
 
 def _link(tier: Any, device: torch.device, nbytes: int) -> dict[str, float]:

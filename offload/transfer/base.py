@@ -170,14 +170,12 @@ class EngineBase:
     def submit(self, job_id: int, direction: Direction, gpu_blocks: object, chunk_ids: object,
                positions: object, after: After = None) -> torch.cuda.Event | None:
         """Queue job ``job_id``; validation errors are raised here, before anything moves."""
-        if self._closed:
-            raise OffloadError(f"job {job_id} submitted to a closed {self.name} engine")
+        self._refuse_if_closed(job_id)
         if direction not in DIRECTIONS:
             raise OffloadError(f"job {job_id} has direction {direction!r}; use 'store' or 'load'")
         job = self._check(gpu_blocks, chunk_ids, positions, direction, self._pack_target)
         done = self._issue(job_id, direction, job, after)
-        if self.name in self.routes:  # an engine of one path (hybrid counts in its router)
-            self.routes[self.name] += 1
+        self._count_route()
         return done
 
     def load_layers(self, job_id: int, gpu_blocks: object, chunk_ids: object,
@@ -190,14 +188,22 @@ class EngineBase:
         its event fired.  The job is still one job: it completes, and is checked, as a whole
         (`poll`, `job_error`).  A backend without group launches (the copy engines, the host)
         returns the job's completion event (None on the host) for every group."""
-        if self._closed:
-            raise OffloadError(f"job {job_id} submitted to a closed {self.name} engine")
+        self._refuse_if_closed(job_id)
         ranges = tensor_ranges(self._layout.num_tensors, groups)
         job = self._check(gpu_blocks, chunk_ids, positions, "load", self._pack_target)
         events = self._issue_layers(job_id, job, ranges, after)
+        self._count_route()
+        return events
+
+    def _refuse_if_closed(self, job_id: int) -> None:
+        if self._closed:
+            raise OffloadError(f"job {job_id} submitted to a closed {self.name} engine")
+
+    def _count_route(self) -> None:
+        """Count an issued job for an engine of one path (one of several counts in its
+        router, and its `routes` holds no entry of its own name)."""
         if self.name in self.routes:
             self.routes[self.name] += 1
-        return events
 
     def _issue_layers(self, job_id: int, job: Job, ranges: list[tuple[int, int]], after: After
                       ) -> list[torch.cuda.Event | None]:

@@ -67,20 +67,22 @@ class StreamEngine(EngineBase):
 
     def _issue(self, job_id: int, direction: Direction, job: Job, after: After
                ) -> torch.cuda.Event:
-        """Issue on the engine's device: the driver calls of the launch paths act on the
-        current context, so a caller whose current device is another GPU gets it switched
-        for the call (one device query per job otherwise)."""
-        if torch.cuda.current_device() != self._device.index:
-            with torch.cuda.device(self._device):
-                return self._issue_here(job_id, direction, job, after, None)[0]
-        return self._issue_here(job_id, direction, job, after, None)[0]
+        return self._on_device(job_id, direction, job, after, None)[0]
 
     def _issue_layers(self, job_id: int, job: Job, ranges: list[tuple[int, int]], after: After
                       ) -> list[torch.cuda.Event | None]:
+        return self._on_device(job_id, "load", job, after, ranges)[1]
+
+    def _on_device(self, job_id: int, direction: Direction, job: Job, after: After,
+                   ranges: list[tuple[int, int]] | None
+                   ) -> tuple[torch.cuda.Event, list[torch.cuda.Event | None]]:
+        """`_issue_here` on the engine's device: the driver calls of the launch paths act on
+        the current context, so a caller whose current device is another GPU gets it switched
+        for the call (one device query per job otherwise)."""
         if torch.cuda.current_device() != self._device.index:
             with torch.cuda.device(self._device):
-                return self._issue_here(job_id, "load", job, after, ranges)[1]
-        return self._issue_here(job_id, "load", job, after, ranges)[1]
+                return self._issue_here(job_id, direction, job, after, ranges)
+        return self._issue_here(job_id, direction, job, after, ranges)
 
     def _issue_here(self, job_id: int, direction: Direction, job: Job, after: After,
                     ranges: list[tuple[int, int]] | None

@@ -421,8 +421,7 @@ class KernelCopier:
         slot, staged = self._stage_indices(direction, job)
         n = len(job)
         items = n * self._num_tensors * self._pieces
-        programs = self._programs[direction] if copy else SUM_PROGRAMS
-        grid = max(1, min(programs, -(-items // self._rows)))
+        grid = self._grid(items, self._programs[direction] if copy else SUM_PROGRAMS)
         load = direction == "load"
         native = self._native.get((load, copy, False))
         if (native is not None and not self._hooked()
@@ -445,7 +444,7 @@ class KernelCopier:
         try:
             for first, count in ranges:
                 items = n * count * self._pieces
-                grid = max(1, min(self._programs["load"], -(-items // self._rows)))
+                grid = self._grid(items, self._programs["load"])
                 values = self._values(n, items)
                 values[5], values[10] = count, first
                 self._run((True, True, False), grid, values)
@@ -484,7 +483,7 @@ class KernelCopier:
         ``stage_sums``; a load checks those sums and scatters the pages), on ``stream``
         (default: the engine's)."""
         items = entries * tensors * self._pieces
-        grid = max(1, min(STAGE_PROGRAMS, -(-items // self._rows)))
+        grid = self._grid(items, STAGE_PROGRAMS)
         values = self._values(n, items)
         values[5], values[6] = tensors, row_bytes // self._element
         values[9], values[10], values[12], values[13] = first_entry, first_tensor, stage, \
@@ -506,6 +505,11 @@ class KernelCopier:
         """(work items per page of the widest tensor, work items per program and step, the
         staged passes' program budget): how a launch's grid follows from its size."""
         return self._pieces, self._rows, STAGE_PROGRAMS
+
+    def _grid(self, items: int, programs: int) -> int:
+        """Programs for a launch of ``items`` work items: enough for ``ROWS`` items each, at
+        most ``programs`` (issue.c's staged issue computes the same)."""
+        return max(1, min(programs, -(-items // self._rows)))
 
     def _values(self, n: int, items: int) -> list[int]:
         """The kernel's runtime arguments (`PARAMETERS`) for a launch over the whole job."""

@@ -84,7 +84,6 @@ class StagedCopier:
         self._native: dict[bool, StagedIssuer | None] = {}  # by direction (load)
         self.issued = {"native": 0, "python": 0}  # jobs per issue path
 
-
     def _record_on(self, event: int, stream: int) -> None:
         check(self._record(event, stream), "cuEventRecord")
 
