@@ -114,6 +114,8 @@ def run_rounds(tier: HostTier, rounds: int, num_blocks: int) -> RoundStats:
         keys: list[Key] = [(r, c) for c in range(n_chunks)]
         before = manager.stats()
         stored_before = stats.stored_chunks
+        # with background set-up, rows that came online since the last job join the free chunks
+        ready_rows = tier.ready.rows
         for start in range(0, n_chunks, tier.plan.chunk_count):
             batch = keys[start:start + tier.plan.chunk_count]
             job = manager.prepare_store(batch)
@@ -149,6 +151,7 @@ def run_rounds(tier: HostTier, rounds: int, num_blocks: int) -> RoundStats:
                                 "spilled_chunks": after.spilled - before.spilled,
                                 "promoted_chunks": after.promoted - before.promoted,
                                 "missed_chunks": n_chunks - loaded_chunks,
+                                "ready_rows": ready_rows,
                                 "mismatched_blocks": bad})
         stats.rounds += 1
     return stats

@@ -41,6 +41,7 @@ from offload.report import (
     count_shm_files,
     integrity_block,
     paths_block,
+    readiness_block,
     render_table,
     write_json,
 )
@@ -128,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPU memory per rank for the staged path: whole-chunk jobs are gathered "
                         "on the GPU and moved by the copy engines, so the model keeps its SMs "
                         "(0: off, whole chunks run on the copy kernel)")
+    p.add_argument("--background-setup", dest="background", action="store_true",
+                   help="return from set-up once the regions are mapped and pre-fault and pin "
+                        "them on the tier's own threads, row range by row range: rows come "
+                        "online while the job runs (jobs only use ready rows) and the report's "
+                        "readiness block says when the first job succeeded and when every row "
+                        "was ready")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve live Prometheus metrics (offload_*) at /metrics on PORT + each "
                         "rank's local rank (needs offload[metrics]); default off")
@@ -178,6 +185,7 @@ def config_from_args(args: argparse.Namespace, world: int) -> TierConfig:
         private_memory=args.private_memory, fs_io_timeout_s=args.fs_io_timeout,
         integrity=args.integrity, metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
         numa=args.numa, staging_bytes=parse_size(args.staging_bytes, "--staging-bytes"),
+        background=args.background,
         fs_bytes=None if args.fs_bytes is None else parse_size(args.fs_bytes, "--fs-bytes"))
 
 
@@ -257,6 +265,7 @@ def drive(tier: HostTier, args: argparse.Namespace, dp_rank: int) -> dict[str, A
     config = tier.actor.config
     try:
         stats = rounds.run_rounds(tier, args.rounds, args.num_gpu_blocks)
+        tier.wait_ready()  # the report's figures are final once every row is set up
         ranks = tier.call(RankActor.report)
         files = tier.call(fs_actions.report) if config.fs_dir is not None else None
     except BaseException as exc:
@@ -275,6 +284,8 @@ def drive(tier: HostTier, args: argparse.Namespace, dp_rank: int) -> dict[str, A
         replica["audit"] = {key: sum(r["audit"][key] for r in ranks)
                             for key in ("checked_blocks", "mismatched_blocks")}
     replica["paths"] = paths_block(ranks)
+    replica["readiness"] = readiness_block(config.background, ranks, tier.first_success_at,
+                                           tier.actor.created_at)
     replica["integrity"] = integrity_block(all(r["integrity"]["enabled"] for r in ranks),
                                            sum(r["integrity"]["mismatches"] for r in ranks))
     return replica

@@ -16,6 +16,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from offload.audit import Auditor
@@ -92,6 +93,7 @@ class RankActor:
     _block_bytes: int = 0  # this rank's bytes per job entry (every tensor's page), once started
     last_event: torch.cuda.Event | None = None  # the last submitted copy's completion
     layer_events: list[torch.cuda.Event | None] = field(default_factory=list)  # its groups
+    ready_at: float | None = None  # perf_counter when this rank's set-up ended
 
     # ------------------------------------------------------------------ set-up
     def describe(self) -> RankDescriptor:
@@ -123,10 +125,37 @@ class RankActor:
         compiler.start()
         try:
             self.region = HostRegion.create(plan, self.topology, self.config, self.tier_id,
-                                            registrar, self.progress)
+                                            registrar, self.progress, self._announce_ready)
         finally:
             compiler.join()
+        if not self.config.background:
+            self._announce_ready(plan.chunk_count, False)
         return self.region.pinned
+
+    def _announce_ready(self, rows: int, stopped: bool) -> None:
+        """This rank's rows below ``rows`` are usable (its ready word on the node board; the
+        background set-up's pin thread calls it as rows come online)."""
+        if rows == self._installed().chunk_count or stopped:
+            self.ready_at = time.perf_counter()
+        self.quorum.board.publish_ready(rows, stopped)
+
+    @property
+    def ready_rows(self) -> int:
+        """Rows this rank can copy into and out of (all of them once set-up finished)."""
+        return self.region.ready_rows if self.region is not None else 0
+
+    def _check_ready(self, job: CopyJob) -> None:
+        """Refuse a job that touches a row this rank has not made usable yet (background
+        set-up): copying into unregistered memory would fault the GPU, so the job fails
+        here and, through the quorum, on every rank -- never waits, never moves a byte."""
+        ready = self.ready_rows
+        chunks = np.asarray(job.chunks)
+        if chunks.size and int(chunks.max()) >= ready:
+            raise OffloadError(
+                f"not ready: job {job.job_id} {job.direction}s chunk {int(chunks.max())}, but "
+                f"rank {self.topology.rank} has only rows below {ready} of "
+                f"{self._installed().chunk_count} set up yet; use the chunks the manager "
+                "hands out (HostTier.ready) or call HostTier.wait_ready() first")
 
     def _compile_kernel(self) -> None:
         """Compile the copy kernel on scratch buffers shaped and aligned like the real ones
@@ -192,6 +221,8 @@ class RankActor:
             if entry.error is not None:
                 raise OffloadError(entry.error)
             engine = self._engine()
+            if self.region is not None and self.region.ready_rows < self._installed().chunk_count:
+                self._check_ready(job)
             blocks, chunks, positions = job.blocks, job.chunks, job.positions
             if self.files is not None:
                 self.files.spill(job.spills)
@@ -308,6 +339,11 @@ class RankActor:
             "memory": stats.memory, "shmem_huge": stats.shmem_huge,
             "pinned": region.pinned,
             "numa_node": stats.numa_node, "numa_bytes": stats.numa_bytes,
+            "background": stats.background, "ready_rows": region.ready_rows,
+            "setup_error": stats.pin_error if stats.background else None,
+            "longest_registration_s": stats.longest_registration_s,
+            "ready_s": (None if self.ready_at is None
+                        else round(self.ready_at - self.created_at, 6)),
             "engine": self.engine.name if self.engine else None,
             "paths": dict(self.engine.routes) if self.engine else {},
             "audit": self.auditor.to_json() if self.auditor else None,

@@ -10,6 +10,13 @@ The word packs two counters a rank only ever increases::
 
     word = completed << 20 | (failures mod 2**20)
 
+Word 2 of each rank's line is its *ready word*, ``rows << 1 | stopped``: the rows below
+``rows`` are usable on that rank (populated and registered), and ``stopped`` says its background
+set-up ended on an error short of the whole region (DESIGN.md section 3.7).  It only rises and
+only its rank writes it (the set-up's pin thread, after the registration returned), so the same
+single-writer, single-aligned-store argument as for the watermark below covers it: a reader who
+sees ``rows`` may copy into or out of those rows.
+
 (Word 1 of rank 0's line is the RPC doorbell: the number of the latest request rank 0 posted to
 the store, which workers on its node watch instead of polling the store; same single-writer,
 single aligned store argument, the store's acknowledged ``set`` preceding the ring.)
@@ -78,6 +85,11 @@ def unpack(word: int) -> tuple[int, int]:
     return word >> FAILURE_BITS, word & _FAILURE_MASK
 
 
+def unpack_ready(word: int) -> tuple[int, bool]:
+    """(rows ready, stopped on an error) of a ready word."""
+    return word >> 1, bool(word & 1)
+
+
 def new_failures(before: int, now: int) -> int:
     """How many failures a rank added between two reads of its (modular) failure counter."""
     return (now - before) & _FAILURE_MASK
@@ -132,6 +144,15 @@ class Board:
     def words(self) -> list[int]:
         """Every rank's word of this node, in local-rank order (one aligned load each)."""
         return self._words[::_WORDS_PER_LINE].tolist()
+
+    def publish_ready(self, rows: int, stopped: bool = False) -> None:
+        """This rank's rows below ``rows`` are usable; ``stopped``: its set-up ended on an
+        error there (one aligned 8-byte store, as `publish`)."""
+        self._words[self.slot * _WORDS_PER_LINE + 2] = rows << 1 | int(stopped)
+
+    def ready_words(self) -> list[int]:
+        """Every rank's ready word of this node, in local-rank order (`unpack_ready`)."""
+        return self._words[2::_WORDS_PER_LINE].tolist()
 
     def ring(self, seq: int) -> None:
         """Rank 0 (slot 0 of its node, being its lowest rank): announce RPC request ``seq`` in

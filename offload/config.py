@@ -127,6 +127,14 @@ class TierConfig:
     engines, so a copy holds SMs only for a short HBM pass (`offload.transfer.staging`).  0
     turns it off: whole chunks then run on the copy kernel."""
 
+    background: bool = False
+    """Background set-up (``--background-setup``, DESIGN.md section 3.7): `HostTier.create`
+    returns once the plan is agreed and the regions are mapped, and pre-fault and registration
+    continue on the tier's own threads in row order.  Rows come online as every rank has
+    registered its part; a job touching a row that is not ready yet fails with reason "not
+    ready" on every rank, and the chunk manager hands out only ready rows (`HostTier.ready`,
+    `HostTier.wait_ready`)."""
+
     metrics_port: int | None = None
     """Serve live Prometheus metrics (``offload_*``, `offload.metrics`) on this port plus the
     rank's local rank (``--metrics-port``); needs ``offload[metrics]``.  None: not served."""
@@ -205,7 +213,8 @@ _FLAGS = {"cpu_bytes_per_node": "--cpu-bytes", "blocks_per_chunk": "--blocks-per
           "fs_io_timeout_s": "--fs-io-timeout",
           "private_memory": "--private-memory", "integrity": "--no-integrity",
           "metrics_port": "--metrics-port", "metrics_addr": "--metrics-addr",
-          "numa": "--no-numa", "staging_bytes": "--staging-bytes"}
+          "numa": "--no-numa", "staging_bytes": "--staging-bytes",
+          "background": "--background-setup"}
 
 
 def _describe(name: str) -> str:

@@ -109,9 +109,7 @@ def registration_ranges(geometry: RegionGeometry, config: TierConfig) -> list[By
     """
     if geometry.rows == 0:
         return []
-    per_slot = (geometry.layout in ("shared", "replicated")
-                and geometry.slot_bytes <= geometry.row_stride - geometry.page_size
-                and geometry.rows <= config.max_slot_rows)
+    per_slot = registers_slots(geometry, config)
     unit, what = (geometry.slot_bytes, "slot") if per_slot else (geometry.row_stride, "row")
     if unit > config.max_registration_bytes:
         raise OffloadError(
@@ -125,6 +123,57 @@ def registration_ranges(geometry: RegionGeometry, config: TierConfig) -> list[By
     return [ByteRange(r * geometry.row_stride,
                       min(rows_per, geometry.rows - r) * geometry.row_stride)
             for r in range(0, geometry.rows, rows_per)]
+
+
+def registers_slots(geometry: RegionGeometry, config: TierConfig) -> bool:
+    """Whether this rank registers one range per row over its slot (else whole rows)."""
+    return (geometry.layout in ("shared", "replicated")
+            and geometry.slot_bytes <= geometry.row_stride - geometry.page_size
+            and geometry.rows <= config.max_slot_rows)
+
+
+@dataclass(frozen=True)
+class SetupUnit:
+    """One step of background set-up (DESIGN.md section 3.7): populate ``ranges``, then
+    register each of them; after it, this rank's rows below ``rows_end`` are usable."""
+
+    rows_end: int
+    ranges: tuple[ByteRange, ...]
+
+    @property
+    def length(self) -> int:
+        return sum(r.length for r in self.ranges)
+
+
+def setup_units(geometry: RegionGeometry, config: TierConfig, unit_bytes: int
+                ) -> list[SetupUnit]:
+    """Background set-up's work, in row order: runs of whole rows of at most ``unit_bytes``
+    of registered bytes (at least one row each).
+
+    A unit registers what `registration_ranges` would -- one range per slot, or its rows as
+    one range -- cut at row boundaries, so no copy of one block spans two registrations and
+    no registration is longer than a unit (a registration holds the CUDA driver for its
+    whole duration, delaying the engine's own launches).  A rank populates exactly the bytes
+    it registers, so a unit never waits for another rank: in the replicated layout the
+    stage's ranks each walk the stage's slots (the pages are allocated once, by whichever
+    rank comes first), where the blocking path splits the population into node shards.
+    """
+    if geometry.rows == 0:
+        return []
+    registration_ranges(geometry, config)  # its caps and their one-line errors
+    per_slot = registers_slots(geometry, config)
+    stride = geometry.row_stride
+    rows_per = max(1, unit_bytes // (geometry.slot_bytes if per_slot else stride))
+    units = []
+    for first in range(0, geometry.rows, rows_per):
+        end = min(geometry.rows, first + rows_per)
+        if per_slot:
+            ranges = tuple(ByteRange(r * stride + geometry.slot_offset, geometry.slot_bytes)
+                           for r in range(first, end))
+        else:
+            ranges = (ByteRange(first * stride, (end - first) * stride),)
+        units.append(SetupUnit(end, ranges))
+    return units
 
 
 def merge_ranges(ranges: Iterable[ByteRange]) -> list[ByteRange]:

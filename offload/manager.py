@@ -107,7 +107,8 @@ class PromoteJob(StoreJob):
 
 @dataclass(frozen=True)
 class ManagerStats:
-    """Chunk counts: ``free + storing + readable + quarantined == chunk_count``; ``held``
+    """Chunk counts: ``free + storing + readable + quarantined + not_ready == chunk_count``
+    (``not_ready``: rows background set-up has not made usable on every rank yet); ``held``
     counts readable chunks with at least one hold (a failed load's quarantined holds
     included); ``evictions`` counts readable chunks reused by stores (and promotions).  With a
     file tier: ``on_disk`` keys on disk, ``spilled`` chunks written out on eviction,
@@ -120,6 +121,7 @@ class ManagerStats:
     held: int
     evictions: int
     quarantined: int = 0
+    not_ready: int = 0
     on_disk: int = 0
     spilled: int = 0
     promoted: int = 0
@@ -136,16 +138,19 @@ class ChunkManager:
     the last hold is released).  `lookup_prefix` is a pure query and does not touch.
     """
 
-    def __init__(self, chunk_count: int, disk_capacity: int = 0) -> None:
+    def __init__(self, chunk_count: int, disk_capacity: int = 0, ready: int | None = None
+                 ) -> None:
         if chunk_count < 1:
             raise OffloadError(f"chunk_count = {chunk_count} must be at least 1")
+        # chunks below this are usable on every rank (background set-up raises it)
+        self._ready = chunk_count if ready is None else max(0, min(ready, chunk_count))
         # the writers' file tiers, replayed (None: no file tier)
         self._disk = DiskIndex(disk_capacity) if disk_capacity else None
         self._promote_jobs: dict[int, PromoteJob] = {}
         self._io_busy: set[int] = set()  # failed promotions' chunks a read may still fill
         self._spilled = self._promoted = 0
         self._chunk_count = chunk_count
-        self._free = list(range(chunk_count))  # a heap: lowest free id first, deterministic
+        self._free = list(range(self._ready))  # a heap: lowest free id first, deterministic
         self._chunk_of: dict[ChunkKey, int] = {}  # storing and readable keys
         self._storing: set[ChunkKey] = set()
         self._holds: dict[ChunkKey, int] = {}  # readable keys with holds > 0
@@ -162,6 +167,21 @@ class ChunkManager:
     @property
     def chunk_count(self) -> int:
         return self._chunk_count
+
+    @property
+    def ready(self) -> int:
+        """Chunks ``0 .. ready - 1`` may be handed out; the others wait for set-up."""
+        return self._ready
+
+    def set_ready(self, rows: int) -> int:
+        """Rows below ``rows`` are now usable on every rank (the tier's ready watermark,
+        which only rises): their chunks join the free chunks.  Returns how many joined."""
+        rows = min(rows, self._chunk_count)
+        added = max(0, rows - self._ready)
+        for chunk in range(self._ready, rows):
+            heapq.heappush(self._free, chunk)
+        self._ready = max(self._ready, rows)
+        return added
 
     def prepare_store(self, keys: Sequence[ChunkKey]) -> StoreJob:
         """Allocate chunks for the keys that are neither readable, being stored, nor on disk.
@@ -391,6 +411,7 @@ class ChunkManager:
                        + len(self._io_busy))
         return ManagerStats(self._chunk_count, len(self._free), storing, readable,
                             len(self._holds), self._evictions, quarantined,
+                            self._chunk_count - self._ready,
                             len(self._disk) if self._disk is not None else 0, self._spilled,
                             self._promoted)
 

@@ -131,7 +131,7 @@ class TierCollector:
         rows = core.GaugeMetricFamily("offload_rows_total", "Rows (chunks) of the tier")
         rows.add_metric([], plan.chunk_count)
         ready = core.GaugeMetricFamily("offload_rows_ready", "Rows every rank can use")
-        ready.add_metric([], plan.chunk_count)  # set-up completes before create returns
+        ready.add_metric([], tier.last_ready.rows)  # as of the tier's last look (its polls)
         yield from (rows, ready)
         yield from self._manager(core, tier)
         yield from self._files(core, tier)
@@ -145,7 +145,7 @@ class TierCollector:
         stats = manager.stats()
         chunks = core.GaugeMetricFamily("offload_chunks", "Chunks by state (the chunk "
                                         "manager's rank)", labels=["state"])
-        for state in ("free", "storing", "readable", "quarantined"):
+        for state in ("free", "storing", "readable", "quarantined", "not_ready"):
             chunks.add_metric([state], getattr(stats, state))
         evictions = core.CounterMetricFamily("offload_evictions", "Readable chunks reused")
         evictions.add_metric([], stats.evictions)

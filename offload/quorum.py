@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from offload.board import Board, new_failures, unpack
+from offload.board import Board, new_failures, unpack, unpack_ready
 from offload.errors import OffloadError
 from offload.topology import Topology
 
@@ -89,6 +89,7 @@ class Quorum:
         self._failures = 0  # this rank's failure records so far
         self._records: dict[int, list[tuple[int, str]]] = {}  # rank -> failure records read
         self._shared: list[int] | None = None
+        self._shared_ready: list[int] | None = None
         if self._remote and topology.is_leader:
             self.share()
 
@@ -112,6 +113,10 @@ class Quorum:
         if words != self._shared:
             self.store.set(f"node/{self._node}", ",".join(map(str, words)))
             self._shared = words
+        ready = self.board.ready_words()
+        if ready != self._shared_ready:
+            self.store.set(f"ready/{self._node}", ",".join(map(str, ready)))
+            self._shared_ready = ready
 
     # ------------------------------------------------------------------ every rank
     def words(self) -> Words:
@@ -123,6 +128,22 @@ class Quorum:
             for (_, ranks), value in zip(self._remote, values, strict=True):
                 words.update(zip(ranks, map(int, value.decode().split(",")), strict=True))
         return words
+
+    def ready_words(self) -> Words:
+        """Every rank's ready word (`offload.board.unpack_ready`): this node's from the
+        board, each other node's from the key its leader shares when they change (set, all
+        zero, when its `Quorum` was made; then on the leader's polls)."""
+        words = dict(zip(self.topology.node.ranks, self.board.ready_words(), strict=True))
+        if self._remote:
+            values = self.store.multi_get([f"ready/{i}" for i, _ in self._remote])
+            for (_, ranks), value in zip(self._remote, values, strict=True):
+                words.update(zip(ranks, map(int, value.decode().split(",")), strict=True))
+        return words
+
+    @staticmethod
+    def ready_rows(words: Words) -> int:
+        """The tier's ready watermark: rows below it are usable on every rank."""
+        return min(unpack_ready(w)[0] for w in words.values())
 
     @staticmethod
     def through(words: Words) -> int:

@@ -82,6 +82,15 @@ def _replica_lines(report: dict[str, Any]) -> list[str]:
         lines.append("paths: " + ", ".join(f"{name} {count} ({100 * count / total:.0f}%)"
                                            for name, count in paths.items() if count)
                      + " of the ranks' copies")
+    readiness = report.get("readiness")
+    if readiness:
+        def seconds(value: float | None) -> str:
+            return "-" if value is None else f"{value:.3f} s"
+        mode = "background set-up" if readiness["background"] else "blocking set-up"
+        lines.append(f"readiness ({mode}): create returned after "
+                     f"{seconds(readiness['create_s'])}, first job succeeded after "
+                     f"{seconds(readiness['first_job_s'])}, every row ready after "
+                     f"{seconds(readiness['full_s'])}")
     integrity = report.get("integrity")
     if integrity:
         state = "on" if integrity["enabled"] else "off"
@@ -102,6 +111,20 @@ def paths_block(ranks: list[dict[str, Any]]) -> dict[str, int]:
         for name, count in rank.get("paths", {}).items():
             total[name] = total.get(name, 0) + count
     return total
+
+
+def readiness_block(background: bool, ranks: list[dict[str, Any]],
+                    first_success_at: float | None, created_at: float) -> dict[str, Any]:
+    """The report's ``readiness`` block (DESIGN.md section 3.7): ``create_s`` the longest
+    `HostTier.create` over the ranks, ``first_job_s`` from the start of rank 0's ``create`` to
+    the first job decided successfully, ``full_s`` until every row was ready on every rank
+    (each rank from the start of its own ``create``)."""
+    ready = [r["ready_s"] for r in ranks]
+    return {"background": background,
+            "create_s": max(r["timings_s"].get("total", 0.0) for r in ranks),
+            "first_job_s": (None if first_success_at is None
+                            else round(first_success_at - created_at, 6)),
+            "full_s": None if None in ready else max(ready)}
 
 
 def integrity_block(enabled: bool, mismatches: int) -> dict[str, Any]:

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from offload import cleanup, fs_actions
 from offload.actor import CopyJob, RankActor
 from offload.audit import Auditor
-from offload.board import Board
+from offload.board import Board, unpack_ready
 from offload.config import TierConfig
 from offload.errors import JobFailed, OffloadError, PeerError, is_damage, one_line
 from offload.jobs import Entry
@@ -84,6 +84,25 @@ class TransferResult:
 
 
 @dataclass(frozen=True)
+class Readiness:
+    """How much of the tier is usable (DESIGN.md section 3.7): the rows below ``rows`` are set
+    up on every rank, of ``total``.  ``stopped`` lists the ranks whose background set-up ended
+    on an error: the tier then stays at ``rows`` (those rows remain usable)."""
+
+    rows: int
+    total: int
+    stopped: tuple[int, ...] = ()
+
+    @property
+    def full(self) -> bool:
+        return self.rows >= self.total
+
+    @property
+    def fraction(self) -> float:
+        return self.rows / self.total if self.total else 1.0
+
+
+@dataclass(frozen=True)
 class DecisionMark:
     """Where the decider's decisions stand: every job with a sequence number below
     ``through`` is decided, and ``failed`` of the results `finished` returned so far were
@@ -107,8 +126,15 @@ class HostTier:
             config = actor.config
             files = (disk_capacity(plan, actor.topology, config.fs_bytes_per_node)
                      if config.fs_dir is not None else 0)
-            self.manager = ChunkManager(plan.chunk_count, files)
+            self.manager = ChunkManager(plan.chunk_count, files,
+                                        ready=0 if config.background else None)
             self.manager.seed_disk(disk_keys)  # what a restart found on every writer's disk
+        total = plan.chunk_count
+        # readiness as of the tier's last look (`ready` looks again)
+        self.last_ready = Readiness(0 if actor.config.background else total, total)
+        self._ready_words: Words = {}
+        self._ready_checked = 0.0  # monotonic time of the last look (multi-node: throttled)
+        self.first_success_at: float | None = None  # perf_counter of the first job decided ok
         self.mark = DecisionMark()
         self.tally = JobTally()  # decided jobs, for live metrics (plain ints, no lock)
         self.last_words: Words | None = None  # the decider's last look at the watermarks
@@ -203,6 +229,63 @@ class HostTier:
         `ChunkManager.complete_store` / `complete_load` after a failure."""
         return self.actor.submitted
 
+    # ------------------------------------------------------------------ readiness
+    @property
+    def ready(self) -> Readiness:
+        """How much of the tier is usable now: with background set-up (`TierConfig.background`)
+        rows come online as every rank has registered its part; otherwise every row is ready
+        when `create` returns.  Reading it also lets the chunk manager (rank 0) hand out the
+        new rows; `poll`, `finished`, `wait` and `run` do the same."""
+        if not self.last_ready.full:
+            self.actor.progress_copies()  # a node leader shares its node's words here
+        return self._refresh_ready(force=True)
+
+    def wait_ready(self, timeout_s: float | None = None) -> Readiness:
+        """Block until every row is usable on every rank (for simple programs; engines serve
+        meanwhile and watch `ready`).  Raises `OffloadError` when some rank's set-up stopped
+        on an error (the rows before stay usable), `PeerError` naming the ranks behind after
+        ``timeout_s`` (default: the tier's)."""
+        timeout = self.actor.config.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        while True:
+            ready = self.ready
+            if ready.full:
+                return ready
+            if ready.stopped:
+                rank = self.topology.rank
+                own = (f"; here: {self.actor.region.stats.pin_error}"
+                       if rank in ready.stopped and self.actor.region is not None else "")
+                raise OffloadError(f"background set-up stopped on ranks {list(ready.stopped)} "
+                                   f"with rows below {ready.rows} of {ready.total} usable"
+                                   f"{own}; their logs say why (no memory: lower --cpu-bytes)")
+            if time.monotonic() >= deadline:
+                behind = sorted(r for r, w in self._ready_words.items()
+                                if unpack_ready(w)[0] == ready.rows)
+                raise PeerError(f"rows below {ready.rows} of {ready.total} are ready after "
+                                f"{timeout:g} s; ranks {behind} are behind (a rank died, or "
+                                "its host is slow: give wait_ready a longer timeout)")
+            time.sleep(0.005)
+
+    def _refresh_ready(self, force: bool = False) -> Readiness:
+        """Read every rank's ready word (until the tier is full) and let the chunk manager hand
+        out the new rows.  Across nodes the read is a store round trip, so it runs at most
+        every `_READY_INTERVAL_S` unless ``force``d."""
+        if self.last_ready.full:
+            return self.last_ready
+        quorum = self.actor.quorum
+        now = time.monotonic()
+        if len(self.topology.nodes) > 1 and not force and \
+                now - self._ready_checked < _READY_INTERVAL_S:
+            return self.last_ready
+        self._ready_checked = now
+        words = self._ready_words = quorum.ready_words()
+        rows = quorum.ready_rows(words)
+        stopped = tuple(sorted(r for r, w in words.items() if unpack_ready(w)[1]))
+        self.last_ready = Readiness(rows, self.plan.chunk_count, stopped)
+        if self.manager is not None:
+            self.manager.set_ready(rows)
+        return self.last_ready
+
     # ------------------------------------------------------------------ SPMD data path
     @overload
     def submit(self, job: CopyJob, after: After = None, layer_groups: None = None
@@ -246,6 +329,7 @@ class HostTier:
         it polled past them, so an engine loop polls every step (or until this reaches 0
         before it blocks in a collective of its own)."""
         self.actor.progress_copies()
+        self._refresh_ready()
         return self.actor.in_flight
 
     def finished(self, mark: DecisionMark | None = None) -> list[TransferResult]:
@@ -261,6 +345,7 @@ class HostTier:
         success flags -- whatever this rank's timing.  Jobs already returned by `wait` are
         left out on every rank alike."""
         self.actor.progress_copies()
+        self._refresh_ready()
         quorum = self.actor.quorum
         if self.topology.rank == self.decider:
             if mark is not None:
@@ -358,6 +443,8 @@ class HostTier:
         now = time.perf_counter() if self.topology.rank == self.decider else None
         for e in entries:
             rank, reason = failed.get(e.seq, (None, None))
+            if rank is None:
+                self._succeeded()
             self.tally.add(e.job.direction, rank is None, reason, e.bytes,
                            None if now is None else now - e.started)
 
@@ -387,6 +474,7 @@ class HostTier:
         polls = 0
         while True:
             self.actor.progress_copies()
+            self._refresh_ready()
             words = quorum.words()
             if self._drained(quorum.through(words)) > seq:
                 return words
@@ -429,6 +517,13 @@ class HostTier:
         if failed:
             rank, message = failed[seq]
             raise JobFailed(job.job_id, rank, message)
+        self._succeeded()
+
+    def _succeeded(self) -> None:
+        """A job was decided successfully: the first one times the tier's readiness
+        (``first_job_s`` in the main job's report)."""
+        if self.first_success_at is None:
+            self.first_success_at = time.perf_counter()
 
     def promote(self, keys: Sequence[Hashable]) -> tuple[PromoteJob, list[Hashable]]:
         """Rank 0 (driven, with a file tier): bring the disk copies of ``keys`` back into
@@ -552,6 +647,7 @@ def _submit_quietly(actor: RankActor, job: CopyJob) -> None:
 
 _SPIN_POLLS = 64
 _MAX_PAUSE_S = 0.001
+_READY_INTERVAL_S = 0.005
 
 
 def control_group(group: Any, timeout_s: float) -> Any:

@@ -8,6 +8,12 @@ One run, one table.  For a budget B per node and N ranks on this host:
   registers all of it (what a first implementation does);
 * **pin_memory** -- every rank allocates its share with ``torch.empty(..., pin_memory=True)``
   (PyTorch's caching host allocator rounds each request up to a power of two);
+* **background/<layout>** -- `HostTier.create` with background set-up (DESIGN.md section
+  3.7): the time until ``create`` returns, until the first 16-block store is decided
+  successfully on every rank, and until every row is ready (``full``), beside the blocking
+  create of the same layout; on a GPU a probe thread on every rank meanwhile launches a tiny
+  kernel and waits for it every millisecond and reports the longest wait (registration holds
+  the driver);
 * **floor** -- one process creating 16 files of B/16 bytes of the same kind as ours (memfds, or
   files in ``--shm-dir``; ``posix_fallocate`` from 16 threads allocates their shmem pages) and
   populating them with ``MADV_POPULATE_WRITE`` from 16 threads, nothing else: how fast this host
@@ -73,20 +79,74 @@ def ours(rank: int, world: int, args: argparse.Namespace, layout: str) -> dict[s
     device = device_for(rank)
     tp = world // args.pp
     payload = stage_payloads(args)[rank // tp]
-    kv = [torch.zeros((args.blocks_per_chunk, payload // 2), dtype=torch.uint8, device=device)
-          for _ in range(2)]
-    config = TierConfig(cpu_bytes_per_node=args.cpu_bytes, layout=layout,
+    kv = [torch.zeros((args.blocks_per_chunk, payload // args.tensors), dtype=torch.uint8,
+                      device=device) for _ in range(args.tensors)]
+    background = layout.startswith("background:")
+    config = TierConfig(cpu_bytes_per_node=args.cpu_bytes, layout=layout.split(":")[-1],
                         blocks_per_chunk=args.blocks_per_chunk, tp=tp, pp=args.pp,
-                        prefault_threads=args.threads, timeout_s=600, shm_dir=args.shm_dir)
+                        prefault_threads=args.threads, timeout_s=600, shm_dir=args.shm_dir,
+                        background=background)
     start, baseline = begin(rank)
+    probe = LaunchProbe(device) if background and device.type == "cuda" else None
     tier = HostTier.create(kv, config)
-    ready = time.time()
+    created = time.time()
+    first = first_job(tier, args.blocks_per_chunk)
+    tier.wait_ready(600)
+    ready = time.time() if background else created  # blocking: ready when create returns
+    waits = probe.stop() if probe is not None else None
     row = tier.actor.report()
-    result = {"start": start, "ready": ready, "registered": row["pinned_bytes"],
+    result = {"start": start, "ready": ready, "created": created, "first": first,
+              "registered": row["pinned_bytes"], "probe": waits,
               "own_bytes": tier.plan.slots[rank].slot_bytes * tier.plan.chunk_count, "row": row}
     hold(rank, result, baseline)
     tier.close()
     return result
+
+
+def first_job(tier: Any, blocks: int) -> float:
+    """Store ``blocks`` blocks into the first ready chunk, as soon as there is one on every
+    rank; return when the job is decided successfully (wall clock)."""
+    from offload import CopyJob
+
+    while tier.ready.rows < 1:
+        time.sleep(0.0002)
+    n = min(blocks, tier.plan.blocks_per_chunk)
+    tier.submit(CopyJob(0, "store", tuple(range(n)), (0,) * n, tuple(range(n))))
+    tier.wait([0])
+    return time.time()
+
+
+class LaunchProbe:
+    """Launches a one-element kernel on its own stream and waits for it, every millisecond,
+    on a thread, until `stop`: the longest wait says how long set-up held the driver."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._stop = False
+        self.waits: list[float] = []
+        import threading
+
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        torch.cuda.set_device(self._device)
+        x = torch.zeros(1, device=self._device)
+        stream = torch.cuda.Stream(self._device)
+        while not self._stop:
+            began = time.perf_counter()
+            with torch.cuda.stream(stream):
+                x.add_(1)
+            stream.synchronize()
+            self.waits.append(time.perf_counter() - began)
+            time.sleep(0.001)
+
+    def stop(self) -> dict[str, float]:
+        self._stop = True
+        self._thread.join()
+        ordered = sorted(self.waits)
+        return {"count": len(ordered), "p50_ms": 1e3 * ordered[len(ordered) // 2],
+                "max_ms": 1e3 * ordered[-1]}
 
 
 def stage_payloads(args: argparse.Namespace) -> list[int]:
@@ -191,8 +251,15 @@ def run_variant(world: int, fn: Callable[..., dict[str, Any]], *extra: Any) -> d
         p.join()
         if p.exitcode != 0:
             raise SystemExit(f"a rank of {fn.__name__} exited with {p.exitcode}")
-    seconds = max(r["ready"] for r in results.values()) - min(r["start"] for r in results.values())
-    return {"seconds": seconds, "resident": results[0]["resident"],
+    began = min(r["start"] for r in results.values())
+    seconds = max(r["ready"] for r in results.values()) - began
+    stages = {key: max(r[key] for r in results.values()) - began
+              for key in ("created", "first") if key in results[0]}
+    probes = [r["probe"] for r in results.values() if r.get("probe")]
+    if probes:
+        stages["worst_wait_ms"] = max(p["max_ms"] for p in probes)
+        stages["p50_wait_ms"] = max(p["p50_ms"] for p in probes)
+    return {"seconds": seconds, **stages, "resident": results[0]["resident"],
             "registered_per_rank": max(r["registered"] for r in results.values()),
             "own_per_rank": max(r["own_bytes"] for r in results.values()),
             "ranks": [results[r] for r in range(world)]}
@@ -246,9 +313,13 @@ def main() -> None:
     p.add_argument("--cpu-bytes", default="32GiB", help="budget per node")
     p.add_argument("--kv-bytes-per-block", default="512KiB")
     p.add_argument("--blocks-per-chunk", type=int, default=16)
+    p.add_argument("--tensors", type=int, default=2,
+                   help="KV tensors the per-block payload is split into (160 with "
+                        "--kv-bytes-per-block 2560KiB: 16 KiB pages, engine-shaped)")
     p.add_argument("--threads", type=int, default=16, help="pre-fault threads per rank")
     p.add_argument("--layouts", default="private,shared,replicated")
-    p.add_argument("--variants", default="floor,ours,naive,pin_memory")
+    p.add_argument("--variants", default="floor,ours,naive,pin_memory",
+                   help="any of floor, ours, background, naive, pin_memory")
     p.add_argument("--shm-dir", default=None, metavar="DIR",
                    help="ours and floor use named files in DIR (default: nameless memfds)")
     p.add_argument("--warm", default=None, help="bytes to touch first (default 2 x budget)")
@@ -276,6 +347,12 @@ def main() -> None:
                 draw_timeline([r["row"] for r in rows[f"ours/{layout}"]["ranks"]],
                               f"{args.timeline}-{layout}.png",
                               f"{layout}, {args.nproc} ranks, {format_size(args.cpu_bytes)}")
+    if "background" in variants:
+        for layout in args.layouts.split(","):
+            if layout == "replicated" and len(set(stage_payloads(args))) > 1:
+                continue
+            rows[f"background/{layout}"] = run_variant(args.nproc, ours, args,
+                                                       f"background:{layout}")
     if "naive" in variants:
         rows["naive"] = run_variant(args.nproc, naive, args)
     if "pin_memory" in variants:
@@ -299,14 +376,29 @@ def print_table(report: dict[str, Any]) -> None:
           f"{report['gpus']} GPU(s), warm-up {report['warm_s']:.1f} s")
     header = ("variant", "seconds", "GiB/s", "reg/rank", "own/rank", "resident/B", "vs floor",
               "pin_mem/x", "naive/x")
-    print("{:<16}{:>9}{:>8}{:>11}{:>11}{:>11}{:>10}{:>10}{:>9}".format(*header))
+    print("{:<22}{:>9}{:>8}{:>11}{:>11}{:>11}{:>10}{:>10}{:>9}".format(*header))
     for name, r in rows.items():
         s = r["seconds"]
-        print("{:<16}{:>9.2f}{:>8.2f}{:>11}{:>11}{:>11.3f}{:>10}{:>10}{:>9}".format(
+        print("{:<22}{:>9.2f}{:>8.2f}{:>11}{:>11}{:>11.3f}{:>10}{:>10}{:>9}".format(
             name, s, budget / s / GiB, format_size(r["registered_per_rank"]),
             format_size(r["own_per_rank"]), r["resident"] / budget,
             f"{s / floor_s:.2f}" if floor_s else "-", f"{pin_s / s:.2f}" if pin_s else "-",
             f"{naive_s / s:.2f}" if naive_s else "-"))
+    staged = {name: r for name, r in rows.items() if "created" in r}
+    if not staged:
+        return
+    print("\ncreate returned / first 16-block store decided / every row ready, seconds from "
+          "the start; full/blocking: full against the blocking create of the layout")
+    header = ("variant", "create", "first_job", "full", "full/blocking", "worst_wait_ms",
+              "p50_wait_ms")
+    print("{:<22}{:>8}{:>11}{:>8}{:>15}{:>15}{:>13}".format(*header))
+    for name, r in staged.items():
+        blocking = rows.get("ours/" + name.split("/")[-1], {}).get("seconds")
+        print("{:<22}{:>8.3f}{:>11.3f}{:>8.2f}{:>15}{:>15}{:>13}".format(
+            name, r["created"], r["first"], r["seconds"],
+            f"{r['seconds'] / blocking:.2f}" if blocking and name.startswith("background")
+            else "-", f"{r['worst_wait_ms']:.1f}" if "worst_wait_ms" in r else "-",
+            f"{r['p50_wait_ms']:.3f}" if "p50_wait_ms" in r else "-"))
 
 
 if __name__ == "__main__":

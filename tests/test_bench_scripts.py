@@ -64,3 +64,22 @@ def test_bench_completion_with_a_spinning_barrier(tmp_path: Path) -> None:
     (row,) = json.loads(out.read_text())
     assert row["barrier"] == "spin" and row["ranks"] == 2 and row["path"] == "finished"
     assert row["median_us"] > 0 and row["from_last_us"] > 0
+
+
+def test_bench_startup_times_background_set_up_beside_the_blocking_create(tmp_path: Path
+                                                                         ) -> None:
+    out = tmp_path / "startup.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_startup.py"), "--nproc", "2",
+         "--cpu-bytes", "64MiB", "--kv-bytes-per-block", "128KiB", "--variants",
+         "ours,background", "--layouts", "shared", "--warm", "0", "--threads", "2",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, tail(proc, 2000)
+    rows = json.loads(out.read_text())["variants"]
+    background, blocking = rows["background/shared"], rows["ours/shared"]
+    assert 0 < background["created"] <= background["first"] <= background["seconds"]
+    assert background["ranks"][0]["row"]["background"] is True
+    assert blocking["ranks"][0]["row"]["background"] is False
+    assert "background/shared" in proc.stdout and "full/blocking" in proc.stdout

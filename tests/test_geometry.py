@@ -20,6 +20,7 @@ from offload.geometry import (
     prefault_ranges,
     registration_ranges,
     segment_ranges,
+    setup_units,
     shard_range,
     slot_ranges,
     split_work,
@@ -353,3 +354,40 @@ def test_interleave_by_segment(segment_rows: list[int], piece: int) -> None:
         assert mine == sorted(mine)  # each file is still populated front to back
     starting = {seg(p) for p in pieces}
     assert len({seg(p) for p in order[:len(starting)]}) == len(starting)
+
+
+# ---------------------------------------------------------------- background set-up units
+
+
+@settings(max_examples=500, deadline=None)
+@given(geometry_and_config(), st.integers(1, 1 << 22))
+def test_setup_units_register_what_the_blocking_path_does_in_row_order(
+        case: tuple[RegionGeometry, TierConfig], unit_bytes: int) -> None:
+    g, config = case
+    unit = g.slot_bytes if per_slot(g, config) else g.row_stride
+    if g.rows and unit > config.max_registration_bytes:
+        with pytest.raises(OffloadError, match="registration cap"):
+            setup_units(g, config, unit_bytes)
+        return
+    units = setup_units(g, config, unit_bytes)
+    if not g.rows:
+        assert units == []
+        return
+    # rows come online in order, a unit at a time, up to the whole region
+    ends = [u.rows_end for u in units]
+    assert ends == sorted(set(ends)) and ends[-1] == g.rows
+    first = 0
+    for u in units:
+        rows = u.rows_end - first
+        # each range lies in the unit's rows, on row boundaries or exactly one slot ...
+        for r in u.ranges:
+            assert first * g.row_stride <= r.offset and r.end <= u.rows_end * g.row_stride
+            assert (r.offset % g.row_stride == 0 and r.length % g.row_stride == 0) or (
+                r.offset % g.row_stride == g.slot_offset and r.length == g.slot_bytes)
+        # ... and a unit is one row (or slot) or fits the unit size
+        assert rows == 1 or u.length <= unit_bytes
+        first = u.rows_end
+    # together: exactly the bytes the blocking path registers (and so everything touched)
+    everything = [r for u in units for r in u.ranges]
+    assert covered(everything) == covered(registration_ranges(g, config))
+    assert sum(r.length for r in everything) == sum(r.length for r in covered(everything))

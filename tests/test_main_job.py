@@ -121,6 +121,27 @@ def test_node_layouts_with_eviction_verify(layout: str, tmp_path: Path, shm_dir:
     assert transfer["loaded_bytes"] < transfer["stored_bytes"] * (2 if layout == "shared" else 4)
 
 
+@pytest.mark.parametrize("layout", ["private", "shared", "replicated"])
+def test_background_set_up_serves_while_rows_come_online_and_reports_readiness(
+        layout: str, tmp_path: Path, shm_dir: str) -> None:
+    report_path = tmp_path / "r.json"
+    proc = torchrun(2, "--layout", layout, "--background-setup", "--cpu-bytes", "64MiB",
+                    "--num-gpu-blocks", "256", "--report-json", str(report_path),
+                    shm_dir=shm_dir)
+    assert proc.returncode == 0, tail(proc)
+    report = json.loads(report_path.read_text())
+    readiness = report["readiness"]
+    assert readiness["background"] is True
+    assert 0 < readiness["create_s"] and 0 < readiness["first_job_s"]
+    assert readiness["full_s"] is not None and readiness["full_s"] > 0
+    assert report["transfer"]["verified"]
+    for rank in report["ranks"]:  # set-up finished on every rank: every row, registered
+        assert rank["background"] and rank["setup_error"] is None
+        assert rank["ready_rows"] == report["plan"]["chunk_count"]
+        assert rank["registrations"] > 0
+    assert "readiness (background set-up)" in proc.stdout
+
+
 def test_heterogeneous_stages_share_one_chunk_count(tmp_path: Path) -> None:
     report_path = tmp_path / "r.json"
     proc = torchrun(2, "--tp", "1", "--pp", "2", "--stage-kv-bytes", "64KiB,16KiB",
@@ -247,7 +268,7 @@ def test_help_lists_every_flag() -> None:
     for flag in ("--cpu-bytes", "--dp", "--tp", "--pp", "--layout", "--kv-bytes-per-block",
                  "--stage-kv-bytes", "--blocks-per-chunk", "--num-gpu-blocks", "--device",
                  "--rounds", "--fs-tier", "--fs-bytes", "--report-json",
-                 "OFFLOAD_NODE_ID"):
+                 "--background-setup", "OFFLOAD_NODE_ID"):
         assert flag in out
 
 

@@ -188,10 +188,11 @@ KEYS = st.integers(0, 9)
 class ManagerModel(RuleBasedStateMachine):
     """Drives a ChunkManager against a plain model of the rules in DESIGN.md section 6."""
 
-    @initialize(chunk_count=st.integers(1, 6))
-    def start(self, chunk_count: int) -> None:
-        self.m = ChunkManager(chunk_count)
+    @initialize(chunk_count=st.integers(1, 6), ready=st.none() | st.integers(0, 6))
+    def start(self, chunk_count: int, ready: int | None) -> None:
+        self.m = ChunkManager(chunk_count, ready=ready)
         self.n = chunk_count
+        self.ready = chunk_count if ready is None else min(ready, chunk_count)
         self.readable: dict[Hashable, int] = {}  # key -> chunk
         self.storing: dict[Hashable, int] = {}
         self.holds: Counter[Hashable] = Counter()
@@ -216,7 +217,8 @@ class ManagerModel(RuleBasedStateMachine):
 
     @rule(keys=st.lists(KEYS, max_size=6))
     def store(self, keys: list[int]) -> None:
-        free_before = self.n - len(self.readable) - len(self.storing) - self._quarantined()
+        free_before = (self.ready - len(self.readable) - len(self.storing)
+                       - self._quarantined())
         job = self.m.prepare_store(keys)
         self._new_job(job.job_id)
         new = list(dict.fromkeys(k for k in keys
@@ -230,7 +232,7 @@ class ManagerModel(RuleBasedStateMachine):
         victims = eligible[:evicted_count]
         if job.dropped:  # truncated only when nothing more could be evicted
             assert len(eligible) == evicted_count
-        free = sorted(set(range(self.n)) - {*self.readable.values(), *self.storing.values()}
+        free = sorted(set(range(self.ready)) - {*self.readable.values(), *self.storing.values()}
                       - {c for _, chunks, _ in self.quarantine for c in chunks})
         assert [c for _, c in job.chunks] == (free[:len(taken) - evicted_count]
                                                + [self.readable[v] for v in victims])
@@ -308,6 +310,13 @@ class ManagerModel(RuleBasedStateMachine):
             with pytest.raises(UnknownJobError):
                 self.m.complete_load(job_id)
 
+    @rule(rows=st.integers(0, 8))
+    def rows_come_online(self, rows: int) -> None:
+        added = self.m.set_ready(rows)
+        assert added == max(0, min(rows, self.n) - self.ready)
+        self.ready = max(self.ready, min(rows, self.n))
+        assert self.m.ready == self.ready
+
     @rule(keys=st.lists(KEYS, max_size=6))
     def lookup(self, keys: list[int]) -> None:
         expected = next((i for i, k in enumerate(keys) if k not in self.readable), len(keys))
@@ -319,7 +328,8 @@ class ManagerModel(RuleBasedStateMachine):
         assert (s.chunk_count, s.storing, s.readable) == (
             self.n, len(self.storing), len(self.readable))
         assert s.quarantined == self._quarantined()
-        assert s.free + s.storing + s.readable + s.quarantined == self.n
+        assert s.not_ready == self.n - self.ready
+        assert s.free + s.storing + s.readable + s.quarantined + s.not_ready == self.n
         assert s.held == sum(1 for k in self.readable if self.holds[k])
         assert s.evictions == self.evictions
 
@@ -327,7 +337,8 @@ class ManagerModel(RuleBasedStateMachine):
     def one_key_per_chunk(self) -> None:
         chunks = [*self.readable.values(), *self.storing.values(),
                   *(c for _, q, _ in self.quarantine for c in q)]
-        assert len(chunks) == len(set(chunks)) and all(0 <= c < self.n for c in chunks)
+        # only chunks of ready rows are ever handed out
+        assert len(chunks) == len(set(chunks)) and all(0 <= c < self.ready for c in chunks)
         assert not set(self.readable) & set(self.storing)
         assert all(k in self.readable for k, held in self.holds.items() if held)
 

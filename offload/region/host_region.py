@@ -30,6 +30,10 @@ cap allows: registering a private region in runs behind its pre-fault hid none o
 registration and varied more from host to host, and more pin threads slowed shared's slots
 (docs/BENCHMARKS.md, "Nameless regions: node start-up" and "Private registration in runs behind
 pre-fault").
+
+With ``background`` set-up, `create` returns once the region is mapped on every rank of the node;
+a `BackgroundSetup` then populates and registers it unit by unit in row order
+(`geometry.setup_units`), and ``ready_rows`` says how far it got.
 """
 
 from __future__ import annotations
@@ -53,8 +57,10 @@ from offload.geometry import (
     prefault_ranges,
     registration_ranges,
     segment_ranges,
+    setup_units,
 )
 from offload.plan import Plan
+from offload.region.background import UNIT_BYTES, BackgroundSetup, ReadyFn
 from offload.region.hugepages import shmem_huge_mode, small_page_hint
 from offload.region.nameless import FdOffer, check_sizes, create_memfds, fetch_fds, socket_name
 from offload.region.numa import Placement, bytes_on_node
@@ -99,6 +105,8 @@ class RegionStats:
     shmem_huge: str | None = None  # memfd regions: the host's shmem_enabled mode (hugepages)
     numa_node: int | None = None  # where its pages were placed (None: no placement)
     numa_bytes: int | None = None  # bytes of the region this rank maps found on that node
+    background: bool = False  # pre-fault and registration ran behind `create` (section 3.7)
+    longest_registration_s: float | None = None  # background: the longest registration call
     timings_s: dict[str, float] = field(default_factory=dict)
 
 
@@ -139,6 +147,8 @@ class HostRegion:
         self._paths: list[str] = []
         self._pinner: Pinner | None = None
         self._pipeline: PinPipeline | None = None
+        self._setup: BackgroundSetup | None = None
+        self._built = False  # blocking set-up finished: every row is usable
 
     @property
     def address(self) -> int:
@@ -148,12 +158,29 @@ class HostRegion:
     def size(self) -> int:
         return self._mapping.size if self._mapping is not None else 0
 
+    @property
+    def ready_rows(self) -> int:
+        """Rows below this are usable on this rank: populated and registered."""
+        if self._setup is not None:
+            return self._setup.ready_rows
+        return self.plan.chunk_count if self._built else 0
+
+    @property
+    def setup(self) -> BackgroundSetup | None:
+        """The background set-up, if this region was created with one."""
+        return self._setup
+
     @classmethod
     def create(cls, plan: Plan, topology: Topology, config: TierConfig, tier_id: str,
-               registrar: Registrar, progress: ProgressFn | None = None) -> HostRegion:
+               registrar: Registrar, progress: ProgressFn | None = None,
+               on_ready: ReadyFn | None = None) -> HostRegion:
         """Build, pre-fault and pin this rank's region.  Collective over the node for the
         shared and replicated layouts (every local rank must call it); on any failure the
-        region is closed and nothing is left in ``config.shm_dir``."""
+        region is closed and nothing is left in ``config.shm_dir``.
+
+        With ``config.background`` it returns once the region is mapped, and pre-fault and
+        registration continue on their own threads; ``on_ready(rows, stopped)`` hears of
+        every step (`offload.region.background`)."""
         if config.page_size % mmap.PAGESIZE:
             raise OffloadError(
                 f"page_size = {config.page_size} is not a multiple of this host's "
@@ -163,14 +190,14 @@ class HostRegion:
         cleanup.register(region.close)
         cleanup.register_unlinker(region.unlink_names)
         try:
-            region._build(topology, config, tier_id, progress)
+            region._build(topology, config, tier_id, progress, on_ready)
         except BaseException:
             region.close()
             raise
         return region
 
     def _build(self, topology: Topology, config: TierConfig, tier_id: str,
-               progress: ProgressFn | None) -> None:
+               progress: ProgressFn | None, on_ready: ReadyFn | None) -> None:
         start = time.perf_counter()
         segments = segment_ranges(self.geometry, config)
         lengths = [s.length for s in segments]
@@ -195,8 +222,52 @@ class HostRegion:
             hint = small_page_hint(self.stats.shmem_huge)
             if hint and topology.is_leader:
                 log.info("rank %d: %s", topology.rank, hint)
-        self._prefault_and_pin(sync if node_layout else None, topology, config, segments,
-                               progress)
+        if config.background:
+            self._start_background(topology, config, progress, on_ready)
+        else:
+            self._prefault_and_pin(sync if node_layout else None, topology, config, segments,
+                                   progress)
+            self._built = True
+
+    def _start_background(self, topology: Topology, config: TierConfig,
+                          progress: ProgressFn | None, on_ready: ReadyFn | None) -> None:
+        units = setup_units(self.geometry, config, UNIT_BYTES)
+        registrations = registration_ranges(self.geometry, config)
+        self.stats.background = True
+        self.stats.prefault_bytes = sum(u.length for u in units)
+        self.stats.pin_plan_bytes = sum(r.length for r in registrations)
+        self.pinned = self.registrar.counts_as_pinned and bool(registrations)
+        pinner = self._pinner = Pinner(self.registrar, self.address)
+        placement = Placement.for_node(self.plan.slots[topology.rank].numa_node)
+        if placement is not None:
+            self.stats.numa_node = placement.node
+
+        def announce(rows: int, stopped: bool) -> None:
+            if rows == self.plan.chunk_count or stopped:
+                self._finish_background_stats()
+            if on_ready is not None:
+                on_ready(rows, stopped)
+
+        self._setup = BackgroundSetup(self.address, units, pinner, config.prefault_threads,
+                                      announce, progress=progress,
+                                      on_thread_start=placement.enter if placement else None)
+        self._setup.start()
+
+    def _finish_background_stats(self) -> None:
+        """Called on the pin thread once set-up ended (every row, or an error): what the
+        blocking path records at the end of `create`."""
+        setup, pinner = self._setup, self._pinner
+        assert setup is not None and pinner is not None
+        self.stats.prefault_fallback = setup.fallback
+        self.stats.timings_s["prefault"] = setup.populated_s
+        self.stats.timings_s["pin_busy"] = setup.busy_s
+        self.stats.longest_registration_s = setup.longest_call_s
+        self.stats.registrations = len(pinner.registered)
+        self.stats.pinned_bytes = pinner.pinned_bytes
+        self.stats.pin_error = setup.error
+        if self.stats.numa_node is not None:
+            self.stats.numa_bytes = bytes_on_node(self.address, self.geometry.total_bytes,
+                                                  self.stats.numa_node)
 
     def _node_bytes(self, topology: Topology) -> int:
         """What this node's tier creates: every local rank's private region, or the one node
@@ -326,7 +397,10 @@ class HostRegion:
         )
 
     def unpin(self) -> None:
-        """Unregister every range this rank registered; idempotent."""
+        """Unregister every range this rank registered (stopping a background set-up
+        first); idempotent."""
+        if self._setup is not None:
+            self._setup.stop()
         if self._pipeline is not None:
             self._pipeline.stop()
         if self._pinner is not None:

@@ -75,7 +75,7 @@ def plan_pieces(ranges: Sequence[ByteRange], segments: Sequence[ByteRange], thre
     return interleave_by_segment(pieces, segments)
 
 
-class _Populator:
+class Populator:
     """Runs pieces; after the first EINVAL every piece goes straight to the touch fallback."""
 
     def __init__(self, base: int, populate: PopulateFn) -> None:
@@ -114,7 +114,7 @@ def prefault(base: int, pieces: Sequence[ByteRange], *, threads: int,
     first failure cancels the pieces not yet started and propagates.
     """
     total = sum(p.length for p in pieces)
-    populator = _Populator(base, populate)
+    populator = Populator(base, populate)
     done = [0]
     lock = threading.Lock()
 

@@ -1,0 +1,117 @@
+"""`BackgroundSetup` on a real mapping: units populated (really, through madvise) and
+registered strictly in row order, the ready rows announced after each registration, an error
+that stops set-up where it is, and `stop` that abandons the rest without a stray thread."""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+
+from offload.config import TierConfig
+from offload.geometry import ByteRange, RegionGeometry, setup_units
+from offload.region.background import BackgroundSetup
+from offload.region.pin import Pinner, RecordingRegistrar
+from offload.region.prefault import madvise_populate
+from offload.region.shm import Mapping
+
+PAGE = 4096
+ROWS = 24
+
+
+def _shared_geometry() -> RegionGeometry:
+    """A shared rank's slot (2 pages) in rows of 5 pages: registered slot by slot."""
+    return RegionGeometry("shared", ROWS, 5 * PAGE, 2 * PAGE, 2 * PAGE, PAGE)
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.announced: list[tuple[int, bool]] = []
+        self.populated: list[ByteRange] = []
+        self.lock = threading.Lock()
+
+    def on_ready(self, rows: int, stopped: bool) -> None:
+        self.announced.append((rows, stopped))
+
+    def populate_from(self, base: int, fail_at: int | None = None):
+        def populate(address: int, length: int) -> int:
+            with self.lock:
+                self.populated.append(ByteRange(address - base, length))
+                if fail_at is not None and address - base >= fail_at:
+                    return errno.ENOMEM
+            return madvise_populate(address, length)
+        return populate
+
+
+def _run(unit_bytes: int, registrar: RecordingRegistrar, fail_at: int | None = None,
+         threads: int = 3):
+    geometry = _shared_geometry()
+    units = setup_units(geometry, TierConfig(cpu_bytes_per_node=1 << 30), unit_bytes)
+    mapping = Mapping.anonymous(geometry.total_bytes)
+    recorder = _Recorder()
+    pinner = Pinner(registrar, mapping.address)
+    setup = BackgroundSetup(mapping.address, units, pinner, threads, recorder.on_ready,
+                            populate=recorder.populate_from(mapping.address, fail_at))
+    return geometry, units, mapping, recorder, pinner, setup
+
+
+def test_units_are_populated_then_registered_in_row_order_and_announced() -> None:
+    registrar = RecordingRegistrar()
+    geometry, units, mapping, recorder, pinner, setup = _run(3 * 2 * PAGE, registrar)
+    try:
+        assert setup.start().wait(20)
+        assert setup.error is None and setup.ready_rows == ROWS
+        assert [rows for rows, _ in recorder.announced] == [u.rows_end for u in units]
+        assert not any(stopped for _, stopped in recorder.announced)
+        assert len(units) == ROWS // 3  # three slots per unit
+        slots = [ByteRange(r * geometry.row_stride + geometry.slot_offset, geometry.slot_bytes)
+                 for r in range(ROWS)]
+        assert pinner.registered == slots  # one registration per slot, in row order
+        assert sorted(recorder.populated) == slots  # exactly what it registers, populated
+        assert setup.finished is not None and setup.busy_s >= setup.longest_call_s > 0
+    finally:
+        pinner.unpin_all()
+        mapping.close()
+
+
+def test_a_failure_stops_set_up_where_it_is_and_says_so() -> None:
+    registrar = RecordingRegistrar()
+    geometry, units, mapping, recorder, pinner, setup = _run(2 * PAGE, registrar,
+                                                             fail_at=10 * 5 * PAGE)
+    try:
+        assert setup.start().wait(20)
+        assert setup.error is not None and "ran out of memory" in setup.error
+        assert setup.ready_rows == 10  # rows 0..9 made it, row 10's pre-fault failed
+        assert recorder.announced[-1] == (10, True)
+        assert [r for r, _ in recorder.announced[:-1]] == list(range(1, 11))
+        assert len(pinner.registered) == 10
+    finally:
+        pinner.unpin_all()
+        mapping.close()
+
+
+class _SlowRegistrar(RecordingRegistrar):
+    def register(self, address: int, length: int) -> None:
+        time.sleep(0.05)
+        super().register(address, length)
+
+
+def test_stop_abandons_the_rest_and_leaves_no_thread() -> None:
+    registrar = _SlowRegistrar()
+    geometry, units, mapping, recorder, pinner, setup = _run(2 * PAGE, registrar)
+    try:
+        setup.start()
+        while setup.ready_rows < 2:
+            time.sleep(0.005)
+        began = time.perf_counter()
+        setup.stop()
+        assert time.perf_counter() - began < 1.0  # one registration at most, not the region
+        announced = len(recorder.announced)
+        time.sleep(0.2)
+        assert len(recorder.announced) == announced  # nothing after stop
+        assert setup.done.is_set() and setup.error is None and setup.ready_rows < ROWS
+        assert not [t for t in threading.enumerate() if t.name.startswith("offload-bg")]
+    finally:
+        pinner.unpin_all()
+        mapping.close()
+    assert registrar.registered == {}

@@ -1,0 +1,240 @@
+"""Background set-up across real gloo ranks (DESIGN.md section 3.7): `create` returns before
+the rows are set up, rows come online as every rank registers its part, a job touching a row
+that some rank has not set up is decided failed -- "not ready" -- on every rank alike (never
+wrong bytes, never a wait), the chunk manager hands out only ready rows, and close or a dead
+rank during set-up leaves nothing behind.
+
+Set-up is held back by the registrar (the seam `HostTier.create` offers for pinning): a
+``GatedRegistrar`` registers a few ranges, then waits for a gate file, so a test decides
+exactly how far each rank gets.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from offload.config import TierConfig
+from offload.region.pin import RecordingRegistrar
+from tests.harness import run_group
+
+MiB = 1 << 20
+PAGE = 4096
+BLOCKS = 8
+
+
+class GatedRegistrar(RecordingRegistrar):
+    """Registers ``free`` ranges, then each further one only once ``gate`` exists (checked
+    every 10 ms, at most ``limit_s``); ``delay_s`` slows every call."""
+
+    def __init__(self, gate: str, free: int, delay_s: float = 0.0, limit_s: float = 30.0,
+                 fail_at: int | None = None) -> None:
+        super().__init__()
+        self.gate, self.free, self.delay_s, self.limit_s = gate, free, delay_s, limit_s
+        self.fail_at = fail_at
+
+    def register(self, address: int, length: int) -> None:
+        if self.fail_at is not None and self.calls >= self.fail_at:
+            raise OSError(12, "stand-in registration refused")
+        deadline = time.monotonic() + self.limit_s
+        while self.calls >= self.free and not os.path.exists(self.gate):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the test's gate never opened")
+            time.sleep(0.01)
+        time.sleep(self.delay_s)
+        super().register(address, length)
+
+
+def _kv(rank: int) -> list:
+    import torch
+
+    gen = torch.Generator().manual_seed(7 + rank)
+    return [torch.randint(1, 256, (BLOCKS, PAGE), generator=gen, dtype=torch.uint8)]
+
+
+def _background_tier(rank: int, layout: str, registrar, world: int = 2, **config):
+    """A background tier of one-block rows (about 20), one row per set-up unit."""
+    import offload.region.host_region as host_region
+    from offload import HostTier
+
+    host_region.UNIT_BYTES = 1  # one row per unit: the test steps rows one at a time
+    budget = 40 * PAGE * (1 if layout == "replicated" else world)
+    tier_config = TierConfig(cpu_bytes_per_node=budget, layout=layout, blocks_per_chunk=1,
+                             tp=world, timeout_s=20, background=True, **config)
+    # replicated: a stage's ranks hold the same KV (the node keeps one copy per stage)
+    kv = _kv(0 if layout == "replicated" else rank)
+    return HostTier.create(kv, tier_config, registrar_factory=lambda device: registrar)
+
+
+def _wait_rows(tier, rows: int, limit_s: float = 20) -> None:
+    deadline = time.monotonic() + limit_s
+    while tier.ready.rows < rows:
+        assert time.monotonic() < deadline, f"never reached {rows} ready rows: {tier.ready}"
+        time.sleep(0.005)
+
+
+def _decide_all(tier, rank: int) -> list:
+    import torch.distributed as dist
+
+    results = []
+    if rank == 0:
+        deadline = time.monotonic() + 20
+        while tier.actor.jobs.live and time.monotonic() < deadline:
+            results += tier.finished()
+            time.sleep(0.001)
+    box = [tier.mark if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    if rank != 0:
+        results += tier.finished(box[0])
+    return [(r.job_id, r.success, r.failed_rank, (r.error or "")[:9]) for r in results]
+
+
+def _not_ready_everywhere(rank: int, layout: str, gate: str) -> object:
+    """Rank 1 sets up 2 rows and waits at the gate; rank 0 sets up everything.  A store into
+    row 5 (ready on rank 0 only) fails on both ranks, naming rank 1; the manager hands out the
+    two ready rows only; after the gate opens, every row stores and loads byte-exact."""
+    import torch
+    import torch.distributed as dist
+
+    from offload import CopyJob, OffloadError
+
+    registrar = GatedRegistrar(gate, free=2 if rank == 1 else 10 ** 6)
+    tier = _background_tier(rank, layout, registrar)
+    total = tier.plan.chunk_count
+    created_ready = tier.actor.ready_rows
+    _wait_rows(tier, 2)
+    if rank == 0:  # rank 0 itself gets everything; the tier stays at rank 1's rows
+        deadline = time.monotonic() + 20
+        while tier.actor.ready_rows < total and time.monotonic() < deadline:
+            time.sleep(0.005)
+    dist.barrier()
+    seen = tier.ready
+    refused = None
+    try:
+        tier.submit(CopyJob(1, "store", (0,), (5,), (0,)))
+    except OffloadError as exc:
+        refused = str(exc).split(":")[0]
+    early = _decide_all(tier, rank)
+    handed = None
+    if rank == 0:
+        job = tier.manager.prepare_store(["a", "b", "c"])
+        handed = ([c for _, c in job.chunks], list(job.dropped))
+        tier.manager.complete_store(job.job_id, ok=False)
+    dist.barrier()
+    if rank == 0:
+        open(gate, "w").close()
+    full = tier.wait_ready(20)
+    for block in range(BLOCKS):
+        tier.submit(CopyJob(10 + block, "store", (block,), (total - 1 - block,), (0,)))
+    stored = _decide_all(tier, rank)
+    original = [t.clone() for t in tier.actor.kv_tensors]
+    for t in tier.actor.kv_tensors:
+        t.zero_()
+    for block in range(BLOCKS):
+        tier.submit(CopyJob(20 + block, "load", (block,), (total - 1 - block,), (0,)))
+    loaded = _decide_all(tier, rank)
+    exact = all(torch.equal(a, b) for a, b in zip(original, tier.actor.kv_tensors, strict=True))
+    report = tier.actor.report()
+    tier.close()
+    return {"created_ready": created_ready, "total": total, "seen": (seen.rows, seen.total),
+            "refused": refused, "early": early, "handed": handed, "full": full.full,
+            "stored_ok": all(ok for _, ok, _, _ in stored), "loaded_ok":
+            all(ok for _, ok, _, _ in loaded), "exact": exact,
+            "report": (report["background"], report["ready_rows"], report["ready_s"] is not None)}
+
+
+@pytest.mark.parametrize("layout", ["private", "shared", "replicated"])
+def test_a_row_not_ready_on_one_rank_fails_the_job_on_every_rank_and_nothing_is_wrong(
+        tmp_path, layout):
+    gate = str(tmp_path / "gate")
+    outcomes = run_group(_not_ready_everywhere, 2, args=(layout, gate), timeout=120)
+    for o in outcomes:
+        assert o.ok, o.error
+    values = [o.value for o in outcomes]
+    total = values[0]["total"]
+    assert total >= 10
+    assert values[1]["created_ready"] <= 2  # create returned while rank 1 waited at the gate
+    assert [v["seen"] for v in values] == [(2, total)] * 2  # rank 1's two rows, on both ranks
+    assert [v["refused"] for v in values] == [None, "not ready"]  # rank 1 refused, rank 0 ran
+    # ... and the job is decided failed on both ranks alike, naming rank 1 and "not ready"
+    assert [v["early"] for v in values] == [[(1, False, 1, "not ready")]] * 2
+    assert values[0]["handed"] == ([0, 1], ["c"])  # only the ready rows were handed out
+    for v in values:
+        assert v["full"] and v["stored_ok"] and v["loaded_ok"] and v["exact"], v
+        assert v["report"] == (True, total, True)
+
+
+def _stops_on_error(rank: int, gate: str) -> object:
+    from offload import OffloadError
+
+    registrar = GatedRegistrar(gate, free=10 ** 6, fail_at=3 if rank == 1 else None)
+    tier = _background_tier(rank, "shared", registrar)
+    try:
+        tier.wait_ready(20)
+        outcome = "full"
+    except OffloadError as exc:
+        outcome = str(exc)
+    ready = tier.ready
+    tier.close()
+    return outcome, ready.rows, ready.stopped
+
+
+def test_a_rank_whose_set_up_fails_stops_the_tier_where_it_is_and_wait_ready_says_so(tmp_path):
+    outcomes = run_group(_stops_on_error, 2, args=(str(tmp_path / "gate"),), timeout=90)
+    for o in outcomes:
+        assert o.ok, o.error
+    for rank, (outcome, rows, stopped) in enumerate(o.value for o in outcomes):
+        assert rows == 3 and stopped == (1,)
+        assert "background set-up stopped on ranks [1] with rows below 3" in outcome
+        assert ("stand-in registration refused" in outcome) == (rank == 1)
+
+
+def _close_during_set_up(rank: int, gate: str, shm_dir: str | None) -> object:
+    registrar = GatedRegistrar(gate, free=10 ** 6, delay_s=0.05)
+    tier = _background_tier(rank, "shared", registrar, shm_dir=shm_dir)
+    _wait_rows(tier, 1)
+    began = time.perf_counter()
+    ready = tier.actor.ready_rows
+    tier.close()
+    took = time.perf_counter() - began
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("offload-bg")]
+    return ready, tier.plan.chunk_count, took, dict(registrar.registered), threads
+
+
+def test_close_during_background_set_up_stops_it_unpins_and_leaves_nothing(tmp_path, shm_dir):
+    outcomes = run_group(_close_during_set_up, 2, args=(str(tmp_path / "gate"), shm_dir),
+                         timeout=90)
+    for o in outcomes:
+        assert o.ok, o.error
+        ready, total, took, registered, threads = o.value
+        assert ready < total  # closed while set-up was still running
+        assert took < 5, took  # close waits for one registration, not for the region
+        assert registered == {} and threads == []
+    assert os.listdir(shm_dir) == []
+
+
+def _killed_during_set_up(rank: int, gate: str) -> object:
+    from offload import PeerError
+
+    registrar = GatedRegistrar(gate, free=2 if rank == 1 else 10 ** 6)
+    tier = _background_tier(rank, "shared", registrar, world=2)
+    _wait_rows(tier, 2)
+    if rank == 1:
+        os._exit(9)  # dies while its set-up waits at the gate
+    began = time.monotonic()
+    try:
+        tier.wait_ready(3)
+        return "full"
+    except PeerError as exc:
+        return str(exc), time.monotonic() - began
+
+
+def test_a_rank_that_dies_during_background_set_up_fails_its_peers_within_the_timeout(tmp_path):
+    outcomes = run_group(_killed_during_set_up, 2, args=(str(tmp_path / "gate"),), timeout=60)
+    assert outcomes[1].exitcode == 9
+    message, took = outcomes[0].value
+    assert "rows below 2 of" in message and "ranks [1] are behind" in message
+    assert took < 10
