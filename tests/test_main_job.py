@@ -132,7 +132,7 @@ def test_background_set_up_serves_while_rows_come_online_and_reports_readiness(
     report = json.loads(report_path.read_text())
     readiness = report["readiness"]
     assert readiness["background"] is True
-    assert 0 < readiness["create_s"] and 0 < readiness["first_job_s"]
+    assert readiness["create_s"] > 0 and readiness["first_job_s"] > 0
     assert readiness["full_s"] is not None and readiness["full_s"] > 0
     assert report["transfer"]["verified"]
     for rank in report["ranks"]:  # set-up finished on every rank: every row, registered
