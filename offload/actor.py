@@ -94,6 +94,11 @@ class RankActor:
     last_event: torch.cuda.Event | None = None  # the last submitted copy's completion
     layer_events: list[torch.cuda.Event | None] = field(default_factory=list)  # its groups
     ready_at: float | None = None  # perf_counter when this rank's set-up ended
+    _region_rows: int = 0  # rows the region has set up (`_set_up`)
+    _stopped: bool = False  # the region's background set-up ended on an error
+    _compiled: threading.Event = field(default_factory=threading.Event)  # the JIT is done
+    _ready_lock: threading.Lock = field(default_factory=threading.Lock)
+    _compiler: threading.Thread | None = None
 
     # ------------------------------------------------------------------ set-up
     def describe(self) -> RankDescriptor:
@@ -120,29 +125,44 @@ class RankActor:
         (docs/BENCHMARKS.md, "Node start-up")."""
         plan = self._installed()
         registrar = self.registrar_factory(self.kv_tensors[0].device)
-        compiler = threading.Thread(target=self._compile_kernel, name="offload-jit",
-                                    daemon=True)
+        began = time.perf_counter()
+        compiler = self._compiler = threading.Thread(target=self._compile_kernel,
+                                                     name="offload-jit", daemon=True)
         compiler.start()
         try:
             self.region = HostRegion.create(plan, self.topology, self.config, self.tier_id,
-                                            registrar, self.progress, self._announce_ready)
-        finally:
+                                            registrar, self.progress, self._set_up)
+        except BaseException:
             compiler.join()
-        if not self.config.background:
-            self._announce_ready(plan.chunk_count, False)
+            raise
+        if not self.config.background:  # background: rows wait for the JIT instead
+            compiler.join()
+            self._set_up(plan.chunk_count, False)
+        self.timed("region", began)
         return self.region.pinned
 
-    def _announce_ready(self, rows: int, stopped: bool) -> None:
-        """This rank's rows below ``rows`` are usable (its ready word on the node board; the
+    def _set_up(self, rows: int, stopped: bool) -> None:
+        """The region has this rank's rows below ``rows`` populated and registered (the
         background set-up's pin thread calls it as rows come online)."""
-        if rows == self._installed().chunk_count or stopped:
-            self.ready_at = time.perf_counter()
-        self.quorum.board.publish_ready(rows, stopped)
+        with self._ready_lock:
+            self._region_rows, self._stopped = rows, stopped
+        self._publish_ready()
+
+    def _publish_ready(self) -> None:
+        """Announce this rank's usable rows on its ready word: the region's, once the copy
+        kernel is compiled (a job never waits for the JIT nor compiles beside it).  Under a
+        lock: the pin and JIT threads both announce, and the word must only rise."""
+        with self._ready_lock:
+            rows = self.ready_rows
+            done = rows == self._installed().chunk_count or self._stopped
+            if done and self.ready_at is None and self._compiled.is_set():
+                self.ready_at = time.perf_counter()
+            self.quorum.board.publish_ready(rows, self._stopped and self._compiled.is_set())
 
     @property
     def ready_rows(self) -> int:
         """Rows this rank can copy into and out of (all of them once set-up finished)."""
-        return self.region.ready_rows if self.region is not None else 0
+        return self._region_rows if self._compiled.is_set() else 0
 
     def _check_ready(self, job: CopyJob) -> None:
         """Refuse a job that touches a row this rank has not made usable yet (background
@@ -160,7 +180,16 @@ class RankActor:
     def _compile_kernel(self) -> None:
         """Compile the copy kernel on scratch buffers shaped and aligned like the real ones
         (one block per KV tensor, one pinned row), so the real engine finds it compiled and no
-        user block or region byte is touched."""
+        user block or region byte is touched; then let the rows set up so far be used."""
+        began = time.perf_counter()
+        try:
+            self._compile_on_scratch()
+        finally:
+            self.timed("jit", began)
+            self._compiled.set()
+            self._publish_ready()
+
+    def _compile_on_scratch(self) -> None:
         kv = self.kv_tensors
         kernel_backend = self.backend in ("auto", "hybrid", "triton")
         if not (kv[0].is_cuda and kernel_backend and triton_available()):
@@ -186,10 +215,12 @@ class RankActor:
     def start_engine(self) -> str:
         plan, region = self._installed(), self._region()
         layout = SlotLayout.from_plan(plan, self.topology.rank)
+        began = time.perf_counter()
         self.engine = make_engine(self.kv_tensors, region.tensor, region.address, layout,
                                   plan.chunk_count, region.pinned, self.backend,
                                   staging_bytes=self.config.staging_bytes)
         self._block_bytes = sum(layout.page_bytes)  # per job entry, counted per submit
+        self.timed("engine", began)
         self.timed("total", self.created_at)
         return self.engine.name
 
@@ -221,7 +252,7 @@ class RankActor:
             if entry.error is not None:
                 raise OffloadError(entry.error)
             engine = self._engine()
-            if self.region is not None and self.region.ready_rows < self._installed().chunk_count:
+            if self.ready_rows < self._installed().chunk_count:
                 self._check_ready(job)
             blocks, chunks, positions = job.blocks, job.chunks, job.positions
             if self.files is not None:
@@ -339,7 +370,7 @@ class RankActor:
             "memory": stats.memory, "shmem_huge": stats.shmem_huge,
             "pinned": region.pinned,
             "numa_node": stats.numa_node, "numa_bytes": stats.numa_bytes,
-            "background": stats.background, "ready_rows": region.ready_rows,
+            "background": stats.background, "ready_rows": self.ready_rows,
             "setup_error": stats.pin_error if stats.background else None,
             "longest_registration_s": stats.longest_registration_s,
             "ready_s": (None if self.ready_at is None
@@ -354,6 +385,8 @@ class RankActor:
 
     def close(self) -> None:
         """Fence in-flight copies, then unpin, unmap and unlink.  Idempotent."""
+        if self._compiler is not None and self._compiler is not threading.current_thread():
+            self._compiler.join()  # it announces on the board, which closes after us
         try:
             self.drain()
         finally:

@@ -11,9 +11,9 @@ One run, one table.  For a budget B per node and N ranks on this host:
 * **background/<layout>** -- `HostTier.create` with background set-up (DESIGN.md section
   3.7): the time until ``create`` returns, until the first 16-block store is decided
   successfully on every rank, and until every row is ready (``full``), beside the blocking
-  create of the same layout; on a GPU a probe thread on every rank meanwhile launches a tiny
-  kernel and waits for it every millisecond and reports the longest wait (registration holds
-  the driver);
+  create of the same layout; on a GPU a probe thread on every rank launches a tiny kernel
+  and waits for it every millisecond from ``create``'s return until every row is ready, and
+  reports the longest wait (a registration holds the driver);
 * **floor** -- one process creating 16 files of B/16 bytes of the same kind as ours (memfds, or
   files in ``--shm-dir``; ``posix_fallocate`` from 16 threads allocates their shmem pages) and
   populating them with ``MADV_POPULATE_WRITE`` from 16 threads, nothing else: how fast this host
@@ -87,9 +87,10 @@ def ours(rank: int, world: int, args: argparse.Namespace, layout: str) -> dict[s
                         prefault_threads=args.threads, timeout_s=600, shm_dir=args.shm_dir,
                         background=background)
     start, baseline = begin(rank)
-    probe = LaunchProbe(device) if background and device.type == "cuda" else None
     tier = HostTier.create(kv, config)
     created = time.time()
+    # what set-up costs the engine's own launches once create returned
+    probe = LaunchProbe(device) if background and device.type == "cuda" else None
     first = first_job(tier, args.blocks_per_chunk)
     tier.wait_ready(600)
     ready = time.time() if background else created  # blocking: ready when create returns

@@ -461,11 +461,13 @@ class _Files:
         return segment_paths(self.config.shm_dir, self.tier_id, self.tag, len(self.lengths))
 
     def create(self, paths: list[str], unlink: bool = False) -> list[int]:
-        """Create and reserve the files; return their descriptors."""
-        threads = self.config.prefault_threads
+        """Create the files, reserved unless set-up runs in the background (its pre-fault
+        allocates the pages, in row order); return their descriptors."""
+        threads, reserve = self.config.prefault_threads, not self.config.background
         if self.nameless:
-            return create_memfds(f"{self.tier_id}-{self.tag}", self.lengths, threads)
-        return create_segments(paths, self.lengths, threads, unlink=unlink)
+            return create_memfds(f"{self.tier_id}-{self.tag}", self.lengths, threads, reserve)
+        return create_segments(paths, self.lengths, threads, unlink=unlink,
+                               reserve_pages=reserve)
 
 
 def _logged(fn: Callable[..., object], *args: object) -> None:
