@@ -461,9 +461,13 @@ class _Files:
         return segment_paths(self.config.shm_dir, self.tier_id, self.tag, len(self.lengths))
 
     def create(self, paths: list[str], unlink: bool = False) -> list[int]:
-        """Create the files, reserved unless set-up runs in the background (its pre-fault
-        allocates the pages, in row order); return their descriptors."""
-        threads, reserve = self.config.prefault_threads, not self.config.background
+        """Create the files and return their descriptors.  They are reserved, except a
+        private region's in background set-up, whose pre-fault allocates them in row order.
+        A node region stays reserved: its ranks pre-fault in row order, all in the same file
+        at once, and allocating pages there serialises them (docs/BENCHMARKS.md, "Ready to
+        serve at once"), while reserving allocates every file in parallel."""
+        threads = self.config.prefault_threads
+        reserve = not (self.config.background and self.tag.startswith("r"))
         if self.nameless:
             return create_memfds(f"{self.tier_id}-{self.tag}", self.lengths, threads, reserve)
         return create_segments(paths, self.lengths, threads, unlink=unlink,

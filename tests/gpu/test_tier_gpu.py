@@ -154,7 +154,7 @@ def test_background_set_up_serves_ready_rows_on_cuda_while_the_rest_is_registere
 
         class Unhurried(CudaRegistrar):  # set-up must outlast the JIT for the test to see it
             def register(self, address: int, length: int) -> None:
-                time.sleep(0.02)
+                time.sleep(0.05)
                 super().register(address, length)
 
         tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=2048 * MiB, layout=layout,
