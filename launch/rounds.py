@@ -114,8 +114,9 @@ def run_rounds(tier: HostTier, rounds: int, num_blocks: int) -> RoundStats:
         keys: list[Key] = [(r, c) for c in range(n_chunks)]
         before = manager.stats()
         stored_before = stats.stored_chunks
-        # with background set-up, rows that came online since the last job join the free chunks
-        ready_rows = tier.ready.rows
+        # with background set-up: wait for a first row, then rows that came online since the
+        # last job join the free chunks
+        ready_rows = tier.wait_ready(rows=1).rows
         for start in range(0, n_chunks, tier.plan.chunk_count):
             batch = keys[start:start + tier.plan.chunk_count]
             job = manager.prepare_store(batch)

@@ -240,16 +240,19 @@ class HostTier:
             self.actor.progress_copies()  # a node leader shares its node's words here
         return self._refresh_ready(force=True)
 
-    def wait_ready(self, timeout_s: float | None = None) -> Readiness:
-        """Block until every row is usable on every rank (for simple programs; engines serve
-        meanwhile and watch `ready`).  Raises `OffloadError` when some rank's set-up stopped
-        on an error (the rows before stay usable), `PeerError` naming the ranks behind after
-        ``timeout_s`` (default: the tier's)."""
+    def wait_ready(self, timeout_s: float | None = None, rows: int | None = None
+                   ) -> Readiness:
+        """Block until every row -- or the first ``rows`` rows -- is usable on every rank (for
+        simple programs; engines serve meanwhile and watch `ready`).  Raises `OffloadError`
+        when some rank's set-up stopped on an error short of them (the rows before stay
+        usable), `PeerError` naming the ranks behind after ``timeout_s`` (default: the
+        tier's)."""
         timeout = self.actor.config.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
+        wanted = self.plan.chunk_count if rows is None else min(rows, self.plan.chunk_count)
         while True:
             ready = self.ready
-            if ready.full:
+            if ready.rows >= wanted:
                 return ready
             if ready.stopped:
                 rank = self.topology.rank
