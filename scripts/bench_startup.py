@@ -125,6 +125,7 @@ class LaunchProbe:
         self._device = device
         self._stop = False
         self.waits: list[float] = []
+        self.at: list[float] = []  # when each launch began, from the probe's start
         import threading
 
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -134,20 +135,25 @@ class LaunchProbe:
         torch.cuda.set_device(self._device)
         x = torch.zeros(1, device=self._device)
         stream = torch.cuda.Stream(self._device)
+        first = time.perf_counter()
         while not self._stop:
             began = time.perf_counter()
             with torch.cuda.stream(stream):
                 x.add_(1)
             stream.synchronize()
             self.waits.append(time.perf_counter() - began)
+            self.at.append(began - first)
             time.sleep(0.001)
 
     def stop(self) -> dict[str, float]:
         self._stop = True
         self._thread.join()
         ordered = sorted(self.waits)
+        worst = max(range(len(self.waits)), key=self.waits.__getitem__)
         return {"count": len(ordered), "p50_ms": 1e3 * ordered[len(ordered) // 2],
-                "max_ms": 1e3 * ordered[-1]}
+                "p99_ms": 1e3 * ordered[int(len(ordered) * 0.99)],
+                "max_ms": 1e3 * ordered[-1], "worst_at_s": self.at[worst],
+                "over_2ms": sum(w > 0.002 for w in ordered)}
 
 
 def stage_payloads(args: argparse.Namespace) -> list[int]:
