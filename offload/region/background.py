@@ -35,6 +35,11 @@ log = logging.getLogger(__name__)
 # pieces of 4 KiB shmem pages, measured (docs/BENCHMARKS.md, "Ready to serve at once").  At
 # ~6 GiB/s per process 8 MiB keeps that wait near 1 ms; a unit is never less than one row.
 UNIT_BYTES = 8 << 20
+# NOTE: set-up runs beside the engine's own threads (weights, graph capture, the scheduler), so
+# it populates from few threads: with 2 ranks on 16 cores, a thread launching a tiny kernel every
+# millisecond waited over 2 ms in 1-4 of ~850 launches beside 4 pre-fault threads per rank, in
+# ~480 beside 16 (docs/BENCHMARKS.md, "Ready to serve at once").
+THREADS = 4
 PROGRESS_INTERVAL_S = 2.0
 
 ReadyFn = Callable[[int, bool], None]

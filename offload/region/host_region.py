@@ -60,6 +60,7 @@ from offload.geometry import (
     setup_units,
 )
 from offload.plan import Plan
+from offload.region.background import THREADS as BACKGROUND_THREADS
 from offload.region.background import UNIT_BYTES, BackgroundSetup, ReadyFn
 from offload.region.hugepages import shmem_huge_mode, small_page_hint
 from offload.region.nameless import FdOffer, check_sizes, create_memfds, fetch_fds, socket_name
@@ -248,7 +249,8 @@ class HostRegion:
             if on_ready is not None:
                 on_ready(rows, stopped)
 
-        self._setup = BackgroundSetup(self.address, units, pinner, config.prefault_threads,
+        threads = min(config.prefault_threads, BACKGROUND_THREADS)
+        self._setup = BackgroundSetup(self.address, units, pinner, threads,
                                       announce, progress=progress,
                                       on_thread_start=placement.enter if placement else None)
         self._setup.start()
