@@ -12,7 +12,7 @@ The word packs two counters a rank only ever increases::
 
 Word 2 of each rank's line is its *ready word*, ``rows << 1 | stopped``: the rows below
 ``rows`` are usable on that rank (populated and registered), and ``stopped`` says its background
-set-up ended on an error short of the whole region (DESIGN.md section 3.7).  It only rises and
+set-up ended on an error short of the whole region (DESIGN.md section 3.9).  It only rises and
 only its rank writes it (the set-up's pin thread, after the registration returned), so the same
 single-writer, single-aligned-store argument as for the watermark below covers it: a reader who
 sees ``rows`` may copy into or out of those rows.

@@ -128,7 +128,7 @@ class TierConfig:
     turns it off: whole chunks then run on the copy kernel."""
 
     background: bool = False
-    """Background set-up (``--background-setup``, DESIGN.md section 3.7): `HostTier.create`
+    """Background set-up (``--background-setup``, DESIGN.md section 3.9): `HostTier.create`
     returns once the plan is agreed and the regions are mapped, and pre-fault and registration
     continue on the tier's own threads in row order.  Rows come online as every rank has
     registered its part; a job touching a row that is not ready yet fails with reason "not

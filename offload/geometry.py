@@ -134,7 +134,7 @@ def registers_slots(geometry: RegionGeometry, config: TierConfig) -> bool:
 
 @dataclass(frozen=True)
 class SetupUnit:
-    """One step of background set-up (DESIGN.md section 3.7): populate ``ranges``, then
+    """One step of background set-up (DESIGN.md section 3.9): populate ``ranges``, then
     register each of them; after it, this rank's rows below ``rows_end`` are usable."""
 
     rows_end: int

@@ -115,7 +115,7 @@ def paths_block(ranks: list[dict[str, Any]]) -> dict[str, int]:
 
 def readiness_block(background: bool, ranks: list[dict[str, Any]],
                     first_success_at: float | None, created_at: float) -> dict[str, Any]:
-    """The report's ``readiness`` block (DESIGN.md section 3.7): ``create_s`` the longest
+    """The report's ``readiness`` block (DESIGN.md section 3.9): ``create_s`` the longest
     `HostTier.create` over the ranks, ``first_job_s`` from the start of rank 0's ``create`` to
     the first job decided successfully, ``full_s`` until every row was ready on every rank
     (each rank from the start of its own ``create``)."""

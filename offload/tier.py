@@ -85,7 +85,7 @@ class TransferResult:
 
 @dataclass(frozen=True)
 class Readiness:
-    """How much of the tier is usable (DESIGN.md section 3.7): the rows below ``rows`` are set
+    """How much of the tier is usable (DESIGN.md section 3.9): the rows below ``rows`` are set
     up on every rank, of ``total``.  ``stopped`` lists the ranks whose background set-up ended
     on an error: the tier then stays at ``rows`` (those rows remain usable)."""
 

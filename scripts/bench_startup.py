@@ -9,7 +9,7 @@ One run, one table.  For a budget B per node and N ranks on this host:
 * **pin_memory** -- every rank allocates its share with ``torch.empty(..., pin_memory=True)``
   (PyTorch's caching host allocator rounds each request up to a power of two);
 * **background/<layout>** -- `HostTier.create` with background set-up (DESIGN.md section
-  3.7): the time until ``create`` returns, until the first 16-block store is decided
+  3.9): the time until ``create`` returns, until the first 16-block store is decided
   successfully on every rank, and until every row is ready (``full``), beside the blocking
   create of the same layout; on a GPU a probe thread on every rank launches a tiny kernel
   and waits for it every millisecond from ``create``'s return until every row is ready, and

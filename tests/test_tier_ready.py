@@ -1,4 +1,4 @@
-"""Background set-up across real gloo ranks (DESIGN.md section 3.7): `create` returns before
+"""Background set-up across real gloo ranks (DESIGN.md section 3.9): `create` returns before
 the rows are set up, rows come online as every rank registers its part, a job touching a row
 that some rank has not set up is decided failed -- "not ready" -- on every rank alike (never
 wrong bytes, never a wait), the chunk manager hands out only ready rows, and close or a dead
@@ -105,7 +105,7 @@ def _not_ready_everywhere(rank: int, layout: str, gate: str) -> object:
     tier = _background_tier(rank, layout, registrar)
     total = tier.plan.chunk_count
     created_ready = tier.actor.ready_rows
-    _wait_rows(tier, 2)
+    assert tier.wait_ready(20, rows=2).rows == 2  # rank 1 stops at the gate after two rows
     if rank == 0:  # rank 0 itself gets everything; the tier stays at rank 1's rows
         deadline = time.monotonic() + 20
         while tier.actor.ready_rows < total and time.monotonic() < deadline:

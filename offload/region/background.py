@@ -1,5 +1,5 @@
 """Background set-up: a mapped region populated and registered unit by unit, in row order,
-on the tier's own threads, while the engine loads its weights and serves (DESIGN.md 3.7).
+on the tier's own threads, while the engine loads its weights and serves (DESIGN.md section 3.9).
 
 ``BackgroundSetup`` runs `geometry.setup_units`: a pool of pre-fault threads populates the
 units ahead (``MADV_POPULATE_WRITE``, GIL released), and one pin thread registers each unit as

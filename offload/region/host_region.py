@@ -106,7 +106,7 @@ class RegionStats:
     shmem_huge: str | None = None  # memfd regions: the host's shmem_enabled mode (hugepages)
     numa_node: int | None = None  # where its pages were placed (None: no placement)
     numa_bytes: int | None = None  # bytes of the region this rank maps found on that node
-    background: bool = False  # pre-fault and registration ran behind `create` (section 3.7)
+    background: bool = False  # pre-fault and registration ran behind `create` (section 3.9)
     longest_registration_s: float | None = None  # background: the longest registration call
     timings_s: dict[str, float] = field(default_factory=dict)
 
