@@ -91,12 +91,13 @@ def ours(rank: int, world: int, args: argparse.Namespace, layout: str) -> dict[s
     created = time.time()
     # what set-up costs the engine's own launches once create returned
     probe = LaunchProbe(device) if background and device.type == "cuda" else None
-    first = first_job(tier, args.blocks_per_chunk)
+    first, first_ready = first_job(tier, args.blocks_per_chunk)
     tier.wait_ready(600)
     ready = time.time() if background else created  # blocking: ready when create returns
     waits = probe.stop() if probe is not None else None
     row = tier.actor.report()
     result = {"start": start, "ready": ready, "created": created, "first": first,
+              "first_ready": first_ready,
               "registered": row["pinned_bytes"], "probe": waits,
               "own_bytes": tier.plan.slots[rank].slot_bytes * tier.plan.chunk_count, "row": row}
     hold(rank, result, baseline)
@@ -104,17 +105,19 @@ def ours(rank: int, world: int, args: argparse.Namespace, layout: str) -> dict[s
     return result
 
 
-def first_job(tier: Any, blocks: int) -> float:
+def first_job(tier: Any, blocks: int) -> tuple[float, float]:
     """Store ``blocks`` blocks into the first ready chunk, as soon as there is one on every
-    rank; return when the job is decided successfully (wall clock)."""
+    rank; return when the job is decided successfully and when the row was ready (wall
+    clock)."""
     from offload import CopyJob
 
     while tier.ready.rows < 1:
         time.sleep(0.0002)
+    first_ready = time.time()
     n = min(blocks, tier.plan.blocks_per_chunk)
     tier.submit(CopyJob(0, "store", tuple(range(n)), (0,) * n, tuple(range(n))))
     tier.wait([0])
-    return time.time()
+    return time.time(), first_ready
 
 
 class LaunchProbe:
@@ -264,7 +267,7 @@ def run_variant(world: int, fn: Callable[..., dict[str, Any]], *extra: Any) -> d
     began = min(r["start"] for r in results.values())
     seconds = max(r["ready"] for r in results.values()) - began
     stages = {key: max(r[key] for r in results.values()) - began
-              for key in ("created", "first") if key in results[0]}
+              for key in ("created", "first", "first_ready") if key in results[0]}
     probes = [r["probe"] for r in results.values() if r.get("probe")]
     if probes:
         stages["worst_wait_ms"] = max(p["max_ms"] for p in probes)
