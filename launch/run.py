@@ -250,7 +250,8 @@ def run(args: argparse.Namespace) -> int:
         write_json(args.report_json, report)
     if args.timeline:
         draw_timeline(report["ranks"], args.timeline,
-                      f"{config.layout}, {world} ranks, {args.cpu_bytes} per node")
+                      f"{config.layout}, {world} ranks, {args.cpu_bytes} per node",
+                      report["readiness"]["first_job_s"])
     bad = [r["replica"] for r in report["replicas"] if not r["transfer"]["verified"]]
     audit_bad = report.get("audit", {}).get("mismatched_blocks", 0)
     ok = not bad and report["shm_files_left"] == 0 and not audit_bad

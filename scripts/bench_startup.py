@@ -364,8 +364,13 @@ def main() -> None:
         for layout in args.layouts.split(","):
             if layout == "replicated" and len(set(stage_payloads(args))) > 1:
                 continue
-            rows[f"background/{layout}"] = run_variant(args.nproc, ours, args,
-                                                       f"background:{layout}")
+            row = rows[f"background/{layout}"] = run_variant(args.nproc, ours, args,
+                                                             f"background:{layout}")
+            if args.timeline:
+                draw_timeline([r["row"] for r in row["ranks"]],
+                              f"{args.timeline}-background-{layout}.png",
+                              f"background {layout}, {args.nproc} ranks, "
+                              f"{format_size(args.cpu_bytes)}", row["first"])
     if "naive" in variants:
         rows["naive"] = run_variant(args.nproc, naive, args)
     if "pin_memory" in variants:
