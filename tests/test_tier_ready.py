@@ -238,3 +238,27 @@ def test_a_rank_that_dies_during_background_set_up_fails_its_peers_within_the_ti
     message, took = outcomes[0].value
     assert "rows below 2 of" in message and "ranks [1] are behind" in message
     assert took < 10
+
+
+def _two_nodes(rank: int, gate: str) -> object:
+    """One rank per simulated node: each learns the other's rows through the store key its
+    node leader shares on its polls."""
+    import torch.distributed as dist
+
+    registrar = GatedRegistrar(gate, free=3 if rank == 1 else 10 ** 6)
+    tier = _background_tier(rank, "shared", registrar)
+    reached = tier.wait_ready(20, rows=3).rows
+    dist.barrier()
+    if rank == 0:
+        open(gate, "w").close()
+    full = tier.wait_ready(20)
+    tier.close()
+    return reached, full.full, full.rows == full.total
+
+
+def test_readiness_crosses_nodes_through_the_store(tmp_path) -> None:
+    outcomes = run_group(_two_nodes, 2, args=(str(tmp_path / "gate"),), nodes=["a", "b"],
+                         timeout=90)
+    for o in outcomes:
+        assert o.ok, o.error
+    assert [o.value for o in outcomes] == [(3, True, True)] * 2
