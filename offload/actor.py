@@ -395,6 +395,8 @@ class RankActor:
                 self.engine = None
             if self.files is not None:  # its I/O reads and writes the region's rows
                 files, self.files = self.files, None
+                if self.region is not None:  # no row comes online after close
+                    self.region.stop_setup()
                 if not files.close() and self.region is not None:
                     # NOTE: a stalled read still writes into its row when it returns, so the
                     # region is closed only after it did (or with the process).

@@ -13,9 +13,11 @@ The word packs two counters a rank only ever increases::
 Word 2 of each rank's line is its *ready word*, ``rows << 1 | stopped``: the rows below
 ``rows`` are usable on that rank (populated and registered), and ``stopped`` says its background
 set-up ended on an error short of the whole region (DESIGN.md section 3.9).  It only rises and
-only its rank writes it (the set-up's pin thread, after the registration returned), so the same
-single-writer, single-aligned-store argument as for the watermark below covers it: a reader who
-sees ``rows`` may copy into or out of those rows.
+only its rank's process writes it -- the set-up's pin thread after a registration returned, the
+JIT thread once the copy kernel is compiled, or the main thread after a blocking set-up, one at a
+time under the rank's lock (`RankActor._publish_ready`) -- so the same single-writer,
+single-aligned-store argument as for the watermark below covers it: a reader who sees ``rows``
+may copy into or out of those rows.
 
 (Word 1 of rank 0's line is the RPC doorbell: the number of the latest request rank 0 posted to
 the store, which workers on its node watch instead of polling the store; same single-writer,

@@ -254,13 +254,15 @@ class HostTier:
             ready = self.ready
             if ready.rows >= wanted:
                 return ready
-            if ready.stopped:
+            short = [r for r in ready.stopped
+                     if unpack_ready(self._ready_words[r])[0] < wanted]
+            if short:  # those ranks will never reach the rows wanted
                 rank = self.topology.rank
                 own = (f"; here: {self.actor.region.stats.pin_error}"
-                       if rank in ready.stopped and self.actor.region is not None else "")
-                raise OffloadError(f"background set-up stopped on ranks {list(ready.stopped)} "
-                                   f"with rows below {ready.rows} of {ready.total} usable"
-                                   f"{own}; their logs say why (no memory: lower --cpu-bytes)")
+                       if rank in short and self.actor.region is not None else "")
+                raise OffloadError(f"background set-up stopped on ranks {short} with rows "
+                                   f"below {ready.rows} of {ready.total} usable{own}; their "
+                                   "logs say why (no memory: lower --cpu-bytes)")
             if time.monotonic() >= deadline:
                 behind = sorted(r for r, w in self._ready_words.items()
                                 if unpack_ready(w)[0] == ready.rows)
@@ -282,6 +284,9 @@ class HostTier:
             return self.last_ready
         self._ready_checked = now
         words = self._ready_words = quorum.ready_words()
+        # a node leader publishes what it just read (the board only rises): once this view is
+        # full nothing here polls again, and the other nodes must still learn the last rows
+        quorum.share()
         rows = quorum.ready_rows(words)
         stopped = tuple(sorted(r for r, w in words.items() if unpack_ready(w)[1]))
         self.last_ready = Readiness(rows, self.plan.chunk_count, stopped)
@@ -742,6 +747,10 @@ def _drive_setup(actor: RankActor, rpc: CollectiveRPC, gathered: list[Any]
             raise RuntimeError(f"ranks {wrong} acknowledged a different plan than rank 0's "
                                f"{plan.digest()}")
         pinned = rpc.call(RankActor.build_region, actor=actor)
+        if any(pinned) and not all(pinned) and actor.config.background:
+            raise OffloadError(f"ranks {[r for r, p in enumerate(pinned) if not p]} cannot pin "
+                               "host memory (KV not on CUDA) while the others can; background "
+                               "set-up needs every rank pinned or none: drop --background-setup")
         if any(pinned) and not all(pinned):
             log.warning("ranks %s could not pin their region; the whole group runs unpinned",
                         [r for r, p in enumerate(pinned) if not p])

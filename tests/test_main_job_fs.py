@@ -161,3 +161,16 @@ def test_an_unusable_fs_tier_is_one_line(problem: str, fs_dir: Path, tmp_path: P
     assert needle in errors[0], errors[0]
     assert not our_tracebacks(proc), proc.stderr[-3000:]
     assert [p for p in os.listdir(fs_dir) if p != "f"] == []
+
+
+def test_background_set_up_spills_and_promotes_into_ready_rows(fs_dir: Path, tmp_path: Path
+                                                                ) -> None:
+    """The file tier behind a tier set up in the background: rounds larger than host memory
+    spill and promote (into rows the manager handed out as they came online), verified."""
+    report, out = _run(fs_dir, tmp_path, "--rounds", "2", "--layout", "shared",
+                       "--background-setup")
+    fs, transfer = report["fs_tier"], report["transfer"]
+    assert transfer["verified"] and transfer["spilled_chunks"] > 0
+    assert transfer["promoted_chunks"] > 0 and fs["hits"] > 0
+    assert report["readiness"]["background"] and report["readiness"]["full_s"] is not None
+    assert "readiness (background set-up)" in out

@@ -115,3 +115,38 @@ def test_stop_abandons_the_rest_and_leaves_no_thread() -> None:
         pinner.unpin_all()
         mapping.close()
     assert registrar.registered == {}
+
+
+def test_interpreter_exit_does_not_wait_for_the_rest_of_the_pre_fault(tmp_path) -> None:
+    """A program that ends while set-up has 10 s of units left exits at once: every set-up
+    thread is a daemon (a thread pool's workers would be joined, queue drained, first)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "exits.py"
+    script.write_text(textwrap.dedent("""
+        import time
+        from offload.config import TierConfig
+        from offload.geometry import RegionGeometry, setup_units
+        from offload.region.background import BackgroundSetup
+        from offload.region.pin import Pinner, RecordingRegistrar
+        from offload.region.shm import Mapping
+
+        geometry = RegionGeometry("private", 100, 4096, 0, 4096, 4096)
+        units = setup_units(geometry, TierConfig(cpu_bytes_per_node=1 << 30), 4096)
+        mapping = Mapping.anonymous(geometry.total_bytes)
+
+        def slow(address, length):
+            time.sleep(0.1)
+            return 0
+
+        BackgroundSetup(mapping.address, units, Pinner(RecordingRegistrar(), mapping.address),
+                        1, lambda rows, stopped: None, populate=slow).start()
+        time.sleep(0.3)
+    """))
+    began = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert time.perf_counter() - began < 5  # not the ~10 s of units left

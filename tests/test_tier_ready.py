@@ -200,7 +200,8 @@ def _close_during_set_up(rank: int, gate: str, shm_dir: str | None) -> object:
     ready = tier.actor.ready_rows
     tier.close()
     took = time.perf_counter() - began
-    threads = [t.name for t in threading.enumerate() if t.name.startswith("offload-bg")]
+    threads = [t.name for t in threading.enumerate()
+               if t.name.startswith(("offload-bg", "offload-jit"))]
     return ready, tier.plan.chunk_count, took, dict(registrar.registered), threads
 
 
@@ -262,3 +263,92 @@ def test_readiness_crosses_nodes_through_the_store(tmp_path) -> None:
     for o in outcomes:
         assert o.ok, o.error
     assert [o.value for o in outcomes] == [(3, True, True)] * 2
+
+
+def _jit_gates_rows(rank: int, gate: str) -> object:
+    """The region sets up every row at once, but the copy kernel's JIT (held at a gate) has
+    not finished: no row is usable, a job is refused "not ready"; once it has, all are."""
+    from offload import CopyJob, OffloadError
+    from offload.actor import RankActor
+
+    def slow_jit(actor) -> None:
+        deadline = time.monotonic() + 20
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    RankActor._compile_on_scratch = slow_jit  # the JIT's seam: compilation itself
+    tier = _background_tier(rank, "private", RecordingRegistrar())
+    deadline = time.monotonic() + 20
+    while tier.actor.region.stats.registrations == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the region itself is set up ...
+    time.sleep(0.2)
+    held = (tier.ready.rows, tier.actor.ready_rows)  # ... but nothing is usable yet
+    try:
+        tier.submit(CopyJob(1, "store", (0,), (0,), (0,)))
+        refused = None
+    except OffloadError as exc:
+        refused = str(exc)[:9]
+    if rank == 0:
+        open(gate, "w").close()
+    full = tier.wait_ready(20).full
+    decided = _decide_all(tier, rank)
+    tier.close()
+    return held, refused, full, decided
+
+
+def test_no_row_is_usable_before_the_copy_kernel_is_compiled(tmp_path) -> None:
+    outcomes = run_group(_jit_gates_rows, 2, args=(str(tmp_path / "gate"),), timeout=90)
+    for o in outcomes:
+        assert o.ok, o.error
+        held, refused, full, decided = o.value
+        assert held == (0, 0) and refused == "not ready" and full
+        assert decided == [(1, False, 0, "not ready")]
+
+
+def _wants_fewer_than_a_stopped_rank_has(rank: int, gate: str) -> object:
+    """Rank 1's set-up fails after 10 rows; rank 0 waits at a gate after 3.  Waiting for 5
+    rows must not fail while rank 0 can still get there; waiting for all of them must."""
+    import torch.distributed as dist
+
+    from offload import OffloadError
+
+    registrar = GatedRegistrar(gate, free=3 if rank == 0 else 10 ** 6,
+                               fail_at=10 if rank == 1 else None)
+    tier = _background_tier(rank, "shared", registrar)
+    if rank == 0:
+        deadline = time.monotonic() + 20
+        while not tier.ready.stopped and time.monotonic() < deadline:
+            time.sleep(0.005)  # rank 1 has stopped at 10 rows; we are at 3
+        threading.Timer(0.3, lambda: open(gate, "w").close()).start()
+    dist.barrier()
+    some = tier.wait_ready(20, rows=5).rows
+    try:
+        tier.wait_ready(20)
+        everything = "full"
+    except OffloadError as exc:
+        everything = str(exc)[:43]
+    tier.close()
+    return some, everything
+
+
+def test_wait_ready_waits_for_rows_a_stopped_rank_still_covers(tmp_path) -> None:
+    outcomes = run_group(_wants_fewer_than_a_stopped_rank_has, 2,
+                         args=(str(tmp_path / "gate"),), timeout=90)
+    for o in outcomes:
+        assert o.ok, o.error
+        assert o.value == (10, "background set-up stopped on ranks [1] with")
+
+
+def test_a_promotion_into_a_row_not_set_up_is_refused_before_any_read() -> None:
+    from types import SimpleNamespace
+
+    from offload import OffloadError, fs_actions
+
+    class NoReads:
+        def promote(self, reads, spills):  # pragma: no cover - must not be reached
+            raise AssertionError("read into a row that is not set up")
+
+    actor = SimpleNamespace(files=NoReads(), ready_rows=4, topology=SimpleNamespace(rank=1))
+    with pytest.raises(OffloadError, match="not ready: a promotion reads into chunk 4, but "
+                                           "rank 1 has only rows below 4"):
+        fs_actions.promote(actor, [], [("a", 3), ("b", 4)])

@@ -4,7 +4,9 @@ on the tier's own threads, while the engine loads its weights and serves (DESIGN
 ``BackgroundSetup`` runs `geometry.setup_units`: a pool of pre-fault threads populates the
 units ahead (``MADV_POPULATE_WRITE``, GIL released), and one pin thread registers each unit as
 soon as it is populated, strictly in order, then announces "rows below R are usable" through
-``on_ready`` (the rank's ready word on the node board).  Registration is kept off every
+``on_ready`` (the rank's ready word on the node board).  Every thread is a daemon: interpreter
+exit never waits for the rest of a region's pre-fault (a thread pool's workers would be joined,
+queue drained, before any ``atexit`` closer could stop them).  Registration is kept off every
 caller's path: a registration call holds the CUDA driver for its whole duration, so units are
 small (`UNIT_BYTES`) and nothing here ever runs inside ``submit``.
 
@@ -17,7 +19,7 @@ abandons the remaining units and waits for the threads; registered ranges stay w
 
 from __future__ import annotations
 
-import concurrent.futures
+import itertools
 import logging
 import threading
 import time
@@ -59,8 +61,10 @@ class BackgroundSetup:
         self._pinner = pinner
         self._on_ready = on_ready
         self._progress = progress
+        self._on_thread_start = on_thread_start
         self._populator = Populator(base, populate)
-        self._stopping = threading.Event()
+        self._stopping = threading.Event()  # `stop`: abandon the rest quietly
+        self._aborted = threading.Event()  # a unit failed: the rest is moot
         self.done = threading.Event()
         self.ready_rows = 0
         self.error: str | None = None
@@ -70,16 +74,20 @@ class BackgroundSetup:
         self.busy_s = 0.0  # inside registration calls
         self.longest_call_s = 0.0  # the longest single registration call
         self.total_bytes = sum(u.length for u in self._units)
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max(1, threads), thread_name_prefix="offload-bg-prefault",
-            initializer=on_thread_start)
-        self._populated: list[concurrent.futures.Future[None]] = []
+        # unit i is populated once _populated[i] is set; _failed[i] holds its error
+        self._populated = [threading.Event() for _ in self._units]
+        self._failed: list[BaseException | None] = [None] * len(self._units)
+        self._next_unit = itertools.count()  # the populating threads' shared queue (atomic)
+        self._workers = [threading.Thread(target=self._populate_units, daemon=True,
+                                          name=f"offload-bg-prefault-{i}")
+                         for i in range(max(1, threads))]
         self._thread = threading.Thread(target=self._register, name="offload-bg-pin",
                                         daemon=True)
 
     def start(self) -> BackgroundSetup:
         self.started = time.perf_counter()
-        self._populated = [self._pool.submit(self._populate, u) for u in self._units]
+        for worker in self._workers:
+            worker.start()
         self._thread.start()
         return self
 
@@ -93,27 +101,42 @@ class BackgroundSetup:
         return self.done.wait(timeout_s)
 
     def stop(self) -> None:
-        """Abandon the units not yet registered and wait for the threads (idempotent; never
-        from the set-up's own threads)."""
+        """Abandon the units not yet registered and wait for the threads: each finishes the
+        unit or registration in hand (idempotent; never from the set-up's own threads)."""
         self._stopping.set()
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
+        for thread in (*self._workers, self._thread):
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join()
 
-    def _populate(self, unit: SetupUnit) -> None:
-        if self._stopping.is_set():
-            return
-        for r in unit.ranges:
-            self._populator.run(r)
-        self.populated_s = time.perf_counter() - self.started
+    def _populate_units(self) -> None:
+        if self._on_thread_start is not None:
+            self._on_thread_start()
+        while not (self._stopping.is_set() or self._aborted.is_set()):
+            i = next(self._next_unit)  # units are taken in order: all below i were taken
+            if i >= len(self._units):
+                return
+            try:
+                for r in self._units[i].ranges:
+                    self._populator.run(r)
+                self.populated_s = time.perf_counter() - self.started
+            except BaseException as exc:
+                self._failed[i] = exc
+                self._aborted.set()  # later units are moot: set-up stops at this one
+            finally:
+                self._populated[i].set()
 
     def _register(self) -> None:
         rows, done_bytes, last_log = 0, 0, self.started
         try:
-            for unit, populated in zip(self._units, self._populated, strict=True):
-                populated.result()  # its pages are in (or its error is ours)
+            for i, unit in enumerate(self._units):
+                while not self._populated[i].wait(0.05):
+                    if self._stopping.is_set():
+                        return
+                failure = self._failed[i]
                 if self._stopping.is_set():
                     return
+                if failure is not None:
+                    raise failure
                 for r in unit.ranges:
                     began = time.perf_counter()
                     self._pinner.pin(r)
@@ -130,14 +153,12 @@ class BackgroundSetup:
             self.finished = time.perf_counter()
             if self._progress is not None:
                 self._progress(done_bytes, self.total_bytes, self.finished - self.started)
-        except concurrent.futures.CancelledError:  # stopped while a unit waited
-            return
         except BaseException as exc:
+            self._aborted.set()
             if not self._stopping.is_set():
                 self.error = one_line(exc)
                 log.error("background set-up stopped at row %d of %d: %s", rows,
                           self._units[-1].rows_end, self.error)
                 self._on_ready(rows, True)
         finally:
-            self._pool.shutdown(wait=False, cancel_futures=True)
             self.done.set()

@@ -33,7 +33,7 @@ pre-fault").
 
 With ``background`` set-up, `create` returns once the region is mapped on every rank of the node;
 a `BackgroundSetup` then populates and registers it unit by unit in row order
-(`geometry.setup_units`), and ``ready_rows`` says how far it got.
+(`geometry.setup_units`), announcing through ``on_ready`` how far it got.
 """
 
 from __future__ import annotations
@@ -149,7 +149,6 @@ class HostRegion:
         self._pinner: Pinner | None = None
         self._pipeline: PinPipeline | None = None
         self._setup: BackgroundSetup | None = None
-        self._built = False  # blocking set-up finished: every row is usable
 
     @property
     def address(self) -> int:
@@ -159,17 +158,10 @@ class HostRegion:
     def size(self) -> int:
         return self._mapping.size if self._mapping is not None else 0
 
-    @property
-    def ready_rows(self) -> int:
-        """Rows below this are usable on this rank: populated and registered."""
+    def stop_setup(self) -> None:
+        """Stop a background set-up where it is (idempotent; nothing without one)."""
         if self._setup is not None:
-            return self._setup.ready_rows
-        return self.plan.chunk_count if self._built else 0
-
-    @property
-    def setup(self) -> BackgroundSetup | None:
-        """The background set-up, if this region was created with one."""
-        return self._setup
+            self._setup.stop()
 
     @classmethod
     def create(cls, plan: Plan, topology: Topology, config: TierConfig, tier_id: str,
@@ -228,7 +220,6 @@ class HostRegion:
         else:
             self._prefault_and_pin(sync if node_layout else None, topology, config, segments,
                                    progress)
-            self._built = True
 
     def _start_background(self, topology: Topology, config: TierConfig,
                           progress: ProgressFn | None, on_ready: ReadyFn | None) -> None:
@@ -244,10 +235,13 @@ class HostRegion:
             self.stats.numa_node = placement.node
 
         def announce(rows: int, stopped: bool) -> None:
-            if rows == self.plan.chunk_count or stopped:
-                self._finish_background_stats()
             if on_ready is not None:
                 on_ready(rows, stopped)
+            if rows == self.plan.chunk_count or stopped:
+                try:  # the rows are announced whatever the statistics do
+                    self._finish_background_stats()
+                except Exception:
+                    log.exception("rank %d: background set-up statistics", self.rank)
 
         threads = min(config.prefault_threads, BACKGROUND_THREADS)
         self._setup = BackgroundSetup(self.address, units, pinner, threads,
@@ -401,8 +395,7 @@ class HostRegion:
     def unpin(self) -> None:
         """Unregister every range this rank registered (stopping a background set-up
         first); idempotent."""
-        if self._setup is not None:
-            self._setup.stop()
+        self.stop_setup()
         if self._pipeline is not None:
             self._pipeline.stop()
         if self._pinner is not None:
@@ -463,17 +456,15 @@ class _Files:
         return segment_paths(self.config.shm_dir, self.tier_id, self.tag, len(self.lengths))
 
     def create(self, paths: list[str], unlink: bool = False) -> list[int]:
-        """Create the files and return their descriptors.  They are reserved, except a
-        private region's in background set-up, whose pre-fault allocates them in row order.
-        A node region stays reserved: its ranks pre-fault in row order, all in the same file
-        at once, and allocating pages there serialises them (docs/BENCHMARKS.md, "Ready to
-        serve at once"), while reserving allocates every file in parallel."""
+        """Create and reserve the files; return their descriptors.  Background set-up keeps
+        the reservation: pre-faulting a node region in row order, its ranks work in one shmem
+        file at a time, where allocating pages serialises (docs/BENCHMARKS.md, "Ready to serve
+        at once"), while reserving allocates every file in parallel; and a reserved file never
+        turns a lack of memory into a SIGBUS at first touch."""
         threads = self.config.prefault_threads
-        reserve = not (self.config.background and self.tag.startswith("r"))
         if self.nameless:
-            return create_memfds(f"{self.tier_id}-{self.tag}", self.lengths, threads, reserve)
-        return create_segments(paths, self.lengths, threads, unlink=unlink,
-                               reserve_pages=reserve)
+            return create_memfds(f"{self.tier_id}-{self.tag}", self.lengths, threads)
+        return create_segments(paths, self.lengths, threads, unlink=unlink)
 
 
 def _logged(fn: Callable[..., object], *args: object) -> None:

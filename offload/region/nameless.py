@@ -64,17 +64,14 @@ def create_memfd(name: str, length: int) -> int:
     return fd
 
 
-def create_memfds(name: str, lengths: Sequence[int], threads: int,
-                  reserve_pages: bool = True) -> list[int]:
+def create_memfds(name: str, lengths: Sequence[int], threads: int) -> list[int]:
     """One sealed memfd per segment (``offload-<name>-s<i>`` in ``/proc/<pid>/fd``), reserved
-    in parallel unless ``reserve_pages`` is False (background set-up allocates as it
-    populates); on any failure every one of them is closed, which frees it."""
+    in parallel; on any failure every one of them is closed, which frees it."""
     fds: list[int] = []
     try:
         for i, length in enumerate(lengths):
             fds.append(create_memfd(f"{name}-s{i}", length))
-        if reserve_pages:
-            reserve(fds, lengths, threads)
+        reserve(fds, lengths, threads)
     except BaseException:
         close_fds(fds)
         raise

@@ -66,11 +66,9 @@ def segment_paths(shm_dir: str, tier_id: str, tag: str, count: int) -> list[str]
 
 
 def create_segments(paths: Sequence[str], lengths: Sequence[int], threads: int = 1,
-                    unlink: bool = False, reserve_pages: bool = True) -> list[int]:
+                    unlink: bool = False) -> list[int]:
     """Create and reserve every segment file; return their open descriptors.  The caller has
-    checked the space (``space.check_space``).  Without ``reserve_pages`` the files are only
-    sized: background set-up allocates the pages as it populates them (and meets a lack of
-    memory as a clear pre-fault error, before any job may touch those rows).
+    checked the space (``space.check_space``).
 
     ``unlink`` removes each name right after it is created, before the (slow) reservation:
     a private region then has no name to leak for more than a few microseconds, even on
@@ -83,11 +81,7 @@ def create_segments(paths: Sequence[str], lengths: Sequence[int], threads: int =
             fds.append(_create_one(path))
             if unlink:
                 os.unlink(path)
-        if reserve_pages:
-            reserve(fds, lengths, threads)
-        else:
-            for fd, length in zip(fds, lengths, strict=True):
-                os.ftruncate(fd, length)
+        reserve(fds, lengths, threads)
     except BaseException:
         close_fds(fds)
         for path in paths[:len(fds)]:
