@@ -193,3 +193,52 @@ def test_the_core_imports_and_runs_without_prometheus_client() -> None:
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "metrics_port (--metrics-port) = 0 is not a TCP port" in proc.stdout
+
+
+def _rows_come_online(rank: int, port: int, gate: str) -> object:
+    import os
+    import time
+
+    import torch
+
+    import offload.region.host_region as host_region
+    from offload import CopyJob, HostTier, OffloadError
+    from tests.test_tier_ready import GatedRegistrar
+
+    host_region.UNIT_BYTES = 1  # one row per set-up unit
+    registrar = GatedRegistrar(gate, free=2 if rank == 1 else 10 ** 6)
+    kv = [torch.ones((8, 1024), dtype=torch.uint8)]
+    tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=4 * MiB, blocks_per_chunk=1, tp=2,
+                                          timeout_s=20, metrics_port=port, background=True),
+                           registrar_factory=lambda device: registrar)
+    url = f"http://127.0.0.1:{port + rank}/metrics"
+    tier.wait_ready(20, rows=2)
+    with contextlib.suppress(OffloadError):  # a row past rank 1's two: "not ready" everywhere
+        tier.submit(CopyJob(1, "store", (0,), (5,), (0,)))
+    if rank == 0:
+        while not tier.finished():
+            time.sleep(0.001)
+    early = _scrape(url)
+    if rank == 0:
+        open(gate, "w").close()
+    else:
+        while not os.path.exists(gate):
+            time.sleep(0.001)
+    tier.wait_ready(20)
+    late = _scrape(url)
+    tier.close()
+    return early, late
+
+
+def test_rows_ready_and_not_ready_jobs_move_while_set_up_runs_behind(tmp_path) -> None:
+    port = free_port()
+    outcomes = run_group(_rows_come_online, 2, args=(port, str(tmp_path / "gate")),
+                         timeout=90)
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+    (early, late), _ = (o.value for o in outcomes)
+    total = early["offload_rows_total{}"]
+    assert early["offload_rows_ready{}"] == 2 and late["offload_rows_ready{}"] == total
+    assert early["offload_chunks{state=not_ready}"] == total - 2
+    assert early["offload_chunks{state=free}"] == 2
+    assert late["offload_chunks{state=not_ready}"] == 0
+    assert early["offload_jobs_total{direction=store,outcome=not_ready}"] == 1
