@@ -110,7 +110,10 @@ class BackgroundSetup:
 
     def _populate_units(self) -> None:
         if self._on_thread_start is not None:
-            self._on_thread_start()
+            try:  # placement is best effort: a worker that cannot be placed still works
+                self._on_thread_start()
+            except Exception:
+                log.exception("background set-up: placing a pre-fault thread failed")
         while not (self._stopping.is_set() or self._aborted.is_set()):
             i = next(self._next_unit)  # units are taken in order: all below i were taken
             if i >= len(self._units):

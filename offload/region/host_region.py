@@ -235,13 +235,15 @@ class HostRegion:
             self.stats.numa_node = placement.node
 
         def announce(rows: int, stopped: bool) -> None:
-            if on_ready is not None:
-                on_ready(rows, stopped)
             if rows == self.plan.chunk_count or stopped:
-                try:  # the rows are announced whatever the statistics do
+                # before the announcement: whoever learns set-up ended (wait_ready, the
+                # report) reads final figures and the error; announced whatever they do
+                try:
                     self._finish_background_stats()
                 except Exception:
                     log.exception("rank %d: background set-up statistics", self.rank)
+            if on_ready is not None:
+                on_ready(rows, stopped)
 
         threads = min(config.prefault_threads, BACKGROUND_THREADS)
         self._setup = BackgroundSetup(self.address, units, pinner, threads,
