@@ -379,3 +379,48 @@ def test_a_group_where_only_some_ranks_can_pin_is_refused_in_background() -> Non
     assert "ranks [1] cannot pin host memory" in outcomes[0].value
     assert "drop --background-setup" in outcomes[0].value
     assert outcomes[1].value != "created"  # the workers fail with rank 0's abort
+
+
+def _last_rows_while_sharing(rank: int, gate: str) -> object:
+    """Rank 1 (the leader of its node) finishes set-up between sharing its node's words and
+    reading them, then stops polling: rank 0, on the other node, must still learn the last
+    rows -- the leader shares again what it read."""
+    import torch.distributed as dist
+
+    from offload.quorum import Quorum
+
+    registrar = GatedRegistrar(gate, free=3 if rank == 1 else 10 ** 6)
+    tier = _background_tier(rank, "shared", registrar)
+    tier.wait_ready(20, rows=3)
+    dist.barrier()
+    if rank == 1:
+        plain, armed = Quorum.share, [True]
+
+        def share_then_finish(quorum) -> None:
+            plain(quorum)
+            if armed.pop() if armed else False:  # once: the last rows land right after
+                open(gate, "w").close()
+                deadline = time.monotonic() + 20
+                while tier.actor.ready_rows < tier.plan.chunk_count and \
+                        time.monotonic() < deadline:
+                    time.sleep(0.005)
+
+        Quorum.share = share_then_finish
+        seen = tier.ready.full  # one look, then no more polling until close
+        dist.barrier()
+    else:
+        try:
+            seen = tier.wait_ready(10).full
+        except Exception as exc:
+            seen = str(exc)[:60]
+        dist.barrier()
+    tier.close()
+    return seen
+
+
+def test_a_leader_that_stops_polling_still_shares_the_last_rows_it_saw(tmp_path) -> None:
+    outcomes = run_group(_last_rows_while_sharing, 2, args=(str(tmp_path / "gate"),),
+                         nodes=["a", "b"], timeout=90)
+    for o in outcomes:
+        assert o.ok, o.error
+    assert [o.value for o in outcomes] == [True, True]
