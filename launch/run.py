@@ -389,6 +389,10 @@ def _init_group(timeout_s: float) -> None:
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT",
                                                                               "29517"))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    # NOTE: gloo's init returns on one rank while another may still be connecting its mesh; a
+    # settings error found right after (a bad --fs-tier) would make the fast rank exit and
+    # the slow one's init fail with a C++ traceback instead of the one-line error.
+    dist.barrier()
 
 
 if __name__ == "__main__":
