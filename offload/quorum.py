@@ -88,8 +88,7 @@ class Quorum:
         self._remote = [(i, n.ranks) for i, n in enumerate(topology.nodes) if i != self._node]
         self._failures = 0  # this rank's failure records so far
         self._records: dict[int, list[tuple[int, str]]] = {}  # rank -> failure records read
-        self._shared: list[int] | None = None
-        self._shared_ready: list[int] | None = None
+        self._shared: dict[str, list[int]] = {}  # what the leader last shared, per key
         if self._remote and topology.is_leader:
             self.share()
 
@@ -109,33 +108,29 @@ class Quorum:
         poll; a single-node tier returns at once)."""
         if not self._remote or not self.topology.is_leader:
             return
-        words = self.board.words()
-        if words != self._shared:
-            self.store.set(f"node/{self._node}", ",".join(map(str, words)))
-            self._shared = words
-        ready = self.board.ready_words()
-        if ready != self._shared_ready:
-            self.store.set(f"ready/{self._node}", ",".join(map(str, ready)))
-            self._shared_ready = ready
+        for key, words in (("node", self.board.words()), ("ready", self.board.ready_words())):
+            if words != self._shared.get(key):
+                self.store.set(f"{key}/{self._node}", ",".join(map(str, words)))
+                self._shared[key] = words
 
     # ------------------------------------------------------------------ every rank
     def words(self) -> Words:
         """Every rank's latest word: this node's from the board, each other node's from its
         one store key."""
-        words = dict(zip(self.topology.node.ranks, self.board.words(), strict=True))
-        if self._remote:
-            values = self.store.multi_get([f"node/{i}" for i, _ in self._remote])
-            for (_, ranks), value in zip(self._remote, values, strict=True):
-                words.update(zip(ranks, map(int, value.decode().split(",")), strict=True))
-        return words
+        return self._everyone(self.board.words(), "node")
 
     def ready_words(self) -> Words:
         """Every rank's ready word (`offload.board.unpack_ready`): this node's from the
         board, each other node's from the key its leader shares when they change (set, all
         zero, when its `Quorum` was made; then on the leader's polls)."""
-        words = dict(zip(self.topology.node.ranks, self.board.ready_words(), strict=True))
+        return self._everyone(self.board.ready_words(), "ready")
+
+    def _everyone(self, mine: list[int], key: str) -> Words:
+        """This node's words ``mine`` and every other node's from its ``<key>/<node>`` store
+        key (one `multi_get`), by global rank."""
+        words = dict(zip(self.topology.node.ranks, mine, strict=True))
         if self._remote:
-            values = self.store.multi_get([f"ready/{i}" for i, _ in self._remote])
+            values = self.store.multi_get([f"{key}/{i}" for i, _ in self._remote])
             for (_, ranks), value in zip(self._remote, values, strict=True):
                 words.update(zip(ranks, map(int, value.decode().split(",")), strict=True))
         return words
