@@ -224,11 +224,10 @@ class HostRegion:
     def _start_background(self, topology: Topology, config: TierConfig,
                           progress: ProgressFn | None, on_ready: ReadyFn | None) -> None:
         units = setup_units(self.geometry, config, UNIT_BYTES)
-        registrations = registration_ranges(self.geometry, config)
         self.stats.background = True
-        self.stats.prefault_bytes = sum(u.length for u in units)
-        self.stats.pin_plan_bytes = sum(r.length for r in registrations)
-        self.pinned = self.registrar.counts_as_pinned and bool(registrations)
+        # a unit populates exactly the bytes it registers: the blocking path's registrations
+        self.stats.prefault_bytes = self.stats.pin_plan_bytes = sum(u.length for u in units)
+        self.pinned = self.registrar.counts_as_pinned and bool(units)
         pinner = self._pinner = Pinner(self.registrar, self.address)
         placement = Placement.for_node(self.plan.slots[topology.rank].numa_node)
         if placement is not None:
