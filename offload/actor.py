@@ -63,6 +63,17 @@ class CopyJob:
     spills: tuple[tuple[Hashable, int], ...] = ()
 
 
+def refuse_unready(chunks: Indices, ready: int, rank: int, what: str, fix: str,
+                   total: int | None = None) -> None:
+    """Raise the "not ready" refusal (DESIGN.md section 3.9) when ``chunks`` reach past the
+    ``ready`` rows rank ``rank`` has set up; ``what`` names the work, ``fix`` the way out."""
+    array = np.asarray(chunks)
+    if array.size and int(array.max()) >= ready:
+        of = f" of {total}" if total is not None else ""
+        raise OffloadError(f"not ready: {what} chunk {int(array.max())}, but rank {rank} has "
+                           f"only rows below {ready}{of} set up yet; {fix}")
+
+
 def kv_page_bytes(kv_tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
     """Bytes of one block in each KV tensor, after checking every tensor can be moved page by
     page (`kv_geometry`): called by ``describe``, so a bad tensor fails before any host memory
@@ -168,14 +179,10 @@ class RankActor:
         """Refuse a job that touches a row this rank has not made usable yet (background
         set-up): copying into unregistered memory would fault the GPU, so the job fails
         here and, through the quorum, on every rank -- never waits, never moves a byte."""
-        ready = self.ready_rows
-        chunks = np.asarray(job.chunks)
-        if chunks.size and int(chunks.max()) >= ready:
-            raise OffloadError(
-                f"not ready: job {job.job_id} {job.direction}s chunk {int(chunks.max())}, but "
-                f"rank {self.topology.rank} has only rows below {ready} of "
-                f"{self._installed().chunk_count} set up yet; use the chunks the manager "
-                "hands out (HostTier.ready) or call HostTier.wait_ready() first")
+        refuse_unready(job.chunks, self.ready_rows, self.topology.rank,
+                       f"job {job.job_id} {job.direction}s",
+                       "use the chunks the manager hands out (HostTier.ready) or call "
+                       "HostTier.wait_ready() first", self._installed().chunk_count)
 
     def _compile_kernel(self) -> None:
         """Compile the copy kernel on scratch buffers shaped and aligned like the real ones

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Collection, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from offload.errors import OffloadError
+from offload.actor import refuse_unready
 from offload.tiers.rank_files import RankFiles, WorkItem, agree_on_files
 
 if TYPE_CHECKING:
@@ -60,11 +60,9 @@ def promote(actor: RankActor, spills: Sequence[WorkItem], reads: Sequence[WorkIt
     verified, and the chunks whose rows a read that passed its deadline may still fill
     (`RankFiles.busy_rows`: the chunk manager keeps them quarantined)."""
     files = _files(actor)
-    late = [chunk for _, chunk in reads if chunk >= actor.ready_rows]
-    if late:  # the manager hands out ready rows only: a caller named another
-        raise OffloadError(f"not ready: a promotion reads into chunk {late[0]}, but rank "
-                           f"{actor.topology.rank} has only rows below {actor.ready_rows} set "
-                           "up yet; promote into the chunks the manager hands out")
+    # the manager hands out ready rows only: a caller named another
+    refuse_unready([chunk for _, chunk in reads], actor.ready_rows, actor.topology.rank,
+                   "a promotion reads into", "promote into the chunks the manager hands out")
     verified = files.promote(reads, spills)
     return verified, files.busy_rows()
 
