@@ -19,29 +19,25 @@ def _mapped(address: int) -> bool:
                    < int(line.split("-", 1)[1].split()[0], 16) for line in f)
 
 
-def _close_while_a_read_stalls(rank: int, fs_dir: str) -> object:
-    import threading
-    import time
-
-    import torch
-
-    from offload import CopyJob, HostTier
-    from offload.config import TierConfig
+def _stall_reads(gate) -> None:  # type: ignore[no-untyped-def]
+    """From now on every file-tier read of this process waits for ``gate`` (at most 30 s)."""
     from offload.tiers.fs_io import FileIO
 
-    gate = threading.Event()
     plain_read = FileIO.preadv
 
     def stalled_read(self, fd, buffers, offset):  # type: ignore[no-untyped-def]
         gate.wait(30)
         return plain_read(self, fd, buffers, offset)
 
-    kv = [torch.randint(0, 256, (3 * BPC, PAGE), dtype=torch.uint8)]
-    tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=2 * BPC * PAGE + 2 * 4096,
-                                          blocks_per_chunk=BPC, timeout_s=10, fs_dir=fs_dir,
-                                          fs_bytes=1 << 20, fs_io_timeout_s=IO_TIMEOUT))
+    FileIO.preadv = stalled_read  # type: ignore[method-assign]
+
+
+def _store_three(tier) -> None:  # type: ignore[no-untyped-def]
+    """Store keys 0, 1 and 2 one job each; with two chunks to hand, the third spills key 0."""
+    from offload import CopyJob
+
     manager = tier.manager
-    for key in range(3):  # two host chunks: the third store spills key 0 to disk
+    for key in range(3):
         job = manager.prepare_store([key])
         blocks = [key * BPC + p for p in range(BPC)]
         for _, chunk in job.chunks:
@@ -49,7 +45,25 @@ def _close_while_a_read_stalls(rank: int, fs_dir: str) -> object:
                                 spills=job.spills))
         tier.wait([job.job_id])
         manager.complete_store(job.job_id, ok=True)
-    FileIO.preadv = stalled_read  # type: ignore[method-assign]
+
+
+def _close_while_a_read_stalls(rank: int, fs_dir: str) -> object:
+    import threading
+    import time
+
+    import torch
+
+    from offload import HostTier
+    from offload.config import TierConfig
+
+    gate = threading.Event()
+    kv = [torch.randint(0, 256, (3 * BPC, PAGE), dtype=torch.uint8)]
+    tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=2 * BPC * PAGE + 2 * 4096,
+                                          blocks_per_chunk=BPC, timeout_s=10, fs_dir=fs_dir,
+                                          fs_bytes=1 << 20, fs_io_timeout_s=IO_TIMEOUT))
+    manager = tier.manager
+    _store_three(tier)  # two host chunks: the third store spills key 0 to disk
+    _stall_reads(gate)
     missed = tier.collective_promote(manager.prepare_promote([0]))
     address = tier.actor.region.address
     began = time.monotonic()
@@ -83,10 +97,9 @@ def _close_during_set_up_while_a_read_stalls(rank: int, fs_dir: str) -> object:
     import torch
 
     import offload.region.host_region as host_region
-    from offload import CopyJob, HostTier
+    from offload import HostTier
     from offload.config import TierConfig
     from offload.region.pin import RecordingRegistrar
-    from offload.tiers.fs_io import FileIO
 
     class SlowAfterTwo(RecordingRegistrar):  # two rows at once, then one a second
         def register(self, address: int, length: int) -> None:
@@ -97,12 +110,6 @@ def _close_during_set_up_while_a_read_stalls(rank: int, fs_dir: str) -> object:
     host_region.UNIT_BYTES = 1  # one row per unit
     registrar = SlowAfterTwo()
     gate = threading.Event()
-    plain_read = FileIO.preadv
-
-    def stalled_read(self, fd, buffers, offset):  # type: ignore[no-untyped-def]
-        gate.wait(30)
-        return plain_read(self, fd, buffers, offset)
-
     kv = [torch.randint(0, 256, (3 * BPC, PAGE), dtype=torch.uint8)]
     tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=16 * (BPC * PAGE + 4096),
                                           blocks_per_chunk=BPC, timeout_s=10, fs_dir=fs_dir,
@@ -111,15 +118,8 @@ def _close_during_set_up_while_a_read_stalls(rank: int, fs_dir: str) -> object:
                            registrar_factory=lambda device: registrar)
     tier.wait_ready(10, rows=2)
     manager = tier.manager
-    for key in range(3):  # two ready chunks: the third store spills key 0 to disk
-        job = manager.prepare_store([key])
-        blocks = [key * BPC + p for p in range(BPC)]
-        for _, chunk in job.chunks:
-            tier.submit(CopyJob(job.job_id, "store", blocks, [chunk] * BPC, list(range(BPC)),
-                                spills=job.spills))
-        tier.wait([job.job_id])
-        manager.complete_store(job.job_id, ok=True)
-    FileIO.preadv = stalled_read  # type: ignore[method-assign]
+    _store_three(tier)  # two ready chunks: the third store spills key 0 to disk
+    _stall_reads(gate)
     missed = tier.collective_promote(manager.prepare_promote([0]))
     tier.close()
     calls = registrar.calls
