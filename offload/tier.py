@@ -237,7 +237,7 @@ class HostTier:
         when `create` returns.  Reading it also lets the chunk manager (rank 0) hand out the
         new rows; `poll`, `finished`, `wait` and `run` do the same."""
         if not self.last_ready.full:
-            self.actor.progress_copies()  # a node leader shares its node's words here
+            self.actor.progress_copies()  # a poll: finished copies retire meanwhile
         return self._refresh_ready(force=True)
 
     def wait_ready(self, timeout_s: float | None = None, rows: int | None = None
