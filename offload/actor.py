@@ -168,6 +168,8 @@ class RankActor:
             done = rows == self._installed().chunk_count or self._stopped
             if done and self.ready_at is None and self._compiled.is_set():
                 self.ready_at = time.perf_counter()
+            if rows and "first_row" not in self.timings_s:  # the first row it could serve
+                self.timed("first_row", self.created_at)
             self.quorum.board.publish_ready(rows, self._stopped and self._compiled.is_set())
 
     @property
@@ -229,6 +231,7 @@ class RankActor:
         self._block_bytes = sum(layout.page_bytes)  # per job entry, counted per submit
         self.timed("engine", began)
         self.timed("total", self.created_at)
+        region.start_setup()  # background set-up: after the engine's CUDA allocations
         return self.engine.name
 
     # ------------------------------------------------------------------ serving

@@ -268,10 +268,16 @@ def run_variant(world: int, fn: Callable[..., dict[str, Any]], *extra: Any) -> d
     seconds = max(r["ready"] for r in results.values()) - began
     stages = {key: max(r[key] for r in results.values()) - began
               for key in ("created", "first", "first_ready") if key in results[0]}
+    jits = [r["row"]["timings_s"].get("jit") for r in results.values() if "row" in r]
+    if any(j is not None for j in jits):
+        stages["jit_s"] = max(j for j in jits if j is not None)  # the slowest rank's JIT
     probes = [r["probe"] for r in results.values() if r.get("probe")]
     if probes:
         stages["worst_wait_ms"] = max(p["max_ms"] for p in probes)
         stages["p50_wait_ms"] = max(p["p50_ms"] for p in probes)
+        stages["p99_wait_ms"] = max(p["p99_ms"] for p in probes)
+        stages["over_2ms"] = sum(p["over_2ms"] for p in probes)
+        stages["launches"] = sum(p["count"] for p in probes)
     return {"seconds": seconds, **stages, "resident": results[0]["resident"],
             "registered_per_rank": max(r["registered"] for r in results.values()),
             "own_per_rank": max(r["own_bytes"] for r in results.values()),
@@ -407,16 +413,23 @@ def print_table(report: dict[str, Any]) -> None:
         return
     print("\ncreate returned / first 16-block store decided / every row ready, seconds from "
           "the start; full/blocking: full against the blocking create of the layout")
-    header = ("variant", "create", "first_job", "full", "full/blocking", "worst_wait_ms",
-              "p50_wait_ms")
-    print("{:<22}{:>8}{:>11}{:>8}{:>15}{:>15}{:>13}".format(*header))
+    print("(first_ready: row 0 ready on every rank; launch waits: the probe's, over every "
+          "rank; >2ms: how many of all launches waited longer)")
+    header = ("variant", "create", "first_ready", "first_job", "full", "full/blocking",
+              "worst_ms", "p99_ms", "p50_ms", ">2ms", "jit_s")
+    print("{:<22}{:>8}{:>12}{:>11}{:>8}{:>15}{:>10}{:>8}{:>8}{:>12}{:>7}".format(*header))
     for name, r in staged.items():
         blocking = rows.get("ours/" + name.split("/")[-1], {}).get("seconds")
-        print("{:<22}{:>8.3f}{:>11.3f}{:>8.2f}{:>15}{:>15}{:>13}".format(
-            name, r["created"], r["first"], r["seconds"],
+        probed = "worst_wait_ms" in r
+        print("{:<22}{:>8.3f}{:>12}{:>11.3f}{:>8.2f}{:>15}{:>10}{:>8}{:>8}{:>12}".format(
+            name, r["created"], f"{r['first_ready']:.3f}" if "first_ready" in r else "-",
+            r["first"], r["seconds"],
             f"{r['seconds'] / blocking:.2f}" if blocking and name.startswith("background")
-            else "-", f"{r['worst_wait_ms']:.1f}" if "worst_wait_ms" in r else "-",
-            f"{r['p50_wait_ms']:.3f}" if "p50_wait_ms" in r else "-"))
+            else "-", f"{r['worst_wait_ms']:.1f}" if probed else "-",
+            f"{r['p99_wait_ms']:.2f}" if probed else "-",
+            f"{r['p50_wait_ms']:.3f}" if probed else "-",
+            f"{r['over_2ms']}/{r['launches']}" if probed else "-",
+            f"{r['jit_s']:.2f}" if "jit_s" in r else "-"))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ that stops set-up where it is, and `stop` that abandons the rest without a stray
 from __future__ import annotations
 
 import errno
+import os
 import threading
 import time
 
@@ -28,6 +29,7 @@ class _Recorder:
     def __init__(self) -> None:
         self.announced: list[tuple[int, bool]] = []
         self.populated: list[ByteRange] = []
+        self.policies: set[int] = set()  # the populating threads' scheduling policies
         self.lock = threading.Lock()
 
     def on_ready(self, rows: int, stopped: bool) -> None:
@@ -37,6 +39,7 @@ class _Recorder:
         def populate(address: int, length: int) -> int:
             with self.lock:
                 self.populated.append(ByteRange(address - base, length))
+                self.policies.add(os.sched_getscheduler(0))
                 if fail_at is not None and address - base >= fail_at:
                     return errno.ENOMEM
             return madvise_populate(address, length)
@@ -150,3 +153,30 @@ def test_interpreter_exit_does_not_wait_for_the_rest_of_the_pre_fault(tmp_path) 
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert time.perf_counter() - began < 5  # not the ~10 s of units left
+
+
+class _PolicyRegistrar(RecordingRegistrar):
+    """Records the scheduling policy of the thread that registers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policies: set[int] = set()
+
+    def register(self, address: int, length: int) -> None:
+        self.policies.add(os.sched_getscheduler(0))
+        super().register(address, length)
+
+
+def test_pre_fault_threads_yield_the_cpu_and_the_pin_thread_keeps_its_priority() -> None:
+    """Pre-fault runs under SCHED_IDLE, so the engine's threads preempt it; the pin thread,
+    which holds the CUDA driver while it registers, is not starved behind them."""
+    registrar = _PolicyRegistrar()
+    geometry, units, mapping, recorder, pinner, setup = _run(2 * PAGE, registrar)
+    try:
+        assert setup.start().wait(20) and setup.error is None
+        assert recorder.policies == {os.SCHED_IDLE}
+        assert registrar.policies == {os.sched_getscheduler(0)} != {os.SCHED_IDLE}
+        assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the caller is left as it was
+    finally:
+        pinner.unpin_all()
+        mapping.close()

@@ -424,3 +424,46 @@ def test_a_leader_that_stops_polling_still_shares_the_last_rows_it_saw(tmp_path)
     for o in outcomes:
         assert o.ok, o.error
     assert [o.value for o in outcomes] == [True, True]
+
+
+class _TimedRegistrar(RecordingRegistrar):
+    """Records when its first registration began."""
+
+    first_at: float | None = None
+
+    def register(self, address: int, length: int) -> None:
+        if self.first_at is None:
+            self.first_at = time.perf_counter()
+        super().register(address, length)
+
+
+def _engine_then_set_up(rank: int) -> object:
+    """Building the engine takes 0.3 s here: set-up must not start before it is built (its
+    registrations would hold the CUDA driver against the engine's allocations)."""
+    import offload.actor as actor_module
+
+    made = actor_module.make_engine
+
+    def slow_make_engine(*args, **kwargs):
+        time.sleep(0.3)
+        engine = made(*args, **kwargs)
+        built_at.append(time.perf_counter())
+        return engine
+
+    built_at: list[float] = []
+    actor_module.make_engine = slow_make_engine
+    registrar = _TimedRegistrar()
+    tier = _background_tier(rank, "shared", registrar)
+    tier.wait_ready(20)
+    report = tier.actor.report()
+    tier.close()
+    assert registrar.first_at is not None
+    return registrar.first_at - built_at[-1], set(report["timings_s"]) >= {"first_row",
+                                                                            "first_unit"}
+
+
+def test_background_set_up_starts_once_the_engine_is_built() -> None:
+    for o in run_group(_engine_then_set_up, 2, timeout=90):
+        assert o.ok, o.error
+        after_engine_s, timed = o.value
+        assert after_engine_s >= 0 and timed

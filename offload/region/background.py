@@ -19,8 +19,10 @@ abandons the remaining units and waits for the threads; registered ranges stay w
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,11 +40,26 @@ log = logging.getLogger(__name__)
 # ~6 GiB/s per process 8 MiB keeps that wait near 1 ms; a unit is never less than one row.
 UNIT_BYTES = 8 << 20
 # NOTE: set-up runs beside the engine's own threads (weights, graph capture, the scheduler), so
-# it populates from few threads: with 2 ranks on 16 cores, a thread launching a tiny kernel every
-# millisecond waited over 2 ms in 1-4 of ~850 launches beside 4 pre-fault threads per rank, in
-# ~480 beside 16 (docs/BENCHMARKS.md, "Ready to serve at once").
-THREADS = 4
+# its pre-fault threads run under SCHED_IDLE: they take only CPU time nothing else wants, and any
+# engine thread that wakes preempts them at once.  With 2 ranks on 16 cores and 16 such threads
+# per rank, a thread launching a tiny kernel every millisecond waited over 2 ms in 7 of ~1,600
+# launches (shared layout; 8 of ~1,200 beside 4 normal threads) and set-up finished within
+# 1.06x the blocking create (1.25-1.29x with 4 normal threads; docs/BENCHMARKS.md, "Ready to
+# serve at once").  The pin thread keeps its priority: it holds the driver while it registers.
 PROGRESS_INTERVAL_S = 2.0
+
+def yield_cpu() -> None:
+    """Run the calling thread under SCHED_IDLE (Linux; best effort: elsewhere, or where it is
+    refused, the thread keeps its policy).  Lowering a thread's own policy needs no privilege.
+
+    The one hazard is Python's GIL: a thread preempted while it holds it makes the others wait
+    until some CPU is free for it.  These threads hold it only between two ``madvise`` calls (a
+    few microseconds per unit), and a waiter blocked on it leaves its CPU free for them."""
+    policy = getattr(os, "SCHED_IDLE", None)
+    if policy is not None:
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(0, policy, os.sched_param(0))  # 0: this thread on Linux
+
 
 ReadyFn = Callable[[int, bool], None]
 """``on_ready(rows, stopped)``: rows below ``rows`` are usable on this rank; ``stopped`` when
@@ -66,11 +83,13 @@ class BackgroundSetup:
         self._stopping = threading.Event()  # `stop`: abandon the rest quietly
         self._aborted = threading.Event()  # a unit failed: the rest is moot
         self.done = threading.Event()
+        self.launched = False  # `start` was called
         self.ready_rows = 0
         self.error: str | None = None
         self.started = time.perf_counter()
         self.finished: float | None = None  # perf_counter when the last unit was registered
         self.populated_s = 0.0  # from start until the last unit was populated
+        self.first_ready_s: float | None = None  # from start until the first unit was usable
         self.busy_s = 0.0  # inside registration calls
         self.longest_call_s = 0.0  # the longest single registration call
         self.total_bytes = sum(u.length for u in self._units)
@@ -85,6 +104,7 @@ class BackgroundSetup:
                                         daemon=True)
 
     def start(self) -> BackgroundSetup:
+        self.launched = True
         self.started = time.perf_counter()
         for worker in self._workers:
             worker.start()
@@ -109,6 +129,7 @@ class BackgroundSetup:
                 thread.join()
 
     def _populate_units(self) -> None:
+        yield_cpu()
         if self._on_thread_start is not None:
             try:  # placement is best effort: a worker that cannot be placed still works
                 self._on_thread_start()
@@ -147,6 +168,8 @@ class BackgroundSetup:
                     self.busy_s += took
                     self.longest_call_s = max(self.longest_call_s, took)
                 rows = self.ready_rows = unit.rows_end
+                if self.first_ready_s is None:
+                    self.first_ready_s = time.perf_counter() - self.started
                 self._on_ready(rows, False)
                 done_bytes += unit.length
                 now = time.perf_counter()

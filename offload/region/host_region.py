@@ -60,7 +60,6 @@ from offload.geometry import (
     setup_units,
 )
 from offload.plan import Plan
-from offload.region.background import THREADS as BACKGROUND_THREADS
 from offload.region.background import UNIT_BYTES, BackgroundSetup, ReadyFn
 from offload.region.hugepages import shmem_huge_mode, small_page_hint
 from offload.region.nameless import FdOffer, check_sizes, create_memfds, fetch_fds, socket_name
@@ -158,6 +157,13 @@ class HostRegion:
     def size(self) -> int:
         return self._mapping.size if self._mapping is not None else 0
 
+    def start_setup(self) -> None:
+        """Start the background set-up `create` prepared (idempotent; nothing without one).
+        The tier starts it once its engine is built: a registration holds the CUDA driver, and
+        the engine's own allocations would otherwise queue behind every unit's."""
+        if self._setup is not None and not self._setup.launched:
+            self._setup.start()
+
     def stop_setup(self) -> None:
         """Stop a background set-up where it is (idempotent; nothing without one)."""
         if self._setup is not None:
@@ -244,11 +250,9 @@ class HostRegion:
             if on_ready is not None:
                 on_ready(rows, stopped)
 
-        threads = min(config.prefault_threads, BACKGROUND_THREADS)
-        self._setup = BackgroundSetup(self.address, units, pinner, threads,
+        self._setup = BackgroundSetup(self.address, units, pinner, config.prefault_threads,
                                       announce, progress=progress,
                                       on_thread_start=placement.enter if placement else None)
-        self._setup.start()
 
     def _finish_background_stats(self) -> None:
         """Called on the pin thread once set-up ended (every row, or an error): what the
@@ -258,6 +262,8 @@ class HostRegion:
         self.stats.prefault_fallback = setup.fallback
         self.stats.timings_s["prefault"] = setup.populated_s
         self.stats.timings_s["pin_busy"] = setup.busy_s
+        if setup.first_ready_s is not None:
+            self.stats.timings_s["first_unit"] = setup.first_ready_s
         self.stats.longest_registration_s = setup.longest_call_s
         self.stats.registrations = len(pinner.registered)
         self.stats.pinned_bytes = pinner.pinned_bytes
