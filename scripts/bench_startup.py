@@ -421,7 +421,7 @@ def print_table(report: dict[str, Any]) -> None:
     for name, r in staged.items():
         blocking = rows.get("ours/" + name.split("/")[-1], {}).get("seconds")
         probed = "worst_wait_ms" in r
-        print("{:<22}{:>8.3f}{:>12}{:>11.3f}{:>8.2f}{:>15}{:>10}{:>8}{:>8}{:>12}".format(
+        print("{:<22}{:>8.3f}{:>12}{:>11.3f}{:>8.2f}{:>15}{:>10}{:>8}{:>8}{:>12}{:>7}".format(
             name, r["created"], f"{r['first_ready']:.3f}" if "first_ready" in r else "-",
             r["first"], r["seconds"],
             f"{r['seconds'] / blocking:.2f}" if blocking and name.startswith("background")

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The native build cache (offload/transfer/build_cache.py): what it builds, where, and what it
+"""The native build cache (offload/build_cache.py): what it builds, where, and what it
 refuses to load.
 
 Each trust test plants a library at the name the cache would load (`library_name`): the planted
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from offload.transfer import build_cache
+from offload import build_cache
 from offload.transfer.native import IssueContext
 
 pytestmark = pytest.mark.skipif(build_cache.compiler() is None, reason="needs a C compiler")
@@ -150,8 +150,8 @@ def test_a_failing_compiler_is_reported_and_leaves_nothing(tmp_path: Path,
 
 def test_every_c_file_of_the_package_is_a_listed_source() -> None:
     """`SOURCES` is the one list of C files (setup.cfg ships ``*.c``; test_wheel checks it)."""
-    on_disk = sorted(p.name for p in build_cache.HERE.glob("*.c"))
-    assert sorted(p.name for p in build_cache.SOURCES.values()) == on_disk
+    on_disk = sorted(build_cache.HERE.rglob("*.c"))
+    assert sorted(build_cache.SOURCES.values()) == on_disk
 
 
 # ---------------------------------------------------------------------------- the directory
@@ -194,7 +194,7 @@ def test_a_library_planted_in_a_directory_others_can_write_is_not_run(
     os.chmod(shared, 0o777)
     marker = tmp_path / "planted-ran"
     planted = plant(shared, make_planted(tmp_path, marker))
-    with caplog.at_level(logging.WARNING, logger="offload.transfer.build_cache"):
+    with caplog.at_level(logging.WARNING, logger="offload.build_cache"):
         lib = load_issue(shared, monkeypatch)
         other = build_cache.load(build_cache.SOURCES["job_check"], "tests", "offload_check_job",
                                  [f"-I{sysconfig.get_paths()['include']}"],
@@ -221,7 +221,7 @@ def test_a_library_planted_in_another_users_directory_is_not_run(
     plant(theirs, make_planted(tmp_path, marker), uid=NOBODY)
     os.chmod(theirs, 0o755)
     os.chown(theirs, NOBODY, NOBODY)
-    with caplog.at_level(logging.WARNING, logger="offload.transfer.build_cache"):
+    with caplog.at_level(logging.WARNING, logger="offload.build_cache"):
         verify_real_issue(load_issue(theirs, monkeypatch))
     assert not marker.exists()
     assert stat.S_IMODE(theirs.stat().st_mode) == 0o755  # not ours to change
@@ -240,7 +240,7 @@ def test_another_users_library_in_our_directory_is_rebuilt(
     cache.mkdir(mode=0o700)
     marker = tmp_path / "planted-ran"
     target = plant(cache, make_planted(tmp_path, marker), mode=0o644, uid=NOBODY)
-    with caplog.at_level(logging.WARNING, logger="offload.transfer.build_cache"):
+    with caplog.at_level(logging.WARNING, logger="offload.build_cache"):
         verify_real_issue(load_issue(cache, monkeypatch))
     assert not marker.exists()
     assert target.stat().st_uid == os.geteuid()  # replaced by our own build
@@ -301,7 +301,7 @@ def test_an_unusable_cache_directory_keeps_the_python_path(
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(blocker / "cache"))
-    with caplog.at_level(logging.WARNING, logger="offload.transfer.build_cache"):
+    with caplog.at_level(logging.WARNING, logger="offload.build_cache"):
         assert build_cache.load(ISSUE, "tests", SYMBOL) is None
     assert "could not build issue.c" in caplog.text
 
@@ -311,7 +311,7 @@ def test_a_source_missing_from_the_install_is_named_as_such(
         caplog: pytest.LogCaptureFixture) -> None:
     """A package without a C file (a wheel that did not ship it) says so, not "cache"."""
     monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path / "cache"))
-    with caplog.at_level(logging.WARNING, logger="offload.transfer.build_cache"):
+    with caplog.at_level(logging.WARNING, logger="offload.build_cache"):
         assert build_cache.load(tmp_path / "job_check.c", "job checks", "x") is None
     assert "job_check.c is missing from the installed offload package" in caplog.text
     assert "OFFLOAD_CACHE_DIR" not in caplog.text

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from offload.transfer import build_cache, native
+from offload import build_cache
+from offload.transfer import native
 
 pytestmark = pytest.mark.skipif(build_cache.compiler() is None, reason="needs a C compiler")
 

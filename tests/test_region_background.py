@@ -9,12 +9,15 @@ import os
 import threading
 import time
 
+import pytest
+
 from offload.config import TierConfig
 from offload.geometry import ByteRange, RegionGeometry, setup_units
-from offload.region.background import BackgroundSetup
+from offload.region.background import BackgroundSetup, native_populator
 from offload.region.pin import Pinner, RecordingRegistrar
 from offload.region.prefault import madvise_populate
-from offload.region.shm import Mapping
+from offload.region.shm import Mapping, libc
+from tests.test_region_prefault import all_pages_mapped
 
 PAGE = 4096
 ROWS = 24
@@ -177,6 +180,56 @@ def test_pre_fault_threads_yield_the_cpu_and_the_pin_thread_keeps_its_priority()
         assert recorder.policies == {os.SCHED_IDLE}
         assert registrar.policies == {os.sched_getscheduler(0)} != {os.SCHED_IDLE}
         assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the caller is left as it was
+    finally:
+        pinner.unpin_all()
+        mapping.close()
+
+
+needs_cc = pytest.mark.skipif(native_populator() is None, reason="needs a C compiler")
+
+
+def _native_run(registrar: RecordingRegistrar, hole_row: int | None = None):
+    """The default populate (populate.c) over a real mapping; ``hole_row``: that row's slot
+    unmapped, so its madvise fails (ENOMEM) as if memory ran out there."""
+    geometry = _shared_geometry()
+    units = setup_units(geometry, TierConfig(cpu_bytes_per_node=1 << 30), 2 * PAGE)
+    mapping = Mapping.anonymous(geometry.total_bytes)
+    if hole_row is not None:
+        hole = mapping.address + hole_row * geometry.row_stride + geometry.slot_offset
+        assert libc.munmap(hole, PAGE) == 0
+    recorder = _Recorder()
+    pinner = Pinner(registrar, mapping.address)
+    setup = BackgroundSetup(mapping.address, units, pinner, 3, recorder.on_ready)
+    return geometry, mapping, recorder, pinner, setup
+
+
+@needs_cc
+def test_the_native_loop_populates_every_unit_it_registers() -> None:
+    """populate.c takes the units (no Python between two madvise calls) and every registered
+    slot's pages are in this process's page tables when the pin thread registers them."""
+    registrar = RecordingRegistrar()
+    geometry, mapping, recorder, pinner, setup = _native_run(registrar)
+    try:
+        assert setup._native is not None  # the default path, not the Python fallback
+        assert setup.start().wait(20) and setup.error is None
+        assert setup.ready_rows == ROWS and recorder.announced[-1] == (ROWS, False)
+        for r in pinner.registered:
+            assert all_pages_mapped(mapping.address + r.offset, r.length)
+        assert not setup.fallback
+    finally:
+        pinner.unpin_all()
+        mapping.close()
+
+
+@needs_cc
+def test_a_unit_the_native_loop_cannot_populate_stops_set_up_with_the_reason() -> None:
+    registrar = RecordingRegistrar()
+    geometry, mapping, recorder, pinner, setup = _native_run(registrar, hole_row=7)
+    try:
+        assert setup.start().wait(20)
+        assert setup.error is not None and "ran out of memory" in setup.error
+        assert setup.ready_rows == 7 and recorder.announced[-1] == (7, True)
+        assert not [t for t in threading.enumerate() if t.name.startswith("offload-bg")]
     finally:
         pinner.unpin_all()
         mapping.close()

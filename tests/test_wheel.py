@@ -1,12 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A wheel install has both native paths.
+"""A wheel install has every native path.
 
 The wheel is built offline (``pip wheel --no-deps --no-build-isolation --no-index``, with the
 venv's setuptools) from a copy of the project in tmp_path, so the checkout gets no ``build/``
 directory, and installed with ``pip install --target`` into a fresh directory.  A Python whose
-path puts that directory first then loads the issue library (``issue.c``) and the job-check
-library (``job_check.c``) from the installed package, building both into a fresh cache: a wheel
-without one of the C files would turn that path off with a warning.
+path puts that directory first then loads the issue library (``issue.c``), the job-check library
+(``job_check.c``) and background set-up's pre-fault loop (``populate.c``) from the installed
+package, building each into a fresh cache: a wheel without one of the C files would turn that
+path off with a warning.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from offload.transfer import build_cache
+from offload import build_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT_FILES = ("setup.cfg", "pyproject.toml", "README.md")
@@ -31,12 +32,15 @@ PACKAGES = ("offload", "launch")
 PROBE = """
 import json, sys
 import offload
-from offload.transfer import build_cache, native, fast_check
+from offload import build_cache
+from offload.region import background
+from offload.transfer import native, fast_check
 print(json.dumps({
     "package": offload.__file__,
     "sources": [str(p) for p in build_cache.SOURCES.values() if p.exists()],
     "issue": native.library() is not None,
     "job_check": fast_check.checker_library() is not None,
+    "populate": background.native_populator() is not None,
 }))
 """
 
@@ -79,11 +83,13 @@ def make_wheel(tmp_path: Path) -> Path:
     return wheel
 
 
-def test_a_wheel_install_builds_both_native_libraries(tmp_path: Path) -> None:
+def test_a_wheel_install_builds_every_native_library(tmp_path: Path) -> None:
     wheel = make_wheel(tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
+    package = build_cache.HERE.parent
     for source in build_cache.SOURCES.values():
-        assert f"offload/transfer/{source.name}" in names, f"{source.name} missing from the wheel"
+        name = source.relative_to(package).as_posix()
+        assert name in names, f"{name} missing from the wheel"
     site = tmp_path / "site"
     pip("install", "--no-deps", "--no-index", "-q", "--target", str(site), str(wheel),
         cwd=tmp_path)
@@ -95,7 +101,7 @@ def test_a_wheel_install_builds_both_native_libraries(tmp_path: Path) -> None:
     probe = json.loads(proc.stdout.strip().splitlines()[-1])
     assert probe["package"].startswith(str(site)), probe  # the installed copy, not the checkout
     assert len(probe["sources"]) == len(build_cache.SOURCES), probe
-    assert probe["issue"] and probe["job_check"], proc.stderr[-2000:]
+    assert probe["issue"] and probe["job_check"] and probe["populate"], proc.stderr[-2000:]
     assert "could not build" not in proc.stderr
     built = sorted(p.name.split("-")[0] for p in (tmp_path / "cache").glob("*.so"))
-    assert built == ["issue", "job_check"]
+    assert built == ["issue", "job_check", "populate"]

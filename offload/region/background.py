@@ -2,9 +2,16 @@
 on the tier's own threads, while the engine loads its weights and serves (DESIGN.md section 3.9).
 
 ``BackgroundSetup`` runs `geometry.setup_units`: a pool of pre-fault threads populates the
-units ahead (``MADV_POPULATE_WRITE``, GIL released), and one pin thread registers each unit as
-soon as it is populated, strictly in order, then announces "rows below R are usable" through
-``on_ready`` (the rank's ready word on the node board).  Every thread is a daemon: interpreter
+units ahead (``MADV_POPULATE_WRITE``), and one pin thread registers each unit as soon as it is
+populated, strictly in order, then announces "rows below R are usable" through ``on_ready``
+(the rank's ready word on the node board).
+
+The pre-fault threads never hold the GIL while they work: each makes one call into
+``populate.c`` (built like the package's other C code, `offload.build_cache`), which takes
+units from a shared counter and populates them until none is left.  Python threads would take
+the GIL back after every ``madvise``; sixteen of them doing so hand it around the engine's own
+threads (and, under SCHED_IDLE, could be preempted holding it).  Without a C compiler, or with
+a test's ``populate`` stand-in, the same loop runs in Python.  Every thread is a daemon: interpreter
 exit never waits for the rest of a region's pre-fault (a thread pool's workers would be joined,
 queue drained, before any ``atexit`` closer could stop them).  Registration is kept off every
 caller's path: a registration call holds the CUDA driver for its whole duration, so units are
@@ -20,17 +27,28 @@ abandons the remaining units and waits for the threads; registered ranges stay w
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import cache
 
+import numpy as np
+
+from offload.build_cache import SOURCES, load
 from offload.errors import one_line
 from offload.geometry import SetupUnit
 from offload.region.pin import Pinner
-from offload.region.prefault import PopulateFn, Populator, ProgressFn, madvise_populate
+from offload.region.prefault import (
+    MADV_POPULATE_WRITE,
+    PopulateFn,
+    Populator,
+    ProgressFn,
+    madvise_populate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +70,26 @@ def yield_cpu() -> None:
     """Run the calling thread under SCHED_IDLE (Linux; best effort: elsewhere, or where it is
     refused, the thread keeps its policy).  Lowering a thread's own policy needs no privilege.
 
-    The one hazard is Python's GIL: a thread preempted while it holds it makes the others wait
-    until some CPU is free for it.  These threads hold it only between two ``madvise`` calls (a
-    few microseconds per unit), and a waiter blocked on it leaves its CPU free for them."""
+    The one hazard would be Python's GIL (a thread preempted holding it makes the others wait
+    until some CPU is free for it): the native loop never takes it, the Python fallback holds
+    it only between two ``madvise`` calls, and a waiter blocked on it leaves its CPU free."""
     policy = getattr(os, "SCHED_IDLE", None)
     if policy is not None:
         with contextlib.suppress(OSError):
             os.sched_setscheduler(0, policy, os.sched_param(0))  # 0: this thread on Linux
+
+
+@cache
+def native_populator() -> ctypes.CDLL | None:
+    """The compiled ``populate.c``, or None where it cannot be built (`offload.build_cache`).
+    Loaded with ``CDLL``: a call releases the GIL for as long as it runs."""
+    lib = load(SOURCES["populate"], "background pre-fault", "offload_populate_units")
+    if lib is not None:
+        pointer = ctypes.c_void_p
+        lib.offload_populate_units.argtypes = [ctypes.c_uint64, pointer, pointer, ctypes.c_int64,
+                                               pointer, pointer, pointer, ctypes.c_int32]
+        lib.offload_populate_units.restype = ctypes.c_int64
+    return lib
 
 
 ReadyFn = Callable[[int, bool], None]
@@ -93,10 +124,20 @@ class BackgroundSetup:
         self.busy_s = 0.0  # inside registration calls
         self.longest_call_s = 0.0  # the longest single registration call
         self.total_bytes = sum(u.length for u in self._units)
-        # unit i is populated once _populated[i] is set; _failed[i] holds its error
-        self._populated = [threading.Event() for _ in self._units]
+        # unit i: _state[i] is 0 while pending, 1 once populated, negative when it failed
+        # (populate.c's -errno, the caller then redoes it; -1 from Python, the error in
+        # _failed[i]).  Written by the pre-fault threads, read by the pin thread.
+        self._state = np.zeros(len(self._units), dtype=np.int32)
         self._failed: list[BaseException | None] = [None] * len(self._units)
-        self._next_unit = itertools.count()  # the populating threads' shared queue (atomic)
+        self._native = native_populator() if populate is madvise_populate else None
+        self._base = base
+        if self._native is not None:  # populate.c's tables: ranges, each unit's first range
+            self._ranges = np.array([(r.offset, r.length) for u in self._units for r in u.ranges],
+                                    dtype=np.int64).reshape(-1, 2)
+            self._first = np.cumsum([0] + [len(u.ranges) for u in self._units], dtype=np.int64)
+            self._counter = np.zeros(1, dtype=np.int64)  # the next unit to take (atomic in C)
+            self._stop_flag = np.zeros(1, dtype=np.int32)  # set: take no further unit
+        self._next_unit = itertools.count()  # the Python loop's shared counter (atomic)
         self._workers = [threading.Thread(target=self._populate_units, daemon=True,
                                           name=f"offload-bg-prefault-{i}")
                          for i in range(max(1, threads))]
@@ -124,9 +165,15 @@ class BackgroundSetup:
         """Abandon the units not yet registered and wait for the threads: each finishes the
         unit or registration in hand (idempotent; never from the set-up's own threads)."""
         self._stopping.set()
+        self._halt_workers()
         for thread in (*self._workers, self._thread):
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join()
+
+    def _halt_workers(self) -> None:
+        """Make the pre-fault threads take no further unit."""
+        if self._native is not None:
+            self._stop_flag[0] = 1  # an aligned store populate.c reads with acquire
 
     def _populate_units(self) -> None:
         yield_cpu()
@@ -135,6 +182,13 @@ class BackgroundSetup:
                 self._on_thread_start()
             except Exception:
                 log.exception("background set-up: placing a pre-fault thread failed")
+        if self._native is not None:
+            self._native.offload_populate_units(
+                self._base, self._ranges.ctypes.data, self._first.ctypes.data,
+                len(self._units), self._counter.ctypes.data, self._state.ctypes.data,
+                self._stop_flag.ctypes.data, MADV_POPULATE_WRITE)
+            self.populated_s = time.perf_counter() - self.started  # no unit left to take
+            return
         while not (self._stopping.is_set() or self._aborted.is_set()):
             i = next(self._next_unit)  # units are taken in order: all below i were taken
             if i >= len(self._units):
@@ -143,24 +197,42 @@ class BackgroundSetup:
                 for r in self._units[i].ranges:
                     self._populator.run(r)
                 self.populated_s = time.perf_counter() - self.started
+                self._state[i] = 1
             except BaseException as exc:
                 self._failed[i] = exc
+                self._state[i] = -1
                 self._aborted.set()  # later units are moot: set-up stops at this one
-            finally:
-                self._populated[i].set()
+
+    def _wait_populated(self, i: int) -> bool:
+        """Wait until unit ``i`` has a state; False once `stop` was called.  Polls, backing
+        off to 2 ms: the pre-fault threads may be in C, where no Python event can be set."""
+        delay = 50e-6
+        while self._state[i] == 0:
+            if self._stopping.is_set():
+                return False
+            time.sleep(delay)
+            delay = min(2 * delay, 0.002)
+        return not self._stopping.is_set()
+
+    def _populated(self, i: int) -> None:
+        """Raise unit ``i``'s failure, if it had one.  A unit the native loop could not
+        populate is populated here once more: `Populator` words the error (no memory) or takes
+        the touch fallback of kernels without MADV_POPULATE_WRITE."""
+        if self._state[i] > 0:
+            return
+        failure = self._failed[i]
+        if failure is not None:
+            raise failure
+        for r in self._units[i].ranges:
+            self._populator.run(r)
 
     def _register(self) -> None:
         rows, done_bytes, last_log = 0, 0, self.started
         try:
             for i, unit in enumerate(self._units):
-                while not self._populated[i].wait(0.05):
-                    if self._stopping.is_set():
-                        return
-                failure = self._failed[i]
-                if self._stopping.is_set():
+                if not self._wait_populated(i):
                     return
-                if failure is not None:
-                    raise failure
+                self._populated(i)
                 for r in unit.ranges:
                     began = time.perf_counter()
                     self._pinner.pin(r)
@@ -181,6 +253,7 @@ class BackgroundSetup:
                 self._progress(done_bytes, self.total_bytes, self.finished - self.started)
         except BaseException as exc:
             self._aborted.set()
+            self._halt_workers()
             if not self._stopping.is_set():
                 self.error = one_line(exc)
                 log.error("background set-up stopped at row %d of %d: %s", rows,

@@ -2,7 +2,7 @@
 """The native build cache: the package's C sources compiled once per host and loaded safely.
 
 Runs in every rank that uses a native path (`offload.transfer.native`, `offload.transfer.
-fast_check`).  Primitives:
+fast_check`, `offload.region.background`).  Primitives:
 
 * `SOURCES` -- every C file the package compiles (setup.cfg ships ``*.c`` with the package).
 * `compiler` -- the C compiler command line, or None.
@@ -50,7 +50,8 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 # Every C file of the package, by library name.  setup.cfg's package_data ships ``*.c`` next to
 # them; tests/test_wheel.py checks that a wheel holds each one.
-SOURCES = {"issue": HERE / "issue.c", "job_check": HERE / "job_check.c"}
+SOURCES = {"issue": HERE / "transfer" / "issue.c", "job_check": HERE / "transfer" / "job_check.c",
+           "populate": HERE / "region" / "populate.c"}
 
 _DIR_MODE = 0o700
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
