@@ -231,7 +231,8 @@ class RankActor:
         self._block_bytes = sum(layout.page_bytes)  # per job entry, counted per submit
         self.timed("engine", began)
         self.timed("total", self.created_at)
-        region.start_setup()  # background set-up: after the engine's CUDA allocations
+        # background set-up: after the engine's CUDA allocations, at full speed after the JIT
+        region.start_setup(self._compiled)
         return self.engine.name
 
     # ------------------------------------------------------------------ serving

@@ -229,7 +229,39 @@ def test_a_unit_the_native_loop_cannot_populate_stops_set_up_with_the_reason() -
         assert setup.start().wait(20)
         assert setup.error is not None and "ran out of memory" in setup.error
         assert setup.ready_rows == 7 and recorder.announced[-1] == (7, True)
+        setup.stop()  # the workers stop taking units once the pin thread stopped
         assert not [t for t in threading.enumerate() if t.name.startswith("offload-bg")]
     finally:
+        pinner.unpin_all()
+        mapping.close()
+
+
+def test_one_thread_populates_until_the_kernel_is_compiled_then_all_of_them() -> None:
+    """No row is usable before the copy kernel's JIT, so set-up does not crowd it: until
+    ``full_speed_after`` is set only the first pre-fault thread works."""
+    geometry = _shared_geometry()
+    units = setup_units(geometry, TierConfig(cpu_bytes_per_node=1 << 30), 2 * PAGE)
+    mapping = Mapping.anonymous(geometry.total_bytes)
+    workers: list[str] = []
+
+    def slow(address: int, length: int) -> int:
+        workers.append(threading.current_thread().name)
+        time.sleep(0.01)
+        return madvise_populate(address, length)
+
+    compiled = threading.Event()
+    pinner = Pinner(RecordingRegistrar(), mapping.address)
+    setup = BackgroundSetup(mapping.address, units, pinner, 3, _Recorder().on_ready,
+                            populate=slow)
+    try:
+        setup.start(full_speed_after=compiled)
+        while len(workers) < 4:
+            time.sleep(0.005)
+        assert set(workers) == {"offload-bg-prefault-0"}
+        compiled.set()
+        assert setup.wait(20) and setup.error is None and setup.ready_rows == ROWS
+        assert set(workers) == {f"offload-bg-prefault-{i}" for i in range(3)}
+    finally:
+        setup.stop()
         pinner.unpin_all()
         mapping.close()

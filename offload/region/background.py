@@ -58,12 +58,18 @@ log = logging.getLogger(__name__)
 # ~6 GiB/s per process 8 MiB keeps that wait near 1 ms; a unit is never less than one row.
 UNIT_BYTES = 8 << 20
 # NOTE: set-up runs beside the engine's own threads (weights, graph capture, the scheduler), so
-# its pre-fault threads run under SCHED_IDLE: they take only CPU time nothing else wants, and any
+# its pre-fault threads (`TierConfig.prefault_threads` of them) run under SCHED_IDLE: they take
+# only CPU time nothing else wants (on a host whose every CPU is busy, set-up waits), and any
 # engine thread that wakes preempts them at once.  With 2 ranks on 16 cores and 16 such threads
 # per rank, a thread launching a tiny kernel every millisecond waited over 2 ms in 7 of ~1,600
 # launches (shared layout; 8 of ~1,200 beside 4 normal threads) and set-up finished within
-# 1.06x the blocking create (1.25-1.29x with 4 normal threads; docs/BENCHMARKS.md, "Ready to
-# serve at once").  The pin thread keeps its priority: it holds the driver while it registers.
+# 1.06x the blocking create (1.25-1.29x with 4 normal threads; docs/BENCHMARKS.md, "Set-up that
+# leaves the engine alone").  The pin thread keeps its priority: it holds the driver while it
+# registers, and nothing should wait behind it longer than that.
+# NOTE: no row is usable before the copy kernel's JIT, so until it is done one thread populates
+# and the rest wait: 48 GiB private regions on 2 ranks, 8 threads each, launches waiting over
+# 2 ms went from 27-86 to 8-10 of ~1,200 and set-up finished in 0.92-0.95x the time
+# (docs/BENCHMARKS.md, "Set-up that leaves the engine alone").
 PROGRESS_INTERVAL_S = 2.0
 
 def yield_cpu() -> None:
@@ -115,6 +121,7 @@ class BackgroundSetup:
         self._aborted = threading.Event()  # a unit failed: the rest is moot
         self.done = threading.Event()
         self.launched = False  # `start` was called
+        self._full_speed_after: threading.Event | None = None
         self.ready_rows = 0
         self.error: str | None = None
         self.started = time.perf_counter()
@@ -138,13 +145,17 @@ class BackgroundSetup:
             self._counter = np.zeros(1, dtype=np.int64)  # the next unit to take (atomic in C)
             self._stop_flag = np.zeros(1, dtype=np.int32)  # set: take no further unit
         self._next_unit = itertools.count()  # the Python loop's shared counter (atomic)
-        self._workers = [threading.Thread(target=self._populate_units, daemon=True,
+        self._workers = [threading.Thread(target=self._populate_units, args=(i,), daemon=True,
                                           name=f"offload-bg-prefault-{i}")
                          for i in range(max(1, threads))]
         self._thread = threading.Thread(target=self._register, name="offload-bg-pin",
                                         daemon=True)
 
-    def start(self) -> BackgroundSetup:
+    def start(self, full_speed_after: threading.Event | None = None) -> BackgroundSetup:
+        """Start the threads.  With ``full_speed_after``, one pre-fault thread starts at once
+        and the others once it is set (`offload.actor` passes the copy kernel's JIT: no row is
+        usable before it, and a full pool slows it down; the NOTE above `yield_cpu`)."""
+        self._full_speed_after = full_speed_after
         self.launched = True
         self.started = time.perf_counter()
         for worker in self._workers:
@@ -175,7 +186,11 @@ class BackgroundSetup:
         if self._native is not None:
             self._stop_flag[0] = 1  # an aligned store populate.c reads with acquire
 
-    def _populate_units(self) -> None:
+    def _populate_units(self, worker: int) -> None:
+        after = self._full_speed_after
+        while worker and after is not None and not after.wait(0.05):
+            if self._stopping.is_set() or self._aborted.is_set():
+                return
         yield_cpu()
         if self._on_thread_start is not None:
             try:  # placement is best effort: a worker that cannot be placed still works
