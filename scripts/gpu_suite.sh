@@ -22,6 +22,12 @@ if ls "$ROOT"/.whl/*.whl > /dev/null 2>&1; then  # carried wheels (the machine h
     "$PY" -m pip install -q --no-index --no-deps --target "$WHEELS" "$ROOT"/.whl/*.whl
 fi
 export PYTHONPATH="$ROOT${WHEELS:+:$WHEELS}${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# Cached bytecode, as an installed package has: a host that sets PYTHONDONTWRITEBYTECODE (the
+# lent VMs do) compiles every lazily imported module from source in every process, seconds that
+# land in the copy kernel's JIT and in start-up figures (docs/BENCHMARKS.md, "Set-up that leaves
+# the engine alone").
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX="${PYTHONPYCACHEPREFIX:-/tmp/offload-pycache}"
 NGPU="$($PY -c 'import torch; print(torch.cuda.device_count())')"
 NPROC="${NPROC:-2}"
 status=0

@@ -170,21 +170,6 @@ class _PolicyRegistrar(RecordingRegistrar):
         super().register(address, length)
 
 
-def test_pre_fault_threads_yield_the_cpu_and_the_pin_thread_keeps_its_priority() -> None:
-    """Pre-fault runs under SCHED_IDLE, so the engine's threads preempt it; the pin thread,
-    which holds the CUDA driver while it registers, is not starved behind them."""
-    registrar = _PolicyRegistrar()
-    geometry, units, mapping, recorder, pinner, setup = _run(2 * PAGE, registrar)
-    try:
-        assert setup.start().wait(20) and setup.error is None
-        assert recorder.policies == {os.SCHED_IDLE}
-        assert registrar.policies == {os.sched_getscheduler(0)} != {os.SCHED_IDLE}
-        assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the caller is left as it was
-    finally:
-        pinner.unpin_all()
-        mapping.close()
-
-
 needs_cc = pytest.mark.skipif(native_populator() is None, reason="needs a C compiler")
 
 
@@ -229,7 +214,9 @@ def test_a_unit_the_native_loop_cannot_populate_stops_set_up_with_the_reason() -
         assert setup.start().wait(20)
         assert setup.error is not None and "ran out of memory" in setup.error
         assert setup.ready_rows == 7 and recorder.announced[-1] == (7, True)
-        setup.stop()  # the workers stop taking units once the pin thread stopped
+        last = mapping.address + (ROWS - 1) * geometry.row_stride + geometry.slot_offset
+        assert not all_pages_mapped(last, geometry.slot_bytes)  # no unit taken after it
+        setup.stop()
         assert not [t for t in threading.enumerate() if t.name.startswith("offload-bg")]
     finally:
         pinner.unpin_all()
@@ -263,5 +250,55 @@ def test_one_thread_populates_until_the_kernel_is_compiled_then_all_of_them() ->
         assert set(workers) == {f"offload-bg-prefault-{i}" for i in range(3)}
     finally:
         setup.stop()
+        pinner.unpin_all()
+        mapping.close()
+
+
+@needs_cc
+def test_c_pre_fault_threads_yield_the_cpu_and_the_pin_thread_keeps_its_priority() -> None:
+    """The C loop's workers run under SCHED_IDLE, so the engine's threads preempt them; the pin
+    thread, which holds the CUDA driver while it registers, keeps the caller's policy."""
+    geometry = _shared_geometry()
+    units = setup_units(geometry, TierConfig(cpu_bytes_per_node=1 << 30), 2 * PAGE)
+    mapping = Mapping.anonymous(geometry.total_bytes)
+    registrar = _PolicyRegistrar()
+    pinner = Pinner(registrar, mapping.address)
+    workers: set[int] = set()  # each worker's policy as it starts (its placement hook)
+    setup = BackgroundSetup(mapping.address, units, pinner, 3, _Recorder().on_ready,
+                            on_thread_start=lambda: workers.add(os.sched_getscheduler(0)))
+    try:
+        assert setup._native is not None
+        assert setup.start().wait(20) and setup.error is None
+        assert workers == {os.SCHED_IDLE}
+        assert registrar.policies == {os.sched_getscheduler(0)} != {os.SCHED_IDLE}
+    finally:
+        setup.stop()
+        pinner.unpin_all()
+        mapping.close()
+
+
+def test_python_pre_fault_threads_keep_their_priority() -> None:
+    """A Python worker takes the GIL back after every madvise: at idle priority, preempted
+    holding it, it would stall every other thread of the process."""
+    geometry, units, mapping, recorder, pinner, setup = _run(2 * PAGE, RecordingRegistrar())
+    try:
+        assert setup.start().wait(20) and setup.error is None
+        assert recorder.policies == {os.sched_getscheduler(0)} != {os.SCHED_IDLE}
+    finally:
+        setup.stop()
+        pinner.unpin_all()
+        mapping.close()
+
+
+def test_a_kernel_without_populate_gets_the_python_loop(monkeypatch) -> None:
+    """Where MADV_POPULATE_WRITE is refused, every worker touches pages (`Populator`'s
+    fallback), not the pin thread alone after the C loop failed every unit."""
+    import offload.region.background as background
+
+    monkeypatch.setattr(background, "populate_supported", lambda: False)
+    geometry, mapping, recorder, pinner, setup = _native_run(RecordingRegistrar())
+    try:
+        assert setup._native is None
+    finally:
         pinner.unpin_all()
         mapping.close()

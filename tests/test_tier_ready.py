@@ -453,6 +453,8 @@ def _engine_then_set_up(rank: int) -> object:
     made = actor_module.make_engine
 
     def slow_make_engine(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            return made(*args, **kwargs)  # the JIT's scratch engine (on a GPU), not the tier's
         time.sleep(0.3)
         engine = made(*args, **kwargs)
         built_at.append(time.perf_counter())
@@ -475,3 +477,50 @@ def test_background_set_up_starts_once_the_engine_is_built() -> None:
         assert o.ok, o.error
         after_engine_s, timed = o.value
         assert after_engine_s >= 0 and timed
+
+
+def _reserved_where(rank: int, mode: str) -> object:
+    """Record which thread made each ``posix_fallocate`` (the files' reservation) of this
+    rank.  ``mode``: "ok"; "full" (every reservation fails
+    with ENOSPC); "old-kernel" (no MADV_POPULATE_WRITE: pages would be touched)."""
+    import errno
+
+    import offload.region.host_region as host_region
+
+    calls: list[str] = []
+    fallocate = os.posix_fallocate
+
+    def recording(fd: int, offset: int, length: int) -> None:
+        calls.append(threading.current_thread().name)
+        if mode == "full":
+            raise OSError(errno.ENOSPC, "stand-in: no space left")
+        fallocate(fd, offset, length)
+
+    os.posix_fallocate = recording
+    if mode == "old-kernel":
+        host_region.populate_supported = lambda: False
+    tier = _background_tier(rank, "shared", RecordingRegistrar())
+    full = tier.wait_ready(20).full
+    reservation = tier.actor.region._reservation
+    error = reservation.error if reservation is not None else None
+    tier.close()
+    return calls, full, error
+
+
+@pytest.mark.parametrize("mode", ["ok", "full", "old-kernel"])
+def test_the_leader_reserves_the_node_files_behind_create(mode: str) -> None:
+    """Background set-up leaves the files' reservation to the leader's threads, so `create`
+    does not wait for it; a reservation that fails only logs (the pre-fault allocates and
+    words a real lack of memory); where pages would be touched, not populated, the files are
+    reserved in `create` as before (an unreserved page of a full mount would SIGBUS)."""
+    outcomes = run_group(_reserved_where, 2, args=(mode,), timeout=90)
+    for o in outcomes:
+        assert o.ok, o.error
+    (leader_calls, leader_full, error), (peer_calls, peer_full, _) = (o.value for o in outcomes)
+    assert leader_full and peer_full and peer_calls == []
+    assert leader_calls  # every segment, once
+    if mode == "old-kernel":
+        assert not any(name.startswith("offload-bg-reserve") for name in leader_calls)
+    else:
+        assert all(name.startswith("offload-bg-reserve") for name in leader_calls)
+    assert (error is not None and "reserving" in error) == (mode == "full")

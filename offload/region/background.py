@@ -48,7 +48,10 @@ from offload.region.prefault import (
     Populator,
     ProgressFn,
     madvise_populate,
+    populate_error,
+    populate_supported,
 )
+from offload.region.shm import close_fds, reserve_file
 
 log = logging.getLogger(__name__)
 
@@ -57,28 +60,35 @@ log = logging.getLogger(__name__)
 # pieces of 4 KiB shmem pages, measured (docs/BENCHMARKS.md, "Ready to serve at once").  At
 # ~6 GiB/s per process 8 MiB keeps that wait near 1 ms; a unit is never less than one row.
 UNIT_BYTES = 8 << 20
+# NOTE: the C loop's longest madvise: the advice holds the mmap lock for reading, and at idle
+# priority on a busy host a call can take long to finish while every thread that maps memory
+# waits (measured on 2 busy vCPUs, 8 MiB calls: up to 2.8-3.5 s for a 4 KiB mmap).  The same
+# bound as a unit, so a private region's 40 MiB rows take five calls; 2 MiB calls populated
+# 1.5-2x slower (docs/BENCHMARKS.md, "Set-up that leaves the engine alone").
+MADVISE_BYTES = UNIT_BYTES
 # NOTE: set-up runs beside the engine's own threads (weights, graph capture, the scheduler), so
-# its pre-fault threads (`TierConfig.prefault_threads` of them) run under SCHED_IDLE: they take
+# its C pre-fault threads (`TierConfig.prefault_threads` of them) run under SCHED_IDLE: they take
 # only CPU time nothing else wants (on a host whose every CPU is busy, set-up waits), and any
-# engine thread that wakes preempts them at once.  With 2 ranks on 16 cores and 16 such threads
-# per rank, a thread launching a tiny kernel every millisecond waited over 2 ms in 7 of ~1,600
-# launches (shared layout; 8 of ~1,200 beside 4 normal threads) and set-up finished within
-# 1.06x the blocking create (1.25-1.29x with 4 normal threads; docs/BENCHMARKS.md, "Set-up that
-# leaves the engine alone").  The pin thread keeps its priority: it holds the driver while it
-# registers, and nothing should wait behind it longer than that.
-# NOTE: no row is usable before the copy kernel's JIT, so until it is done one thread populates
-# and the rest wait: 48 GiB private regions on 2 ranks, 8 threads each, launches waiting over
-# 2 ms went from 27-86 to 8-10 of ~1,200 and set-up finished in 0.92-0.95x the time
-# (docs/BENCHMARKS.md, "Set-up that leaves the engine alone").
+# engine thread that wakes preempts them at once.  Measured with Python workers, 2 ranks on 16
+# cores, 16 such threads per rank: a thread launching a tiny kernel every millisecond waited
+# over 2 ms in 7 of ~1,600 launches (shared layout; 8 of ~1,200 beside 4 normal threads) and
+# set-up finished within 1.06x the blocking create (1.25x with 4 normal threads;
+# docs/BENCHMARKS.md, "Set-up that leaves the engine alone").  The pin thread keeps its
+# priority: it holds the driver while it registers, and nothing should wait behind it longer.
+# NOTE: no row is usable before the copy kernel's JIT, which beside private set-up took 2-7 s
+# against 0.55 s alone (docs/BENCHMARKS.md, "Set-up that leaves the engine alone"), so until it
+# is done one thread populates and the rest wait.  Reasoned, not yet measured against the full
+# pool.
 PROGRESS_INTERVAL_S = 2.0
+
 
 def yield_cpu() -> None:
     """Run the calling thread under SCHED_IDLE (Linux; best effort: elsewhere, or where it is
     refused, the thread keeps its policy).  Lowering a thread's own policy needs no privilege.
 
-    The one hazard would be Python's GIL (a thread preempted holding it makes the others wait
-    until some CPU is free for it): the native loop never takes it, the Python fallback holds
-    it only between two ``madvise`` calls, and a waiter blocked on it leaves its CPU free."""
+    Only the C loop's workers call it: a Python worker takes the GIL back after every call,
+    and preempted at idle priority while holding it, it would make every other thread wait for
+    a free CPU.  The C loop's own hazard is the mmap lock (`MADVISE_BYTES`)."""
     policy = getattr(os, "SCHED_IDLE", None)
     if policy is not None:
         with contextlib.suppress(OSError):
@@ -93,7 +103,8 @@ def native_populator() -> ctypes.CDLL | None:
     if lib is not None:
         pointer = ctypes.c_void_p
         lib.offload_populate_units.argtypes = [ctypes.c_uint64, pointer, pointer, ctypes.c_int64,
-                                               pointer, pointer, pointer, ctypes.c_int32]
+                                               pointer, pointer, pointer, ctypes.c_int32,
+                                               ctypes.c_int64]
         lib.offload_populate_units.restype = ctypes.c_int64
     return lib
 
@@ -136,7 +147,10 @@ class BackgroundSetup:
         # _failed[i]).  Written by the pre-fault threads, read by the pin thread.
         self._state = np.zeros(len(self._units), dtype=np.int32)
         self._failed: list[BaseException | None] = [None] * len(self._units)
-        self._native = native_populator() if populate is madvise_populate else None
+        # the C loop where the kernel takes the advice; else (or with a test's stand-in) the
+        # Python loop, whose `Populator` falls back to touching pages on every worker
+        native = populate is madvise_populate and populate_supported()
+        self._native = native_populator() if native else None
         self._base = base
         if self._native is not None:  # populate.c's tables: ranges, each unit's first range
             self._ranges = np.array([(r.offset, r.length) for u in self._units for r in u.ranges],
@@ -154,7 +168,7 @@ class BackgroundSetup:
     def start(self, full_speed_after: threading.Event | None = None) -> BackgroundSetup:
         """Start the threads.  With ``full_speed_after``, one pre-fault thread starts at once
         and the others once it is set (`offload.actor` passes the copy kernel's JIT: no row is
-        usable before it, and a full pool slows it down; the NOTE above `yield_cpu`)."""
+        usable before it, and a full pool competes with it; the NOTE above `yield_cpu`)."""
         self._full_speed_after = full_speed_after
         self.launched = True
         self.started = time.perf_counter()
@@ -191,7 +205,8 @@ class BackgroundSetup:
         while worker and after is not None and not after.wait(0.05):
             if self._stopping.is_set() or self._aborted.is_set():
                 return
-        yield_cpu()
+        if self._native is not None:  # a Python worker would take the GIL at idle priority
+            yield_cpu()
         if self._on_thread_start is not None:
             try:  # placement is best effort: a worker that cannot be placed still works
                 self._on_thread_start()
@@ -201,7 +216,7 @@ class BackgroundSetup:
             self._native.offload_populate_units(
                 self._base, self._ranges.ctypes.data, self._first.ctypes.data,
                 len(self._units), self._counter.ctypes.data, self._state.ctypes.data,
-                self._stop_flag.ctypes.data, MADV_POPULATE_WRITE)
+                self._stop_flag.ctypes.data, MADV_POPULATE_WRITE, MADVISE_BYTES)
             self.populated_s = time.perf_counter() - self.started  # no unit left to take
             return
         while not (self._stopping.is_set() or self._aborted.is_set()):
@@ -230,16 +245,16 @@ class BackgroundSetup:
         return not self._stopping.is_set()
 
     def _populated(self, i: int) -> None:
-        """Raise unit ``i``'s failure, if it had one.  A unit the native loop could not
-        populate is populated here once more: `Populator` words the error (no memory) or takes
-        the touch fallback of kernels without MADV_POPULATE_WRITE."""
-        if self._state[i] > 0:
+        """Raise unit ``i``'s failure, if it had one (from the C loop: its errno, worded as
+        `Populator` words it)."""
+        state = int(self._state[i])
+        if state > 0:
             return
         failure = self._failed[i]
         if failure is not None:
             raise failure
-        for r in self._units[i].ranges:
-            self._populator.run(r)
+        unit = self._units[i].ranges[0]
+        raise populate_error(-state, self._base + unit.offset, self._units[i].length)
 
     def _register(self) -> None:
         rows, done_bytes, last_log = 0, 0, self.started
@@ -276,3 +291,66 @@ class BackgroundSetup:
                 self._on_ready(rows, True)
         finally:
             self.done.set()
+
+
+class BackgroundReservation:
+    """The node leader's reservation of a node region's files, on its own threads, in file
+    (row) order, while the ranks' set-up populates them: `create` then costs no reservation.
+
+    Nothing waits for it.  A page the ranks' pre-fault reaches first is allocated by the fault
+    and skipped by the reservation, and the other way round; reserving files in parallel ahead
+    of the row-order pre-fault is what keeps it fast, since pages of one shmem file are
+    allocated one at a time.  Running out of room shows up where it matters, in the set-up of
+    the rank whose pre-fault gets there (`Populator` words it); here it is logged once and the
+    rest of the files are left to the pre-fault.  Owns ``fds`` (duplicates the caller made):
+    `stop` closes them.
+    """
+
+    def __init__(self, fds: Sequence[int], lengths: Sequence[int], threads: int) -> None:
+        self._fds = list(fds)
+        self._lengths = list(lengths)
+        self._next_file = itertools.count()
+        self._stopping = threading.Event()
+        self.error: str | None = None
+        self.started = time.perf_counter()
+        self.finished_s: float | None = None  # from start until every file was reserved
+        self._left = len(self._fds)
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._reserve_files, daemon=True,
+                                          name=f"offload-bg-reserve-{i}")
+                         for i in range(max(1, min(threads, len(self._fds))))]
+
+    def start(self) -> BackgroundReservation:
+        self.started = time.perf_counter()
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Take no further file, wait for the threads (each finishes the file in hand) and
+        close the descriptors.  Idempotent."""
+        self._stopping.set()
+        for thread in self._threads:
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join()
+        fds, self._fds = self._fds, []
+        close_fds(fds)
+
+    def _reserve_files(self) -> None:
+        yield_cpu()
+        while not self._stopping.is_set() and self.error is None:
+            i = next(self._next_file)  # files are taken in order: row order
+            if i >= len(self._lengths):
+                return
+            try:
+                reserve_file(self._fds[i], self._lengths[i])
+            except Exception as exc:
+                self.error = one_line(exc)
+                log.warning("reserving the node region in the background stopped at file %d "
+                            "of %d (pre-fault allocates the rest): %s", i, len(self._lengths),
+                            self.error)
+                return
+            with self._lock:
+                self._left -= 1
+                if self._left == 0:
+                    self.finished_s = time.perf_counter() - self.started

@@ -41,6 +41,7 @@ from __future__ import annotations
 import bisect
 import logging
 import mmap
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -61,13 +62,18 @@ from offload.geometry import (
     setup_units,
 )
 from offload.plan import Plan
-from offload.region.background import UNIT_BYTES, BackgroundSetup, ReadyFn
+from offload.region.background import (
+    UNIT_BYTES,
+    BackgroundReservation,
+    BackgroundSetup,
+    ReadyFn,
+)
 from offload.region.hugepages import shmem_huge_mode, small_page_hint
 from offload.region.nameless import FdOffer, check_sizes, create_memfds, fetch_fds, socket_name
 from offload.region.numa import Placement, bytes_on_node
 from offload.region.pin import Pinner, Registrar
 from offload.region.pipeline import PinPipeline
-from offload.region.prefault import ProgressFn, plan_pieces, prefault
+from offload.region.prefault import ProgressFn, plan_pieces, populate_supported, prefault
 from offload.region.shm import (
     Mapping,
     check_tier_id,
@@ -149,6 +155,7 @@ class HostRegion:
         self._pinner: Pinner | None = None
         self._pipeline: PinPipeline | None = None
         self._setup: BackgroundSetup | None = None
+        self._reservation: BackgroundReservation | None = None  # the leader's, background
 
     @property
     def address(self) -> int:
@@ -164,12 +171,16 @@ class HostRegion:
         its engine is built: a registration holds the CUDA driver, and the engine's own
         allocations would otherwise queue behind every unit's."""
         if self._setup is not None and not self._setup.launched:
+            if self._reservation is not None:
+                self._reservation.start()
             self._setup.start(full_speed_after)
 
     def stop_setup(self) -> None:
         """Stop a background set-up where it is (idempotent; nothing without one)."""
         if self._setup is not None:
             self._setup.stop()
+        if self._reservation is not None:
+            self._reservation.stop()
 
     @classmethod
     def create(cls, plan: Plan, topology: Topology, config: TierConfig, tier_id: str,
@@ -266,6 +277,9 @@ class HostRegion:
         self.stats.timings_s["pin_busy"] = setup.busy_s
         if setup.first_ready_s is not None:
             self.stats.timings_s["first_unit"] = setup.first_ready_s
+        reservation = self._reservation
+        if reservation is not None and reservation.finished_s is not None:
+            self.stats.timings_s["reserve"] = reservation.finished_s
         self.stats.longest_registration_s = setup.longest_call_s
         self.stats.registrations = len(pinner.registered)
         self.stats.pinned_bytes = pinner.pinned_bytes
@@ -300,11 +314,19 @@ class HostRegion:
         offer: list[FdOffer] = []
         peers = sync.topology.local_world_size - 1
 
+        # background set-up: the files are reserved behind `create`, on the leader's threads
+        # (not where pages are touched rather than populated: a page of a full mount touched
+        # unreserved would be a SIGBUS)
+        deferred = files.config.background and populate_supported()
+
         def create() -> None:
             check()
             if files.nameless:  # bound before the exchange that tells peers to connect
                 offer.append(FdOffer(files.socket, peers))
-            fds.extend(files.create(self._paths))
+            fds.extend(files.create(self._paths, reserved=not deferred))
+            if deferred:
+                self._reservation = BackgroundReservation(_duplicates(fds), files.lengths,
+                                                          files.config.prefault_threads)
 
         def hand_over_and_map() -> None:
             if files.nameless and leader:
@@ -464,16 +486,27 @@ class _Files:
             return []
         return segment_paths(self.config.shm_dir, self.tier_id, self.tag, len(self.lengths))
 
-    def create(self, paths: list[str], unlink: bool = False) -> list[int]:
-        """Create and reserve the files; return their descriptors.  Background set-up keeps
-        the reservation: pre-faulting a node region in row order, its ranks work in one shmem
-        file at a time, where allocating pages serialises (docs/BENCHMARKS.md, "Ready to serve
-        at once"), while reserving allocates every file in parallel; and a reserved file never
-        turns a lack of memory into a SIGBUS at first touch."""
+    def create(self, paths: list[str], unlink: bool = False, reserved: bool = True
+               ) -> list[int]:
+        """Create the files, reserved unless ``reserved`` is False (background set-up of a
+        node region reserves them behind `create`: `BackgroundReservation`); return their
+        descriptors."""
         threads = self.config.prefault_threads
         if self.nameless:
-            return create_memfds(f"{self.tier_id}-{self.tag}", self.lengths, threads)
-        return create_segments(paths, self.lengths, threads, unlink=unlink)
+            return create_memfds(f"{self.tier_id}-{self.tag}", self.lengths, threads, reserved)
+        return create_segments(paths, self.lengths, threads, unlink=unlink, reserved=reserved)
+
+
+def _duplicates(fds: list[int]) -> list[int]:
+    """A duplicate of each descriptor (all or none)."""
+    made: list[int] = []
+    try:
+        for fd in fds:
+            made.append(os.dup(fd))
+    except BaseException:
+        close_fds(made)
+        raise
+    return made
 
 
 def _logged(fn: Callable[..., object], *args: object) -> None:

@@ -64,14 +64,17 @@ def create_memfd(name: str, length: int) -> int:
     return fd
 
 
-def create_memfds(name: str, lengths: Sequence[int], threads: int) -> list[int]:
+def create_memfds(name: str, lengths: Sequence[int], threads: int,
+                  reserved: bool = True) -> list[int]:
     """One sealed memfd per segment (``offload-<name>-s<i>`` in ``/proc/<pid>/fd``), reserved
-    in parallel; on any failure every one of them is closed, which frees it."""
+    in parallel unless ``reserved`` is False (the caller reserves them later); on any failure
+    every one of them is closed, which frees it."""
     fds: list[int] = []
     try:
         for i, length in enumerate(lengths):
             fds.append(create_memfd(f"{name}-s{i}", length))
-        reserve(fds, lengths, threads)
+        if reserved:
+            reserve(fds, lengths, threads)
     except BaseException:
         close_fds(fds)
         raise

@@ -46,6 +46,12 @@ def madvise_populate(address: int, length: int) -> int:
     return ctypes.get_errno()
 
 
+def populate_supported() -> bool:
+    """Whether this kernel takes MADV_POPULATE_WRITE (5.14+): the advice is checked before the
+    range, so an empty range at 0 answers without touching anything."""
+    return libc.madvise(None, 0, MADV_POPULATE_WRITE) == 0
+
+
 def touch_pages(address: int, length: int) -> None:
     """Write-fault every system page of the range by rewriting its first byte in place (a
     strided view copied onto a clone of itself: one torch op, GIL released)."""
@@ -89,16 +95,21 @@ class Populator:
             err = self.populate(address, piece.length)
             if err == 0:
                 return
-            if err in (errno.ENOMEM, errno.EFAULT):  # EFAULT: the page would SIGBUS
-                raise OffloadError(
-                    f"pre-faulting {format_size(piece.length)} at {address:#x} ran out of "
-                    f"memory ({errno.errorcode[err]}): the host or its cgroup has no room left "
-                    "for the region; lower --cpu-bytes or free memory")
             if err != errno.EINVAL:
-                raise OSError(err, f"madvise(MADV_POPULATE_WRITE) of {piece.length} B at "
-                                   f"{address:#x} failed: {errno.errorcode.get(err, err)}")
+                raise populate_error(err, address, piece.length)
             self.unsupported.set()
         touch_pages(address, piece.length)
+
+
+def populate_error(err: int, address: int, length: int) -> Exception:
+    """What a failed ``MADV_POPULATE_WRITE`` of ``length`` bytes at ``address`` raises."""
+    if err in (errno.ENOMEM, errno.EFAULT):  # EFAULT: the page would SIGBUS
+        return OffloadError(
+            f"pre-faulting {format_size(length)} at {address:#x} ran out of memory "
+            f"({errno.errorcode[err]}): the host or its cgroup has no room left for the "
+            "region; lower --cpu-bytes or free memory")
+    return OSError(err, f"madvise(MADV_POPULATE_WRITE) of {length} B at {address:#x} failed: "
+                        f"{errno.errorcode.get(err, err)}")
 
 
 def prefault(base: int, pieces: Sequence[ByteRange], *, threads: int,
