@@ -302,3 +302,55 @@ def test_a_kernel_without_populate_gets_the_python_loop(monkeypatch) -> None:
     finally:
         pinner.unpin_all()
         mapping.close()
+
+
+def _unreserved_memfds(count: int, length: int) -> list[int]:
+    from offload.region.nameless import create_memfds
+
+    return create_memfds("test-reserve", [length] * count, 1, reserved=False)
+
+
+def test_the_background_reservation_allocates_every_file_and_lets_go_of_it() -> None:
+    import offload.region.background as background
+    from offload.region.shm import close_fds
+
+    fds = _unreserved_memfds(3, 8 << 20)
+    try:
+        reservation = background.BackgroundReservation([os.dup(fd) for fd in fds],
+                                                       [8 << 20] * 3, 2).start()
+        deadline = time.monotonic() + 20
+        while reservation.finished_s is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert all(os.fstat(fd).st_blocks * 512 >= 8 << 20 for fd in fds)
+        assert reservation._fds == [-1, -1, -1]  # each duplicate closed once its file was done
+        reservation.stop()
+        assert reservation.error is None
+    finally:
+        close_fds(fds)
+
+
+def test_stopping_the_background_reservation_waits_for_one_piece_only(monkeypatch) -> None:
+    import offload.region.background as background
+    from offload.region.shm import close_fds
+
+    pieces: list[int] = []
+
+    def slow(fd: int, length: int, offset: int = 0, count: int | None = None) -> None:
+        pieces.append(offset)
+        time.sleep(0.05)
+
+    monkeypatch.setattr(background, "reserve_file", slow)
+    monkeypatch.setattr(background, "RESERVE_BYTES", 1 << 20)
+    fds = _unreserved_memfds(2, 64 << 20)
+    try:
+        reservation = background.BackgroundReservation([os.dup(fd) for fd in fds],
+                                                       [64 << 20] * 2, 2).start()
+        time.sleep(0.2)
+        began = time.perf_counter()
+        reservation.stop()
+        assert time.perf_counter() - began < 0.5  # a piece each, not a 64-piece file
+        assert len(pieces) < 2 * 64 and reservation._fds == []
+        assert not [t for t in threading.enumerate() if t.name.startswith("offload-bg")]
+    finally:
+        close_fds(fds)

@@ -479,10 +479,11 @@ def test_background_set_up_starts_once_the_engine_is_built() -> None:
         assert after_engine_s >= 0 and timed
 
 
-def _reserved_where(rank: int, mode: str) -> object:
+def _reserved_where(rank: int, mode: str, shm_dir: str) -> object:
     """Record which thread made each ``posix_fallocate`` (the files' reservation) of this
-    rank.  ``mode``: "ok"; "full" (every reservation fails
-    with ENOSPC); "old-kernel" (no MADV_POPULATE_WRITE: pages would be touched)."""
+    rank, over a region of 5 files.  ``mode``: "ok"; "full" (every reservation fails with
+    ENOSPC); "old-kernel" (no MADV_POPULATE_WRITE: pages would be touched); "named" (files in
+    ``shm_dir``, whose file system may lack fallocate)."""
     import errno
 
     import offload.region.host_region as host_region
@@ -499,27 +500,34 @@ def _reserved_where(rank: int, mode: str) -> object:
     os.posix_fallocate = recording
     if mode == "old-kernel":
         host_region.populate_supported = lambda: False
-    tier = _background_tier(rank, "shared", RecordingRegistrar())
+    files = {"shm_dir": shm_dir} if mode == "named" else {}
+    tier = _background_tier(rank, "shared", RecordingRegistrar(), min_segment_bytes=64 << 10,
+                            segment_threshold=128 << 10, **files)
     full = tier.wait_ready(20).full
+    segments = tier.actor.report()["segments"]
     reservation = tier.actor.region._reservation
     error = reservation.error if reservation is not None else None
     tier.close()
-    return calls, full, error
+    return calls, full, error, segments
 
 
-@pytest.mark.parametrize("mode", ["ok", "full", "old-kernel"])
-def test_the_leader_reserves_the_node_files_behind_create(mode: str) -> None:
+@pytest.mark.parametrize("mode", ["ok", "full", "old-kernel", "named"])
+def test_the_leader_reserves_the_node_files_behind_create(mode: str, shm_dir) -> None:
     """Background set-up leaves the files' reservation to the leader's threads, so `create`
     does not wait for it; a reservation that fails only logs (the pre-fault allocates and
     words a real lack of memory); where pages would be touched, not populated, the files are
     reserved in `create` as before (an unreserved page of a full mount would SIGBUS)."""
-    outcomes = run_group(_reserved_where, 2, args=(mode,), timeout=90)
+    outcomes = run_group(_reserved_where, 2, args=(mode, str(shm_dir)), timeout=90)
     for o in outcomes:
         assert o.ok, o.error
-    (leader_calls, leader_full, error), (peer_calls, peer_full, _) = (o.value for o in outcomes)
-    assert leader_full and peer_full and peer_calls == []
-    assert leader_calls  # every segment, once
-    if mode == "old-kernel":
+    (leader_calls, leader_full, error, segments), (peer_calls, peer_full, _, _) = (
+        o.value for o in outcomes)
+    assert leader_full and peer_full and peer_calls == [] and segments == 5
+    if mode == "full":  # the threads stop taking files at the first failure
+        assert 1 <= len(leader_calls) <= segments
+    else:
+        assert len(leader_calls) == segments  # each file once
+    if mode in ("old-kernel", "named"):
         assert not any(name.startswith("offload-bg-reserve") for name in leader_calls)
     else:
         assert all(name.startswith("offload-bg-reserve") for name in leader_calls)

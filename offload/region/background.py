@@ -66,6 +66,8 @@ UNIT_BYTES = 8 << 20
 # bound as a unit, so a private region's 40 MiB rows take five calls; 2 MiB calls populated
 # 1.5-2x slower (docs/BENCHMARKS.md, "Set-up that leaves the engine alone").
 MADVISE_BYTES = UNIT_BYTES
+# The background reservation's piece: what `close` may wait for (one `fallocate` per thread).
+RESERVE_BYTES = 256 << 20
 # NOTE: set-up runs beside the engine's own threads (weights, graph capture, the scheduler), so
 # its C pre-fault threads (`TierConfig.prefault_threads` of them) run under SCHED_IDLE: they take
 # only CPU time nothing else wants (on a host whose every CPU is busy, set-up waits), and any
@@ -294,7 +296,7 @@ class BackgroundSetup:
 
 
 class BackgroundReservation:
-    """The node leader's reservation of a node region's files, on its own threads, in file
+    """The node leader's reservation of a node region's memfds, on its own threads, in file
     (row) order, while the ranks' set-up populates them: `create` then costs no reservation.
 
     Nothing waits for it.  A page the ranks' pre-fault reaches first is allocated by the fault
@@ -302,8 +304,14 @@ class BackgroundReservation:
     of the row-order pre-fault is what keeps it fast, since pages of one shmem file are
     allocated one at a time.  Running out of room shows up where it matters, in the set-up of
     the rank whose pre-fault gets there (`Populator` words it); here it is logged once and the
-    rest of the files are left to the pre-fault.  Owns ``fds`` (duplicates the caller made):
-    `stop` closes them.
+    rest of the files are left to the pre-fault.
+
+    Only for memfds (shmem allocates in ``fallocate`` itself): where a file system lacks it,
+    glibc's ``posix_fallocate`` rewrites a byte of every block, which beside rows already served
+    would overwrite stored bytes.  The threads keep their priority: they are Python threads,
+    and one preempted at idle priority while holding the GIL would stall the process.  Owns
+    ``fds`` (duplicates the caller made): each is closed once its file is reserved, `stop`
+    closes the rest.
     """
 
     def __init__(self, fds: Sequence[int], lengths: Sequence[int], threads: int) -> None:
@@ -311,11 +319,11 @@ class BackgroundReservation:
         self._lengths = list(lengths)
         self._next_file = itertools.count()
         self._stopping = threading.Event()
+        self._lock = threading.Lock()  # _fds and _left
         self.error: str | None = None
         self.started = time.perf_counter()
         self.finished_s: float | None = None  # from start until every file was reserved
         self._left = len(self._fds)
-        self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._reserve_files, daemon=True,
                                           name=f"offload-bg-reserve-{i}")
                          for i in range(max(1, min(threads, len(self._fds))))]
@@ -327,23 +335,26 @@ class BackgroundReservation:
         return self
 
     def stop(self) -> None:
-        """Take no further file, wait for the threads (each finishes the file in hand) and
-        close the descriptors.  Idempotent."""
+        """Take no further piece, wait for the threads (each finishes the `RESERVE_BYTES` in
+        hand) and close the descriptors left.  Idempotent."""
         self._stopping.set()
         for thread in self._threads:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join()
-        fds, self._fds = self._fds, []
+        with self._lock:
+            fds, self._fds = [fd for fd in self._fds if fd >= 0], []
         close_fds(fds)
 
     def _reserve_files(self) -> None:
-        yield_cpu()
         while not self._stopping.is_set() and self.error is None:
             i = next(self._next_file)  # files are taken in order: row order
             if i >= len(self._lengths):
                 return
             try:
-                reserve_file(self._fds[i], self._lengths[i])
+                for offset in range(0, self._lengths[i], RESERVE_BYTES):
+                    if self._stopping.is_set():
+                        return
+                    reserve_file(self._fds[i], self._lengths[i], offset, RESERVE_BYTES)
             except Exception as exc:
                 self.error = one_line(exc)
                 log.warning("reserving the node region in the background stopped at file %d "
@@ -351,6 +362,8 @@ class BackgroundReservation:
                             self.error)
                 return
             with self._lock:
+                fd, self._fds[i] = self._fds[i], -1
                 self._left -= 1
                 if self._left == 0:
                     self.finished_s = time.perf_counter() - self.started
+            close_fds([fd])

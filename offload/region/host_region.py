@@ -314,10 +314,11 @@ class HostRegion:
         offer: list[FdOffer] = []
         peers = sync.topology.local_world_size - 1
 
-        # background set-up: the files are reserved behind `create`, on the leader's threads
-        # (not where pages are touched rather than populated: a page of a full mount touched
-        # unreserved would be a SIGBUS)
-        deferred = files.config.background and populate_supported()
+        # background set-up: memfds are reserved behind `create`, on the leader's threads (not
+        # named files, whose file system may lack fallocate: `BackgroundReservation`; nor where
+        # pages are touched rather than populated: an unreserved page of a full mount would be
+        # a SIGBUS)
+        deferred = files.config.background and files.nameless and populate_supported()
 
         def create() -> None:
             check()
