@@ -313,38 +313,66 @@ def _unreserved_memfds(count: int, length: int) -> list[int]:
     return create_memfds("test-reserve", [length] * count, 1, reserved=False)
 
 
+@needs_cc
 def test_the_background_reservation_allocates_every_file_and_lets_go_of_it() -> None:
+    """populate.c's reservation: every file allocated, each duplicate closed once reserved."""
     import offload.region.background as background
     from offload.region.shm import close_fds
 
     fds = _unreserved_memfds(3, 8 << 20)
+    open_before = len(os.listdir("/proc/self/fd"))
     try:
         reservation = background.BackgroundReservation([os.dup(fd) for fd in fds],
-                                                       [8 << 20] * 3, 2).start()
+                                                       [8 << 20] * 3, 2)
+        assert reservation._native is not None
+        reservation.start()
         deadline = time.monotonic() + 20
         while reservation.finished_s is None:
             assert time.monotonic() < deadline
             time.sleep(0.005)
         assert all(os.fstat(fd).st_blocks * 512 >= 8 << 20 for fd in fds)
-        assert reservation._fds == [-1, -1, -1]  # each duplicate closed once its file was done
+        assert reservation._state.tolist() == [1, 1, 1]  # reserved, duplicate closed in C
+        assert len(os.listdir("/proc/self/fd")) == open_before
         reservation.stop()
         assert reservation.error is None
     finally:
         close_fds(fds)
 
 
+@needs_cc
+def test_a_reservation_that_fails_stops_and_says_why() -> None:
+    import offload.region.background as background
+    from offload.region.shm import close_fds
+
+    fds = _unreserved_memfds(3, 8 << 20)
+    readonly = os.open(f"/proc/self/fd/{fds[1]}", os.O_RDONLY)  # fallocate: EBADF
+    try:
+        reservation = background.BackgroundReservation(
+            [os.dup(fds[0]), readonly, os.dup(fds[2])], [8 << 20] * 3, 1).start()
+        reservation._threads[0].join(20)
+        assert reservation.error == "reserving file 1: Bad file descriptor"
+        assert reservation._state.tolist() == [1, -errno.EBADF, 0]  # the rest left alone
+        reservation.stop()  # closes what C did not
+        with pytest.raises(OSError):
+            os.fstat(readonly)
+    finally:
+        close_fds(fds)
+
+
 def test_stopping_the_background_reservation_waits_for_one_piece_only(monkeypatch) -> None:
+    """The Python loop (no compiler): `stop` waits for the piece in hand, not the file."""
     import offload.region.background as background
     from offload.region.shm import close_fds
 
     pieces: list[int] = []
 
-    def slow(fd: int, length: int, offset: int = 0, count: int | None = None) -> None:
+    def slow(fd: int, offset: int, length: int) -> None:
         pieces.append(offset)
         time.sleep(0.05)
 
-    monkeypatch.setattr(background, "reserve_file", slow)
+    monkeypatch.setattr(background, "native_populator", lambda: None)
     monkeypatch.setattr(background, "RESERVE_BYTES", 1 << 20)
+    monkeypatch.setattr(os, "posix_fallocate", slow)
     fds = _unreserved_memfds(2, 64 << 20)
     try:
         reservation = background.BackgroundReservation([os.dup(fd) for fd in fds],
@@ -353,7 +381,7 @@ def test_stopping_the_background_reservation_waits_for_one_piece_only(monkeypatc
         began = time.perf_counter()
         reservation.stop()
         assert time.perf_counter() - began < 1.5  # a piece each, not a 64-piece file (3.2 s)
-        assert len(pieces) < 2 * 64 and reservation._fds == []
+        assert len(pieces) < 2 * 64 and reservation._state.tolist() == [0, 0]
         assert not [t for t in threading.enumerate() if t.name.startswith("offload-bg")]
     finally:
         close_fds(fds)

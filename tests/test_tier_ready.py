@@ -480,12 +480,14 @@ def test_background_set_up_starts_once_the_engine_is_built() -> None:
 
 
 def _reserved_where(rank: int, mode: str, shm_dir: str) -> object:
-    """Record which thread made each ``posix_fallocate`` (the files' reservation) of this
-    rank, over a region of 5 files.  ``mode``: "ok"; "full" (every reservation fails with
-    ENOSPC); "old-kernel" (no MADV_POPULATE_WRITE: pages would be touched); "named" (files in
-    ``shm_dir``, whose file system may lack fallocate)."""
+    """Background set-up of a region of 5 files: what the leader's `BackgroundReservation` did
+    (each file's state), and which threads called ``posix_fallocate`` (the reservation in
+    `create`, or the Python loop's).  ``mode``: "ok"; "full" (the Python loop, whose every
+    reservation fails with ENOSPC); "old-kernel" (no MADV_POPULATE_WRITE: pages would be
+    touched); "named" (files in ``shm_dir``, whose file system may lack fallocate)."""
     import errno
 
+    import offload.region.background as background
     import offload.region.host_region as host_region
 
     calls: list[str] = []
@@ -500,35 +502,43 @@ def _reserved_where(rank: int, mode: str, shm_dir: str) -> object:
     os.posix_fallocate = recording
     if mode == "old-kernel":
         host_region.populate_supported = lambda: False
+    if mode == "full":
+        background.native_populator = lambda: None
     files = {"shm_dir": shm_dir} if mode == "named" else {}
     tier = _background_tier(rank, "shared", RecordingRegistrar(), min_segment_bytes=64 << 10,
                             segment_threshold=128 << 10, **files)
     full = tier.wait_ready(20).full
     segments = tier.actor.report()["segments"]
     reservation = tier.actor.region._reservation
+    deadline = time.monotonic() + 20
+    while reservation is not None and any(t.is_alive() for t in reservation._threads):
+        assert time.monotonic() < deadline, "the reservation never ended"
+        time.sleep(0.005)
+    states = reservation._state.tolist() if reservation is not None else None
     error = reservation.error if reservation is not None else None
     tier.close()
-    return calls, full, error, segments
+    return calls, full, error, segments, states
 
 
 @pytest.mark.parametrize("mode", ["ok", "full", "old-kernel", "named"])
 def test_the_leader_reserves_the_node_files_behind_create(mode: str, shm_dir) -> None:
-    """Background set-up leaves the files' reservation to the leader's threads, so `create`
+    """Background set-up leaves the memfds' reservation to the leader's threads, so `create`
     does not wait for it; a reservation that fails only logs (the pre-fault allocates and
-    words a real lack of memory); where pages would be touched, not populated, the files are
-    reserved in `create` as before (an unreserved page of a full mount would SIGBUS)."""
+    words a real lack of memory); named files, and memfds where pages would be touched rather
+    than populated, are reserved in `create` as before."""
     outcomes = run_group(_reserved_where, 2, args=(mode, str(shm_dir)), timeout=90)
     for o in outcomes:
         assert o.ok, o.error
-    (leader_calls, leader_full, error, segments), (peer_calls, peer_full, _, _) = (
-        o.value for o in outcomes)
-    assert leader_full and peer_full and peer_calls == [] and segments == 5
-    if mode == "full":  # the threads stop taking files at the first failure
-        assert 1 <= len(leader_calls) <= segments
-    else:
-        assert len(leader_calls) == segments  # each file once
-    if mode in ("old-kernel", "named"):
-        assert not any(name.startswith("offload-bg-reserve") for name in leader_calls)
-    else:
-        assert all(name.startswith("offload-bg-reserve") for name in leader_calls)
-    assert (error is not None and "reserving" in error) == (mode == "full")
+    leader, peer = (o.value for o in outcomes)
+    calls, full, error, segments, states = leader
+    assert full and peer[1] and segments == 5
+    assert peer[0] == [] and peer[4] is None  # peers reserve nothing
+    if mode in ("old-kernel", "named"):  # in create, every file
+        assert states is None and len(calls) == segments
+        assert not any(name.startswith("offload-bg-reserve") for name in calls)
+    elif mode == "ok":  # in C, behind create: no posix_fallocate at all
+        assert calls == [] and states == [1] * segments and error is None
+    else:  # the Python loop, stopped at its first failure
+        assert 1 <= len(calls) <= segments
+        assert all(name.startswith("offload-bg-reserve") for name in calls)
+        assert error is not None and "No space left" in error

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import itertools
 import logging
 import os
@@ -51,7 +52,7 @@ from offload.region.prefault import (
     populate_error,
     populate_supported,
 )
-from offload.region.shm import close_fds, reserve_file
+from offload.region.shm import close_fds
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,9 @@ def native_populator() -> ctypes.CDLL | None:
                                                pointer, pointer, pointer, ctypes.c_int32,
                                                ctypes.c_int64]
         lib.offload_populate_units.restype = ctypes.c_int64
+        lib.offload_reserve_files.argtypes = [pointer, pointer, ctypes.c_int64, pointer, pointer,
+                                              pointer, ctypes.c_int64]
+        lib.offload_reserve_files.restype = ctypes.c_int64
     return lib
 
 
@@ -306,24 +310,29 @@ class BackgroundReservation:
     the rank whose pre-fault gets there (`Populator` words it); here it is logged once and the
     rest of the files are left to the pre-fault.
 
-    Only for memfds (shmem allocates in ``fallocate`` itself): where a file system lacks it,
-    glibc's ``posix_fallocate`` rewrites a byte of every block, which beside rows already served
-    would overwrite stored bytes.  The threads keep their priority: they are Python threads,
-    and one preempted at idle priority while holding the GIL would stall the process.  Owns
-    ``fds`` (duplicates the caller made): each is closed once its file is reserved, `stop`
-    closes the rest.
+    Each thread makes one call into ``populate.c`` (``offload_reserve_files``): ``fallocate(2)``
+    in `RESERVE_BYTES` pieces, at idle priority and without the GIL.  Without a compiler, Python
+    threads do the same at normal priority (one preempted at idle priority while holding the
+    GIL would stall the process) through ``posix_fallocate``.  Only for memfds: where a file
+    system lacks ``fallocate``, glibc's ``posix_fallocate`` rewrites a byte of every block,
+    which beside rows already served would overwrite stored bytes.  Owns ``fds`` (duplicates
+    the caller made): each is closed once its file is reserved, `stop` closes the rest.
     """
 
     def __init__(self, fds: Sequence[int], lengths: Sequence[int], threads: int) -> None:
-        self._fds = list(fds)
-        self._lengths = list(lengths)
-        self._next_file = itertools.count()
-        self._stopping = threading.Event()
-        self._lock = threading.Lock()  # _fds and _left
+        self._fds = np.array(fds, dtype=np.int32)
+        self._lengths = np.array(lengths, dtype=np.int64)
+        # file i: 0 pending (or left part-way), 1 reserved and its descriptor closed, <0 -errno
+        self._state = np.zeros(len(self._fds), dtype=np.int32)
+        self._counter = np.zeros(1, dtype=np.int64)  # the next file to take (atomic in C)
+        self._stop_flag = np.zeros(1, dtype=np.int32)
+        self._next_file = itertools.count()  # the Python loop's counter
+        self._native = native_populator()
+        self._closed = False
         self.error: str | None = None
         self.started = time.perf_counter()
         self.finished_s: float | None = None  # from start until every file was reserved
-        self._left = len(self._fds)
+        self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._reserve_files, daemon=True,
                                           name=f"offload-bg-reserve-{i}")
                          for i in range(max(1, min(threads, len(self._fds))))]
@@ -337,33 +346,52 @@ class BackgroundReservation:
     def stop(self) -> None:
         """Take no further piece, wait for the threads (each finishes the `RESERVE_BYTES` in
         hand) and close the descriptors left.  Idempotent."""
-        self._stopping.set()
+        self._stop_flag[0] = 1
         for thread in self._threads:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join()
         with self._lock:
-            fds, self._fds = [fd for fd in self._fds if fd >= 0], []
-        close_fds(fds)
+            if self._closed:
+                return
+            self._closed = True
+        close_fds([int(fd) for fd, state in zip(self._fds, self._state, strict=True)
+                   if state != 1])
 
     def _reserve_files(self) -> None:
-        while not self._stopping.is_set() and self.error is None:
-            i = next(self._next_file)  # files are taken in order: row order
-            if i >= len(self._lengths):
-                return
-            try:
-                for offset in range(0, self._lengths[i], RESERVE_BYTES):
-                    if self._stopping.is_set():
-                        return
-                    reserve_file(self._fds[i], self._lengths[i], offset, RESERVE_BYTES)
-            except Exception as exc:
-                self.error = one_line(exc)
+        if self._native is not None:
+            yield_cpu()
+            self._native.offload_reserve_files(
+                self._fds.ctypes.data, self._lengths.ctypes.data, len(self._fds),
+                self._counter.ctypes.data, self._state.ctypes.data, self._stop_flag.ctypes.data,
+                RESERVE_BYTES)
+        else:
+            self._reserve_in_python()
+        with self._lock:
+            failed = [i for i, state in enumerate(self._state) if state < 0]
+            if failed and self.error is None:
+                i = failed[0]
+                err = -int(self._state[i])
+                self.error = f"reserving file {i}: {os.strerror(err)}"
                 log.warning("reserving the node region in the background stopped at file %d "
-                            "of %d (pre-fault allocates the rest): %s", i, len(self._lengths),
+                            "of %d (pre-fault allocates the rest): %s", i, len(self._fds),
                             self.error)
+            if self.finished_s is None and bool((self._state == 1).all()):
+                self.finished_s = time.perf_counter() - self.started
+
+    def _reserve_in_python(self) -> None:
+        while not self._stop_flag[0]:
+            i = next(self._next_file)  # files are taken in order: row order
+            if i >= len(self._fds):
                 return
-            with self._lock:
-                fd, self._fds[i] = self._fds[i], -1
-                self._left -= 1
-                if self._left == 0:
-                    self.finished_s = time.perf_counter() - self.started
-            close_fds([fd])
+            fd, length = int(self._fds[i]), int(self._lengths[i])
+            try:
+                for offset in range(0, length, RESERVE_BYTES):
+                    if self._stop_flag[0]:
+                        return
+                    os.posix_fallocate(fd, offset, min(RESERVE_BYTES, length - offset))
+            except OSError as exc:
+                self._state[i] = -(exc.errno or errno.EIO)
+                self._stop_flag[0] = 1
+                return
+            os.close(fd)
+            self._state[i] = 1

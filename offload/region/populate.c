@@ -1,4 +1,4 @@
-/* Background set-up's pre-fault loop without the GIL.  Built and loaded by
+/* Background set-up's pre-fault loop and the leader's reservation, without the GIL.  Built and loaded by
  * offload/region/background.py (why: its docstring).
  *
  * Each worker thread makes one call and stays in C until every unit is taken or `stop` is set:
@@ -16,9 +16,12 @@
  * waits for units in order and stops at the first failure, never waits for one nobody took.
  * Only called where the kernel takes the advice (the caller checks): EINVAL is no fallback here.
  */
+#define _GNU_SOURCE /* fallocate(2) */
 #include <errno.h>
+#include <fcntl.h>
 #include <stdint.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 int64_t offload_populate_units(uint64_t base, const int64_t *ranges, const int64_t *first,
                                int64_t units, int64_t *next, int32_t *state, int32_t *stop,
@@ -44,6 +47,43 @@ int64_t offload_populate_units(uint64_t base, const int64_t *ranges, const int64
         if (result < 0)
             __atomic_store_n(stop, 1, __ATOMIC_RELEASE);
         done++;
+    }
+    return done;
+}
+
+/* The node leader's reservation of a node region's memfds (`BackgroundReservation`), file by
+ * file in row order and `piece` bytes at a time, with fallocate(2) itself: shmem allocates
+ * there, and no emulation ever writes to a file.  state[i]: 0 while file i is pending (or was
+ * left part-way by `stop`), 1 once reserved -- its descriptor is then closed here -- or
+ * -errno of the call that failed, which sets `stop` (the rest is left to the ranks' pre-fault,
+ * which words a real lack of memory where it meets it).  Holds no GIL, like the loop above. */
+int64_t offload_reserve_files(const int32_t *fds, const int64_t *lengths, int64_t files,
+                              int64_t *next, int32_t *state, int32_t *stop, int64_t piece) {
+    int64_t done = 0;
+    while (!__atomic_load_n(stop, __ATOMIC_ACQUIRE)) {
+        int64_t i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+        if (i >= files)
+            break;
+        int32_t result = 1;
+        for (int64_t at = 0; at < lengths[i] && result > 0; at += piece) {
+            if (__atomic_load_n(stop, __ATOMIC_ACQUIRE)) {
+                result = 0;
+                break;
+            }
+            int64_t length = lengths[i] - at < piece ? lengths[i] - at : piece;
+            int rc;
+            do
+                rc = fallocate(fds[i], 0, (off_t)at, (off_t)length);
+            while (rc != 0 && errno == EINTR);
+            if (rc != 0)
+                result = -errno;
+        }
+        if (result == 1)
+            close(fds[i]);
+        __atomic_store_n(&state[i], result, __ATOMIC_RELEASE);
+        if (result < 0)
+            __atomic_store_n(stop, 1, __ATOMIC_RELEASE);
+        done += result == 1;
     }
     return done;
 }

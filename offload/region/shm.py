@@ -103,12 +103,10 @@ def reserve(fds: Sequence[int], lengths: Sequence[int], threads: int) -> None:
         list(pool.map(reserve_file, fds, lengths))
 
 
-def reserve_file(fd: int, length: int, offset: int = 0, count: int | None = None) -> None:
-    """Allocate a file's pages (`reserve`), or ``count`` bytes of them from ``offset``; a lack
-    of room is a one-line `OffloadError` naming the file's ``length``."""
-    size = length - offset if count is None else min(count, length - offset)
+def reserve_file(fd: int, length: int) -> None:
+    """Allocate one file's pages (`reserve`); a lack of room is a one-line `OffloadError`."""
     try:
-        os.posix_fallocate(fd, offset, size)
+        os.posix_fallocate(fd, 0, length)
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
             raise
