@@ -23,14 +23,27 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+/* The next item for this worker from the shared counter, or -1 once `stop` is set or none is
+ * left.  Items are taken in order: every item below a taken one was taken. */
+static int64_t take(int64_t *next, const int32_t *stop, int64_t count) {
+    if (__atomic_load_n(stop, __ATOMIC_ACQUIRE))
+        return -1;
+    int64_t i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+    return i < count ? i : -1;
+}
+
+/* Item i's state for the Python side; a failure stops every worker. */
+static void publish(int32_t *state, int32_t *stop, int64_t i, int32_t result) {
+    __atomic_store_n(&state[i], result, __ATOMIC_RELEASE);
+    if (result < 0)
+        __atomic_store_n(stop, 1, __ATOMIC_RELEASE);
+}
+
 int64_t offload_populate_units(uint64_t base, const int64_t *ranges, const int64_t *first,
                                int64_t units, int64_t *next, int32_t *state, int32_t *stop,
                                int32_t advice, int64_t step) {
     int64_t done = 0;
-    while (!__atomic_load_n(stop, __ATOMIC_ACQUIRE)) {
-        int64_t i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
-        if (i >= units)
-            break;
+    for (int64_t i; (i = take(next, stop, units)) >= 0; done++) {
         int32_t result = 1;
         for (int64_t r = first[i]; r < first[i + 1] && result > 0; r++) {
             int64_t offset = ranges[2 * r], length = ranges[2 * r + 1];
@@ -43,10 +56,7 @@ int64_t offload_populate_units(uint64_t base, const int64_t *ranges, const int64
                 }
             }
         }
-        __atomic_store_n(&state[i], result, __ATOMIC_RELEASE);
-        if (result < 0)
-            __atomic_store_n(stop, 1, __ATOMIC_RELEASE);
-        done++;
+        publish(state, stop, i, result);
     }
     return done;
 }
@@ -60,10 +70,7 @@ int64_t offload_populate_units(uint64_t base, const int64_t *ranges, const int64
 int64_t offload_reserve_files(const int32_t *fds, const int64_t *lengths, int64_t files,
                               int64_t *next, int32_t *state, int32_t *stop, int64_t piece) {
     int64_t done = 0;
-    while (!__atomic_load_n(stop, __ATOMIC_ACQUIRE)) {
-        int64_t i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
-        if (i >= files)
-            break;
+    for (int64_t i; (i = take(next, stop, files)) >= 0;) {
         int32_t result = 1;
         for (int64_t at = 0; at < lengths[i] && result > 0; at += piece) {
             if (__atomic_load_n(stop, __ATOMIC_ACQUIRE)) {
@@ -80,9 +87,7 @@ int64_t offload_reserve_files(const int32_t *fds, const int64_t *lengths, int64_
         }
         if (result == 1)
             close(fds[i]);
-        __atomic_store_n(&state[i], result, __ATOMIC_RELEASE);
-        if (result < 0)
-            __atomic_store_n(stop, 1, __ATOMIC_RELEASE);
+        publish(state, stop, i, result);
         done += result == 1;
     }
     return done;
