@@ -76,6 +76,7 @@ def test_units_are_populated_then_registered_in_row_order_and_announced() -> Non
         assert sorted(recorder.populated) == slots  # exactly what it registers, populated
         assert setup.finished is not None and setup.busy_s >= setup.longest_call_s > 0
     finally:
+        setup.stop()
         pinner.unpin_all()
         mapping.close()
 
@@ -92,6 +93,7 @@ def test_a_failure_stops_set_up_where_it_is_and_says_so() -> None:
         assert [r for r, _ in recorder.announced[:-1]] == list(range(1, 11))
         assert len(pinner.registered) == 10
     finally:
+        setup.stop()
         pinner.unpin_all()
         mapping.close()
 
@@ -116,7 +118,7 @@ def test_stop_abandons_the_rest_and_leaves_no_thread() -> None:
         time.sleep(0.2)
         assert len(recorder.announced) == announced  # nothing after stop
         assert setup.done.is_set() and setup.error is None and setup.ready_rows < ROWS
-        assert not [t for t in threading.enumerate() if t.name.startswith("offload-bg")]
+        assert not [t for t in (*setup._workers, setup._thread) if t.is_alive()]
     finally:
         pinner.unpin_all()
         mapping.close()
@@ -202,6 +204,7 @@ def test_the_native_loop_populates_every_unit_it_registers() -> None:
             assert all_pages_mapped(mapping.address + r.offset, r.length)
         assert not setup.fallback
     finally:
+        setup.stop()
         pinner.unpin_all()
         mapping.close()
 
@@ -217,7 +220,7 @@ def test_a_unit_the_native_loop_cannot_populate_stops_set_up_with_the_reason() -
         last = mapping.address + (ROWS - 1) * geometry.row_stride + geometry.slot_offset
         assert not all_pages_mapped(last, geometry.slot_bytes)  # no unit taken after it
         setup.stop()
-        assert not [t for t in threading.enumerate() if t.name.startswith("offload-bg")]
+        assert not [t for t in (*setup._workers, setup._thread) if t.is_alive()]
     finally:
         pinner.unpin_all()
         mapping.close()
@@ -382,6 +385,6 @@ def test_stopping_the_background_reservation_waits_for_one_piece_only(monkeypatc
         reservation.stop()
         assert time.perf_counter() - began < 1.5  # a piece each, not a 64-piece file (3.2 s)
         assert len(pieces) < 2 * 64 and reservation._state.tolist() == [0, 0]
-        assert not [t for t in threading.enumerate() if t.name.startswith("offload-bg")]
+        assert not [t for t in reservation._threads if t.is_alive()]
     finally:
         close_fds(fds)
