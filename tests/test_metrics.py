@@ -47,6 +47,7 @@ def _serve_and_scrape(rank: int, port: int) -> object:
     tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=4 * MiB, blocks_per_chunk=4, tp=2,
                                           timeout_s=20, metrics_port=port))
     urls = [f"http://127.0.0.1:{port + r}/metrics" for r in range(2)]
+    dist.barrier()  # rank 1's server reports its tier once rank 1's create returned
     before = [_scrape(u) for u in urls] if rank == 0 else None
     dist.barrier()
     tier.submit(CopyJob(1, "store", (0, 1), (0, 0), (0, 1)))
