@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from stack_sampler import StackSampler
 
 from offload import cleanup
 from offload.config import TierConfig
@@ -87,12 +88,18 @@ def ours(rank: int, world: int, args: argparse.Namespace, layout: str) -> dict[s
                         prefault_threads=args.threads, timeout_s=600, shm_dir=args.shm_dir,
                         background=background)
     start, baseline = begin(rank)
+    sampler = StackSampler().start() if args.stack_samples else None
     tier = HostTier.create(kv, config)
     created = time.time()
     # what set-up costs the engine's own launches once create returned
     probe = LaunchProbe(device) if background and device.type == "cuda" else None
     first, first_ready = first_job(tier, args.blocks_per_chunk)
     tier.wait_ready(600)
+    if sampler is not None:
+        sampler.stop()
+        name = layout.replace(":", "-")
+        with open(f"{args.stack_samples}-{name}-rank{rank}.txt", "w") as f:
+            f.write(sampler.report() + "\n")
     ready = time.time() if background else created  # blocking: ready when create returns
     waits = probe.stop() if probe is not None else None
     row = tier.actor.report()
@@ -345,6 +352,10 @@ def main() -> None:
     p.add_argument("--json", default=None, help="write all figures there")
     p.add_argument("--timeline", default=None, metavar="PREFIX",
                    help="draw each of our layouts' per-rank timeline to PREFIX-<layout>.png")
+    p.add_argument("--stack-samples", default=None, metavar="PREFIX",
+                   help="sample every thread's Python stack every 5 ms from the start of create "
+                        "until every row is ready, and write the most frequent stacks and each "
+                        "stall of the sampler (a held GIL) to PREFIX-<variant>-rank<r>.txt")
     args = p.parse_args()
     args.cpu_bytes = parse_size(args.cpu_bytes)
     if args.nproc % args.pp:

@@ -73,7 +73,7 @@ def test_bench_startup_times_background_set_up_beside_the_blocking_create(tmp_pa
         [sys.executable, str(ROOT / "scripts" / "bench_startup.py"), "--nproc", "2",
          "--cpu-bytes", "64MiB", "--kv-bytes-per-block", "128KiB", "--variants",
          "ours,background", "--layouts", "shared", "--warm", "0", "--threads", "2",
-         "--json", str(out)],
+         "--json", str(out), "--stack-samples", str(tmp_path / "stacks")],
         capture_output=True, text=True, timeout=240, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, tail(proc, 2000)
@@ -83,3 +83,24 @@ def test_bench_startup_times_background_set_up_beside_the_blocking_create(tmp_pa
     assert background["ranks"][0]["row"]["background"] is True
     assert blocking["ranks"][0]["row"]["background"] is False
     assert "background/shared" in proc.stdout and "full/blocking" in proc.stdout
+    for rank in range(2):  # every thread's stacks, per variant and rank
+        stacks = (tmp_path / f"stacks-background-shared-rank{rank}.txt").read_text()
+        assert "== MainThread" in stacks and "offload-bg-pin" in stacks
+
+
+def test_the_stack_sampler_sees_a_thread_that_holds_the_gil() -> None:
+    """A C call that holds the GIL (``sum`` over a range) delays the sampler's wake-ups: it
+    reports the stall and what the main thread was doing right after."""
+    import stack_sampler
+
+    sampler = stack_sampler.StackSampler(interval_s=0.005, late_s=0.05).start()
+    try:
+        import time
+
+        time.sleep(0.05)
+        sum(range(30_000_000))  # ~0.3-1 s in C, the GIL held throughout
+        time.sleep(0.05)
+    finally:
+        sampler.stop()
+    assert sampler.late and max(gap for _, gap, _ in sampler.late) > 0.1
+    assert "wake-ups later than 50 ms" in sampler.report()

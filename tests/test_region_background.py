@@ -388,3 +388,35 @@ def test_stopping_the_background_reservation_waits_for_one_piece_only(monkeypatc
         assert not [t for t in reservation._threads if t.is_alive()]
     finally:
         close_fds(fds)
+
+
+def test_no_unit_is_populated_before_every_set_up_thread_exists() -> None:
+    """Creating a thread maps its stack under the mmap lock while holding the GIL, so it waits
+    for every populating madvise in flight and stalls the process: set-up creates all its
+    threads first.  Here the pin thread's creation is slowed by 0.2 s."""
+    geometry = _shared_geometry()
+    units = setup_units(geometry, TierConfig(cpu_bytes_per_node=1 << 30), 2 * PAGE)
+    mapping = Mapping.anonymous(geometry.total_bytes)
+    seen: list[bool] = []
+
+    def populate(address: int, length: int) -> int:
+        seen.append(setup._thread.ident is not None)
+        return madvise_populate(address, length)
+
+    pinner = Pinner(RecordingRegistrar(), mapping.address)
+    setup = BackgroundSetup(mapping.address, units, pinner, 3, _Recorder().on_ready,
+                            populate=populate)
+    start = setup._thread.start
+
+    def slow_start() -> None:
+        time.sleep(0.2)
+        start()
+
+    setup._thread.start = slow_start  # type: ignore[method-assign]
+    try:
+        assert setup.start().wait(20) and setup.error is None
+        assert seen and all(seen)
+    finally:
+        setup.stop()
+        pinner.unpin_all()
+        mapping.close()

@@ -138,6 +138,7 @@ class BackgroundSetup:
         self._aborted = threading.Event()  # a unit failed: the rest is moot
         self.done = threading.Event()
         self.launched = False  # `start` was called
+        self._go = threading.Event()  # every thread exists: populate
         self._full_speed_after: threading.Event | None = None
         self.ready_rows = 0
         self.error: str | None = None
@@ -178,9 +179,15 @@ class BackgroundSetup:
         self._full_speed_after = full_speed_after
         self.launched = True
         self.started = time.perf_counter()
-        for worker in self._workers:
-            worker.start()
-        self._thread.start()
+        for thread in (*self._workers, self._thread):
+            thread.start()
+        # NOTE: no thread populates before every thread exists.  Creating a thread maps its
+        # stack, which takes the mmap lock for writing, so it waits for every populating
+        # madvise in flight -- while holding the GIL: starting 8 workers one after another
+        # beside the first ones' populating stalled the whole process for 0.4 s on the CI
+        # machine and is the suspect of 1.5-2.3 s on the device (docs/BENCHMARKS.md, "Set-up
+        # that leaves the engine alone").
+        self._go.set()
         return self
 
     @property
@@ -197,6 +204,7 @@ class BackgroundSetup:
         unit or registration in hand (idempotent; never from the set-up's own threads)."""
         self._stopping.set()
         self._halt_workers()
+        self._go.set()  # workers of a `start` that failed part-way: let them see the stop
         for thread in (*self._workers, self._thread):
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join()
@@ -207,6 +215,7 @@ class BackgroundSetup:
             self._stop_flag[0] = 1  # an aligned store populate.c reads with acquire
 
     def _populate_units(self, worker: int) -> None:
+        self._go.wait()
         after = self._full_speed_after
         while worker and after is not None and not after.wait(0.05):
             if self._stopping.is_set() or self._aborted.is_set():
