@@ -489,13 +489,13 @@ class _Files:
 
     def create(self, paths: list[str], unlink: bool = False, reserved: bool = True
                ) -> list[int]:
-        """Create the files, reserved unless ``reserved`` is False (background set-up of a
-        node region reserves them behind `create`: `BackgroundReservation`); return their
-        descriptors."""
+        """Create the files and return their descriptors.  Named files are always reserved;
+        memfds unless ``reserved`` is False (background set-up of a node region reserves them
+        behind `create`: `BackgroundReservation`)."""
         threads = self.config.prefault_threads
         if self.nameless:
             return create_memfds(f"{self.tier_id}-{self.tag}", self.lengths, threads, reserved)
-        return create_segments(paths, self.lengths, threads, unlink=unlink, reserved=reserved)
+        return create_segments(paths, self.lengths, threads, unlink=unlink)
 
 
 def _duplicates(fds: list[int]) -> list[int]:

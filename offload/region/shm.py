@@ -66,10 +66,9 @@ def segment_paths(shm_dir: str, tier_id: str, tag: str, count: int) -> list[str]
 
 
 def create_segments(paths: Sequence[str], lengths: Sequence[int], threads: int = 1,
-                    unlink: bool = False, reserved: bool = True) -> list[int]:
-    """Create and reserve every segment file (``reserved`` False: the caller reserves them
-    later); return their open descriptors.  The caller has checked the space
-    (``space.check_space``).
+                    unlink: bool = False) -> list[int]:
+    """Create and reserve every segment file; return their open descriptors.  The caller has
+    checked the space (``space.check_space``).
 
     ``unlink`` removes each name right after it is created, before the (slow) reservation:
     a private region then has no name to leak for more than a few microseconds, even on
@@ -82,11 +81,7 @@ def create_segments(paths: Sequence[str], lengths: Sequence[int], threads: int =
             fds.append(_create_one(path))
             if unlink:
                 os.unlink(path)
-        if reserved:
-            reserve(fds, lengths, threads)
-        else:  # sized now (peers check the size), allocated later
-            for fd, length in zip(fds, lengths, strict=True):
-                os.ftruncate(fd, length)
+        reserve(fds, lengths, threads)
     except BaseException:
         close_fds(fds)
         for path in paths[:len(fds)]:
@@ -99,21 +94,19 @@ def reserve(fds: Sequence[int], lengths: Sequence[int], threads: int) -> None:
     """Allocate every file's pages up front (``posix_fallocate``), so running out of memory is
     a clear error now, not a SIGBUS at first touch.  Files are reserved in parallel: the call
     releases the GIL and each shmem file allocates its pages independently."""
+    def one(fd: int, length: int) -> None:
+        try:
+            os.posix_fallocate(fd, 0, length)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+                raise
+            raise OffloadError(
+                f"reserving {length} B ({format_size(length)}) of shared memory failed: "
+                f"{os.strerror(exc.errno)}; lower --cpu-bytes, free memory or enlarge the mount"
+            ) from None
+
     with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(fds)))) as pool:
-        list(pool.map(reserve_file, fds, lengths))
-
-
-def reserve_file(fd: int, length: int) -> None:
-    """Allocate one file's pages (`reserve`); a lack of room is a one-line `OffloadError`."""
-    try:
-        os.posix_fallocate(fd, 0, length)
-    except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
-            raise
-        raise OffloadError(
-            f"reserving {length} B ({format_size(length)}) of shared memory failed: "
-            f"{os.strerror(exc.errno)}; lower --cpu-bytes, free memory or enlarge the mount"
-        ) from None
+        list(pool.map(one, fds, lengths))
 
 
 def _create_one(path: str) -> int:
