@@ -10,12 +10,13 @@ The pre-fault threads never hold the GIL while they work: each makes one call in
 ``populate.c`` (built like the package's other C code, `offload.build_cache`), which takes
 units from a shared counter and populates them until none is left.  Python threads would take
 the GIL back after every ``madvise``; sixteen of them doing so hand it around the engine's own
-threads (and, under SCHED_IDLE, could be preempted holding it).  Without a C compiler, or with
-a test's ``populate`` stand-in, the same loop runs in Python.  Every thread is a daemon: interpreter
-exit never waits for the rest of a region's pre-fault (a thread pool's workers would be joined,
-queue drained, before any ``atexit`` closer could stop them).  Registration is kept off every
-caller's path: a registration call holds the CUDA driver for its whole duration, so units are
-small (`UNIT_BYTES`) and nothing here ever runs inside ``submit``.
+threads (and, under SCHED_IDLE, could be preempted holding it).  Without a C compiler, on a
+kernel without the advice, or with a test's ``populate`` stand-in, the same loop runs in
+Python.  Every thread is a daemon: interpreter exit never waits for the rest of a region's
+pre-fault (a thread pool's workers would be joined, queue drained, before any ``atexit``
+closer could stop them).  Registration is kept off every caller's path: a registration call
+holds the CUDA driver for its whole duration, so units are small (`UNIT_BYTES`) and nothing
+here ever runs inside ``submit``.
 
 A failure (no memory, a refused registration) stops the set-up where it is: the rows already
 announced stay usable, ``error`` says why, and ``on_ready(rows, stopped=True)`` tells the
@@ -135,7 +136,6 @@ class BackgroundSetup:
         self._on_thread_start = on_thread_start
         self._populator = Populator(base, populate)
         self._stopping = threading.Event()  # `stop`: abandon the rest quietly
-        self._aborted = threading.Event()  # a unit failed: the rest is moot
         self.done = threading.Event()
         self.launched = False  # `start` was called
         self._go = threading.Event()  # every thread exists: populate
@@ -150,10 +150,13 @@ class BackgroundSetup:
         self.longest_call_s = 0.0  # the longest single registration call
         self.total_bytes = sum(u.length for u in self._units)
         # unit i: _state[i] is 0 while pending, 1 once populated, negative when it failed
-        # (populate.c's -errno, the caller then redoes it; -1 from Python, the error in
-        # _failed[i]).  Written by the pre-fault threads, read by the pin thread.
+        # (populate.c's -errno; -1 from Python, the error in _failed[i]).  Written by the
+        # pre-fault threads, read by the pin thread.
         self._state = np.zeros(len(self._units), dtype=np.int32)
         self._failed: list[BaseException | None] = [None] * len(self._units)
+        # set: the pre-fault threads take no further unit (a failed unit, `stop`, the pin
+        # thread's error); an aligned store populate.c reads with acquire
+        self._stop_flag = np.zeros(1, dtype=np.int32)
         # the C loop where the kernel takes the advice; else (or with a test's stand-in) the
         # Python loop, whose `Populator` falls back to touching pages on every worker
         native = populate is madvise_populate and populate_supported()
@@ -164,7 +167,6 @@ class BackgroundSetup:
                                     dtype=np.int64).reshape(-1, 2)
             self._first = np.cumsum([0] + [len(u.ranges) for u in self._units], dtype=np.int64)
             self._counter = np.zeros(1, dtype=np.int64)  # the next unit to take (atomic in C)
-            self._stop_flag = np.zeros(1, dtype=np.int32)  # set: take no further unit
         self._next_unit = itertools.count()  # the Python loop's shared counter (atomic)
         self._workers = [threading.Thread(target=self._populate_units, args=(i,), daemon=True,
                                           name=f"offload-bg-prefault-{i}")
@@ -211,14 +213,13 @@ class BackgroundSetup:
 
     def _halt_workers(self) -> None:
         """Make the pre-fault threads take no further unit."""
-        if self._native is not None:
-            self._stop_flag[0] = 1  # an aligned store populate.c reads with acquire
+        self._stop_flag[0] = 1
 
     def _populate_units(self, worker: int) -> None:
         self._go.wait()
         after = self._full_speed_after
         while worker and after is not None and not after.wait(0.05):
-            if self._stopping.is_set() or self._aborted.is_set():
+            if self._stop_flag[0]:
                 return
         if self._native is not None:  # a Python worker would take the GIL at idle priority
             yield_cpu()
@@ -234,7 +235,7 @@ class BackgroundSetup:
                 self._stop_flag.ctypes.data, MADV_POPULATE_WRITE, MADVISE_BYTES)
             self.populated_s = time.perf_counter() - self.started  # no unit left to take
             return
-        while not (self._stopping.is_set() or self._aborted.is_set()):
+        while not self._stop_flag[0]:
             i = next(self._next_unit)  # units are taken in order: all below i were taken
             if i >= len(self._units):
                 return
@@ -246,7 +247,7 @@ class BackgroundSetup:
             except BaseException as exc:
                 self._failed[i] = exc
                 self._state[i] = -1
-                self._aborted.set()  # later units are moot: set-up stops at this one
+                self._halt_workers()  # later units are moot: set-up stops at this one
 
     def _wait_populated(self, i: int) -> bool:
         """Wait until unit ``i`` has a state; False once `stop` was called.  Polls, backing
@@ -297,7 +298,6 @@ class BackgroundSetup:
             if self._progress is not None:
                 self._progress(done_bytes, self.total_bytes, self.finished - self.started)
         except BaseException as exc:
-            self._aborted.set()
             self._halt_workers()
             if not self._stopping.is_set():
                 self.error = one_line(exc)
