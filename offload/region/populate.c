@@ -1,5 +1,5 @@
-/* Background set-up's pre-fault loop and the leader's reservation, without the GIL.  Built and loaded by
- * offload/region/background.py (why: its docstring).
+/* Background set-up's pre-fault loop and the leader's reservation, without the GIL.  Built and
+ * loaded by offload/region/background.py (why: its docstring).
  *
  * Each worker thread makes one call and stays in C until every unit is taken or `stop` is set:
  * it takes the next unit from the shared counter, populates the unit's ranges with madvise
