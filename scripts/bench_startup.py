@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import mmap
 import os
 import sys
 import time
@@ -135,6 +136,7 @@ class LaunchProbe:
         self._device = device
         self._stop = False
         self.waits: list[float] = []
+        self.maps: list[float] = []  # a 4 KiB mmap and munmap after each launch
         self.at: list[float] = []  # when each launch began, from the probe's start
         import threading
 
@@ -156,6 +158,9 @@ class LaunchProbe:
             stream.synchronize()
             self.waits.append(time.perf_counter() - began)
             self.at.append(began - first)
+            began = time.perf_counter()  # the mmap lock: held for reading by a populate
+            mmap.mmap(-1, 4096).close()
+            self.maps.append(time.perf_counter() - began)
             time.sleep(0.001)
 
     def stop(self) -> dict[str, float]:
@@ -166,7 +171,8 @@ class LaunchProbe:
         return {"count": len(ordered), "p50_ms": 1e3 * ordered[len(ordered) // 2],
                 "p99_ms": 1e3 * ordered[int(len(ordered) * 0.99)],
                 "max_ms": 1e3 * ordered[-1], "worst_at_s": self.at[worst],
-                "over_2ms": sum(w > 0.002 for w in ordered)}
+                "over_2ms": sum(w > 0.002 for w in ordered),
+                "mmap_max_ms": 1e3 * max(self.maps, default=0.0)}
 
 
 def stage_payloads(args: argparse.Namespace) -> list[int]:
@@ -285,6 +291,10 @@ def run_variant(world: int, fn: Callable[..., dict[str, Any]], *extra: Any) -> d
         stages["p99_wait_ms"] = max(p["p99_ms"] for p in probes)
         stages["over_2ms"] = sum(p["over_2ms"] for p in probes)
         stages["launches"] = sum(p["count"] for p in probes)
+        stages["mmap_max_ms"] = max(p["mmap_max_ms"] for p in probes)
+    longest = [r["row"].get("longest_registration_s") for r in results.values() if "row" in r]
+    if any(x is not None for x in longest):
+        stages["reg_max_ms"] = 1e3 * max(x for x in longest if x is not None)
     return {"seconds": seconds, **stages, "resident": results[0]["resident"],
             "registered_per_rank": max(r["registered"] for r in results.values()),
             "own_per_rank": max(r["own_bytes"] for r in results.values()),
@@ -425,14 +435,17 @@ def print_table(report: dict[str, Any]) -> None:
     print("\ncreate returned / first 16-block store decided / every row ready, seconds from "
           "the start; full/blocking: full against the blocking create of the layout")
     print("(first_ready: row 0 ready on every rank; launch waits: the probe's, over every "
-          "rank; >2ms: how many of all launches waited longer)")
+          "rank; >2ms: how many of all launches waited longer; mmap_ms: the probe's longest "
+          "4 KiB mmap and munmap; reg_ms: the longest registration call)")
     header = ("variant", "create", "first_ready", "first_job", "full", "full/blocking",
-              "worst_ms", "p99_ms", "p50_ms", ">2ms", "jit_s")
-    print("{:<22}{:>8}{:>12}{:>11}{:>8}{:>15}{:>10}{:>8}{:>8}{:>12}{:>7}".format(*header))
+              "worst_ms", "p99_ms", "p50_ms", ">2ms", "jit_s", "mmap_ms", "reg_ms")
+    print("{:<22}{:>8}{:>12}{:>11}{:>8}{:>15}{:>10}{:>8}{:>8}{:>12}{:>7}{:>9}{:>8}".format(
+        *header))
     for name, r in staged.items():
         blocking = rows.get("ours/" + name.split("/")[-1], {}).get("seconds")
         probed = "worst_wait_ms" in r
-        print("{:<22}{:>8.3f}{:>12}{:>11.3f}{:>8.2f}{:>15}{:>10}{:>8}{:>8}{:>12}{:>7}".format(
+        print("{:<22}{:>8.3f}{:>12}{:>11.3f}{:>8.2f}{:>15}{:>10}{:>8}{:>8}{:>12}{:>7}{:>9}{:>8}"
+              .format(
             name, r["created"], f"{r['first_ready']:.3f}" if "first_ready" in r else "-",
             r["first"], r["seconds"],
             f"{r['seconds'] / blocking:.2f}" if blocking and name.startswith("background")
@@ -440,7 +453,9 @@ def print_table(report: dict[str, Any]) -> None:
             f"{r['p99_wait_ms']:.2f}" if probed else "-",
             f"{r['p50_wait_ms']:.3f}" if probed else "-",
             f"{r['over_2ms']}/{r['launches']}" if probed else "-",
-            f"{r['jit_s']:.2f}" if "jit_s" in r else "-"))
+            f"{r['jit_s']:.2f}" if "jit_s" in r else "-",
+            f"{r['mmap_max_ms']:.1f}" if probed else "-",
+            f"{r['reg_max_ms']:.0f}" if "reg_max_ms" in r else "-"))
 
 
 if __name__ == "__main__":

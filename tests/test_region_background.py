@@ -226,9 +226,10 @@ def test_a_unit_the_native_loop_cannot_populate_stops_set_up_with_the_reason() -
         mapping.close()
 
 
-def test_one_thread_populates_until_the_kernel_is_compiled_then_all_of_them() -> None:
-    """No row is usable before the copy kernel's JIT, so set-up does not crowd it: until
-    ``full_speed_after`` is set only the first pre-fault thread works."""
+def test_nothing_is_populated_or_registered_before_the_kernel_is_compiled() -> None:
+    """No row is usable before the copy kernel's JIT, and populating beside it slows it
+    several times over: until ``after`` is set no thread populates or registers; then all
+    of them do."""
     geometry = _shared_geometry()
     units = setup_units(geometry, TierConfig(cpu_bytes_per_node=1 << 30), 2 * PAGE)
     mapping = Mapping.anonymous(geometry.total_bytes)
@@ -240,19 +241,40 @@ def test_one_thread_populates_until_the_kernel_is_compiled_then_all_of_them() ->
         return madvise_populate(address, length)
 
     compiled = threading.Event()
-    pinner = Pinner(RecordingRegistrar(), mapping.address)
+    registrar = RecordingRegistrar()
+    pinner = Pinner(registrar, mapping.address)
     setup = BackgroundSetup(mapping.address, units, pinner, 3, _Recorder().on_ready,
                             populate=slow)
     try:
-        setup.start(full_speed_after=compiled)
-        while len(workers) < 4:
-            time.sleep(0.005)
-        assert set(workers) == {"offload-bg-prefault-0"}
+        setup.start(after=compiled)
+        time.sleep(0.3)
+        assert workers == [] and registrar.calls == 0 and setup.ready_rows == 0
         compiled.set()
         assert setup.wait(20) and setup.error is None and setup.ready_rows == ROWS
         assert set(workers) == {f"offload-bg-prefault-{i}" for i in range(3)}
     finally:
         setup.stop()
+        pinner.unpin_all()
+        mapping.close()
+
+
+def test_a_set_up_stopped_before_the_kernel_is_compiled_ends_at_once() -> None:
+    """`close` while the JIT still runs: the waiting threads see the stop within their poll
+    and end without populating or registering."""
+    geometry = _shared_geometry()
+    units = setup_units(geometry, TierConfig(cpu_bytes_per_node=1 << 30), 2 * PAGE)
+    mapping = Mapping.anonymous(geometry.total_bytes)
+    registrar = RecordingRegistrar()
+    pinner = Pinner(registrar, mapping.address)
+    setup = BackgroundSetup(mapping.address, units, pinner, 3, _Recorder().on_ready)
+    try:
+        setup.start(after=threading.Event())
+        began = time.perf_counter()
+        setup.stop()
+        assert time.perf_counter() - began < 1.0
+        assert setup.done.is_set() and registrar.calls == 0 and setup.error is None
+        assert not [t for t in (*setup._workers, setup._thread) if t.is_alive()]
+    finally:
         pinner.unpin_all()
         mapping.close()
 

@@ -270,8 +270,8 @@ def test_readiness_crosses_nodes_through_the_store(tmp_path) -> None:
 
 
 def _jit_gates_rows(rank: int, gate: str) -> object:
-    """The region sets up every row at once, but the copy kernel's JIT (held at a gate) has
-    not finished: no row is usable, a job is refused "not ready"; once it has, all are."""
+    """The copy kernel's JIT is held at a gate: set-up waits for it (nothing is registered),
+    no row is usable and a job is refused "not ready"; once it is compiled, all rows are."""
     import torch.distributed as dist
 
     from offload import CopyJob, OffloadError
@@ -284,11 +284,8 @@ def _jit_gates_rows(rank: int, gate: str) -> object:
 
     RankActor._compile_on_scratch = slow_jit  # the JIT's seam: compilation itself
     tier = _background_tier(rank, "private", RecordingRegistrar())
-    deadline = time.monotonic() + 20
-    while tier.actor.region.stats.registrations == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)  # the region itself is set up ...
-    time.sleep(0.2)
-    held = (tier.ready.rows, tier.actor.ready_rows)  # ... but nothing is usable yet
+    time.sleep(0.3)
+    held = (tier.ready.rows, tier.actor.ready_rows, tier.actor.region.stats.registrations)
     try:
         tier.submit(CopyJob(1, "store", (0,), (0,), (0,)))
         refused = None
@@ -308,7 +305,7 @@ def test_no_row_is_usable_before_the_copy_kernel_is_compiled(tmp_path) -> None:
     for o in outcomes:
         assert o.ok, o.error
         held, refused, full, decided = o.value
-        assert held == (0, 0) and refused == "not ready" and full
+        assert held == (0, 0, 0) and refused == "not ready" and full
         assert decided == [(1, False, 0, "not ready")]
 
 

@@ -79,10 +79,12 @@ RESERVE_BYTES = 256 << 20
 # set-up finished within 1.06x the blocking create (1.25x with 4 normal threads;
 # docs/BENCHMARKS.md, "Set-up that leaves the engine alone").  The pin thread keeps its
 # priority: it holds the driver while it registers, and nothing should wait behind it longer.
-# NOTE: no row is usable before the copy kernel's JIT, which beside private set-up took 2-7 s
-# against 0.55 s alone (docs/BENCHMARKS.md, "Set-up that leaves the engine alone"), so until it
-# is done one thread populates and the rest wait.  Reasoned, not yet measured against the full
-# pool.
+# NOTE: set-up begins once the copy kernel is compiled (`start`'s ``after``): no row is usable
+# before the JIT anyway, and the JIT beside populating threads is slowed several times over --
+# it maps and frees memory, which waits for their madvise calls (the mmap lock).  Measured in
+# one run, 48 GiB over 2 ranks on an H200 host: JIT beside one populating thread 2.4-3.6 s,
+# alone 0.6-0.9 s; first job decided 2.6-3.7 -> 0.8-1.0 s after create began, and every row
+# ready no later (private 4.5-4.7 -> 3.5-4.1 s; docs/BENCHMARKS.md, "Set-up after the JIT").
 PROGRESS_INTERVAL_S = 2.0
 
 
@@ -139,7 +141,7 @@ class BackgroundSetup:
         self.done = threading.Event()
         self.launched = False  # `start` was called
         self._go = threading.Event()  # every thread exists: populate
-        self._full_speed_after: threading.Event | None = None
+        self._after: threading.Event | None = None  # `start`'s: set-up begins once it is set
         self.ready_rows = 0
         self.error: str | None = None
         self.started = time.perf_counter()
@@ -168,17 +170,16 @@ class BackgroundSetup:
             self._first = np.cumsum([0] + [len(u.ranges) for u in self._units], dtype=np.int64)
             self._counter = np.zeros(1, dtype=np.int64)  # the next unit to take (atomic in C)
         self._next_unit = itertools.count()  # the Python loop's shared counter (atomic)
-        self._workers = [threading.Thread(target=self._populate_units, args=(i,), daemon=True,
+        self._workers = [threading.Thread(target=self._populate_units, daemon=True,
                                           name=f"offload-bg-prefault-{i}")
                          for i in range(max(1, threads))]
         self._thread = threading.Thread(target=self._register, name="offload-bg-pin",
                                         daemon=True)
 
-    def start(self, full_speed_after: threading.Event | None = None) -> BackgroundSetup:
-        """Start the threads.  With ``full_speed_after``, one pre-fault thread starts at once
-        and the others once it is set (`offload.actor` passes the copy kernel's JIT: no row is
-        usable before it, and a full pool competes with it; the NOTE above `yield_cpu`)."""
-        self._full_speed_after = full_speed_after
+    def start(self, after: threading.Event | None = None) -> BackgroundSetup:
+        """Start the threads; with ``after``, they populate and register only once it is set
+        (`offload.actor` passes the copy kernel's JIT: the NOTE above `yield_cpu`)."""
+        self._after = after
         self.launched = True
         self.started = time.perf_counter()
         for thread in (*self._workers, self._thread):
@@ -215,12 +216,19 @@ class BackgroundSetup:
         """Make the pre-fault threads take no further unit."""
         self._stop_flag[0] = 1
 
-    def _populate_units(self, worker: int) -> None:
+    def _begin(self) -> bool:
+        """Wait until every thread exists and `start`'s ``after`` is set; False once `stop`
+        was called (checked every 50 ms meanwhile).  A worker's failure does not end the
+        wait: the pin thread still registers the units below it and reports it."""
         self._go.wait()
-        after = self._full_speed_after
-        while worker and after is not None and not after.wait(0.05):
-            if self._stop_flag[0]:
-                return
+        while self._after is not None and not self._after.wait(0.05):
+            if self._stopping.is_set():
+                return False
+        return not self._stopping.is_set()
+
+    def _populate_units(self) -> None:
+        if not self._begin():
+            return
         if self._native is not None:  # a Python worker would take the GIL at idle priority
             yield_cpu()
         if self._on_thread_start is not None:
@@ -274,6 +282,9 @@ class BackgroundSetup:
 
     def _register(self) -> None:
         rows, done_bytes, last_log = 0, 0, self.started
+        if not self._begin():
+            self.done.set()
+            return
         try:
             for i, unit in enumerate(self._units):
                 if not self._wait_populated(i):

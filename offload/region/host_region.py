@@ -165,15 +165,16 @@ class HostRegion:
     def size(self) -> int:
         return self._mapping.size if self._mapping is not None else 0
 
-    def start_setup(self, full_speed_after: threading.Event | None = None) -> None:
-        """Start the background set-up `create` prepared (idempotent; nothing without one),
-        with one pre-fault thread until ``full_speed_after`` is set.  The tier starts it once
-        its engine is built: a registration holds the CUDA driver, and the engine's own
-        allocations would otherwise queue behind every unit's."""
+    def start_setup(self, after: threading.Event | None = None) -> None:
+        """Start the background set-up `create` prepared (idempotent; nothing without one):
+        the leader's reservation at once, the pre-fault and registration once ``after`` is set
+        (the copy kernel's JIT, `BackgroundSetup.start`).  The tier starts it once its engine
+        is built: a registration holds the CUDA driver, and the engine's own allocations would
+        otherwise queue behind every unit's."""
         if self._setup is not None and not self._setup.launched:
             if self._reservation is not None:
                 self._reservation.start()
-            self._setup.start(full_speed_after)
+            self._setup.start(after)
 
     def stop_setup(self) -> None:
         """Stop a background set-up where it is (idempotent; nothing without one)."""
