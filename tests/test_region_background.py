@@ -8,6 +8,7 @@ import errno
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -438,6 +439,79 @@ def test_no_unit_is_populated_before_every_set_up_thread_exists() -> None:
     try:
         assert setup.start().wait(20) and setup.error is None
         assert seen and all(seen)
+    finally:
+        setup.stop()
+        pinner.unpin_all()
+        mapping.close()
+
+
+class _OverlapRegistrar(RecordingRegistrar):
+    """Registers slowly and records, at the start and end of each call, how many populating
+    calls ``in_flight()`` reports: a registration must never run beside one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flight: Callable[[], int] = lambda: 0
+        self.seen: list[int] = []
+
+    def register(self, address: int, length: int) -> None:
+        self.seen.append(self.in_flight())
+        time.sleep(0.002)
+        self.seen.append(self.in_flight())
+        super().register(address, length)
+
+
+def _private_geometry(rows: int, row_bytes: int) -> RegionGeometry:
+    return RegionGeometry("private", rows, row_bytes, 0, row_bytes, PAGE)
+
+
+@needs_cc
+def test_the_c_loop_populates_nothing_while_a_unit_is_registered() -> None:
+    """A registration beside populating threads is many times slower and holds the CUDA
+    driver all along, so the pin thread holds the C workers back while it registers: no
+    madvise is in flight during any registration, and populating still runs ahead."""
+    geometry = _private_geometry(64, 2 << 20)
+    units = setup_units(geometry, TierConfig(cpu_bytes_per_node=1 << 30), 2 << 20)
+    mapping = Mapping.anonymous(geometry.total_bytes)
+    registrar = _OverlapRegistrar()
+    pinner = Pinner(registrar, mapping.address)
+    setup = BackgroundSetup(mapping.address, units, pinner, 3, _Recorder().on_ready)
+    registrar.in_flight = lambda: int(setup._inflight[0])
+    try:
+        assert setup._native is not None
+        assert setup.start().wait(30) and setup.error is None and setup.ready_rows == 64
+        assert len(registrar.seen) == 2 * 64 and max(registrar.seen) == 0
+        assert setup._pause[0] == 0  # populating let go after the last batch
+    finally:
+        setup.stop()
+        pinner.unpin_all()
+        mapping.close()
+
+
+def test_the_python_loop_populates_nothing_while_a_unit_is_registered() -> None:
+    """The same turn-taking in the Python loop (no compiler, a test's stand-in)."""
+    geometry = _private_geometry(32, 4 * PAGE)
+    units = setup_units(geometry, TierConfig(cpu_bytes_per_node=1 << 30), 4 * PAGE)
+    mapping = Mapping.anonymous(geometry.total_bytes)
+    registrar = _OverlapRegistrar()
+    active = [0]
+    lock = threading.Lock()
+
+    def slow(address: int, length: int) -> int:
+        with lock:
+            active[0] += 1
+        time.sleep(0.003)
+        with lock:
+            active[0] -= 1
+        return madvise_populate(address, length)
+
+    registrar.in_flight = lambda: active[0]
+    pinner = Pinner(registrar, mapping.address)
+    setup = BackgroundSetup(mapping.address, units, pinner, 3, _Recorder().on_ready,
+                            populate=slow)
+    try:
+        assert setup.start().wait(30) and setup.error is None and setup.ready_rows == 32
+        assert len(registrar.seen) == 2 * 32 and max(registrar.seen) == 0
     finally:
         setup.stop()
         pinner.unpin_all()

@@ -35,7 +35,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import cache
 
 import numpy as np
@@ -68,6 +68,13 @@ UNIT_BYTES = 8 << 20
 # bound as a unit, so a private region's 40 MiB rows take five calls; 2 MiB calls populated
 # 1.5-2x slower (docs/BENCHMARKS.md, "Set-up that leaves the engine alone").
 MADVISE_BYTES = UNIT_BYTES
+# NOTE: registrations and populating take turns (`BackgroundSetup._populate_held`): the pin
+# thread holds the pre-fault threads back while it registers the units populated so far, for
+# this long at most, so populating goes on between batches.  Registrations beside populating
+# threads of the same process took 25-100 ms for a 40 MiB row, against 3-4 ms once populating
+# was over, and an engine launch waits for the one in progress (docs/BENCHMARKS.md, "Set-up
+# after the JIT").
+REGISTER_BATCH_S = 0.05
 # The background reservation's piece: what `close` may wait for (one `fallocate` per thread).
 RESERVE_BYTES = 256 << 20
 # NOTE: set-up runs beside the engine's own threads (weights, graph capture, the scheduler), so
@@ -110,7 +117,11 @@ def native_populator() -> ctypes.CDLL | None:
         pointer = ctypes.c_void_p
         lib.offload_populate_units.argtypes = [ctypes.c_uint64, pointer, pointer, ctypes.c_int64,
                                                pointer, pointer, pointer, ctypes.c_int32,
-                                               ctypes.c_int64]
+                                               ctypes.c_int64, pointer, pointer]
+        lib.offload_pause_populate.argtypes = [pointer, pointer]
+        lib.offload_pause_populate.restype = None
+        lib.offload_resume_populate.argtypes = [pointer]
+        lib.offload_resume_populate.restype = None
         lib.offload_populate_units.restype = ctypes.c_int64
         lib.offload_reserve_files.argtypes = [pointer, pointer, ctypes.c_int64, pointer, pointer,
                                               pointer, ctypes.c_int64]
@@ -170,6 +181,13 @@ class BackgroundSetup:
             self._first = np.cumsum([0] + [len(u.ranges) for u in self._units], dtype=np.int64)
             self._counter = np.zeros(1, dtype=np.int64)  # the next unit to take (atomic in C)
         self._next_unit = itertools.count()  # the Python loop's shared counter (atomic)
+        # registrations apart from populating (`_populate_held`): populate.c's pause flag and
+        # count of madvise calls in flight, or the Python loop's own under a condition
+        self._pause = np.zeros(1, dtype=np.int32)
+        self._inflight = np.zeros(1, dtype=np.int64)
+        self._gate = threading.Condition()
+        self._paused = False
+        self._populating = 0
         self._workers = [threading.Thread(target=self._populate_units, daemon=True,
                                           name=f"offload-bg-prefault-{i}")
                          for i in range(max(1, threads))]
@@ -240,7 +258,8 @@ class BackgroundSetup:
             self._native.offload_populate_units(
                 self._base, self._ranges.ctypes.data, self._first.ctypes.data,
                 len(self._units), self._counter.ctypes.data, self._state.ctypes.data,
-                self._stop_flag.ctypes.data, MADV_POPULATE_WRITE, MADVISE_BYTES)
+                self._stop_flag.ctypes.data, MADV_POPULATE_WRITE, MADVISE_BYTES,
+                self._pause.ctypes.data, self._inflight.ctypes.data)
             self.populated_s = time.perf_counter() - self.started  # no unit left to take
             return
         while not self._stop_flag[0]:
@@ -249,7 +268,16 @@ class BackgroundSetup:
                 return
             try:
                 for r in self._units[i].ranges:
-                    self._populator.run(r)
+                    with self._gate:
+                        while self._paused:
+                            self._gate.wait()
+                        self._populating += 1
+                    try:
+                        self._populator.run(r)
+                    finally:
+                        with self._gate:
+                            self._populating -= 1
+                            self._gate.notify_all()
                 self.populated_s = time.perf_counter() - self.started
                 self._state[i] = 1
             except BaseException as exc:
@@ -280,27 +308,61 @@ class BackgroundSetup:
         unit = self._units[i].ranges[0]
         raise populate_error(-state, self._base + unit.offset, self._units[i].length)
 
+    @contextlib.contextmanager
+    def _populate_held(self) -> Iterator[None]:
+        """No ``madvise`` runs inside: the pre-fault threads start none and those in flight
+        finish first.  A registration beside them took 25-100 ms where alone it took 3-4 ms
+        (the NOTE above `REGISTER_BATCH_S`), and holds the CUDA driver all along; the wait for
+        the calls in flight holds nothing the engine needs."""
+        if self._native is not None:
+            self._native.offload_pause_populate(self._pause.ctypes.data,
+                                                self._inflight.ctypes.data)
+        else:
+            with self._gate:
+                self._paused = True
+                while self._populating:
+                    self._gate.wait()
+        try:
+            yield
+        finally:
+            if self._native is not None:
+                self._native.offload_resume_populate(self._pause.ctypes.data)
+            else:
+                with self._gate:
+                    self._paused = False
+                    self._gate.notify_all()
+
     def _register(self) -> None:
         rows, done_bytes, last_log = 0, 0, self.started
         if not self._begin():
             self.done.set()
             return
         try:
-            for i, unit in enumerate(self._units):
+            i = 0
+            while i < len(self._units):
                 if not self._wait_populated(i):
                     return
                 self._populated(i)
-                for r in unit.ranges:
-                    began = time.perf_counter()
-                    self._pinner.pin(r)
-                    took = time.perf_counter() - began
-                    self.busy_s += took
-                    self.longest_call_s = max(self.longest_call_s, took)
-                rows = self.ready_rows = unit.rows_end
-                if self.first_ready_s is None:
-                    self.first_ready_s = time.perf_counter() - self.started
-                self._on_ready(rows, False)
-                done_bytes += unit.length
+                with self._populate_held():  # every populated unit, for a batch at most
+                    batch_began = time.perf_counter()
+                    while True:
+                        unit = self._units[i]
+                        for r in unit.ranges:
+                            began = time.perf_counter()
+                            self._pinner.pin(r)
+                            took = time.perf_counter() - began
+                            self.busy_s += took
+                            self.longest_call_s = max(self.longest_call_s, took)
+                        rows = self.ready_rows = unit.rows_end
+                        if self.first_ready_s is None:
+                            self.first_ready_s = time.perf_counter() - self.started
+                        self._on_ready(rows, False)
+                        done_bytes += unit.length
+                        i += 1
+                        if (i == len(self._units) or self._state[i] != 1
+                                or self._stopping.is_set()
+                                or time.perf_counter() - batch_began >= REGISTER_BATCH_S):
+                            break
                 now = time.perf_counter()
                 if self._progress is not None and now - last_log >= PROGRESS_INTERVAL_S:
                     self._progress(done_bytes, self.total_bytes, now - self.started)
