@@ -131,15 +131,24 @@ class RankActor:
     def build_region(self) -> bool:
         """Create, pre-fault and pin this rank's region; return whether it is pinned.
 
-        Meanwhile a thread compiles the copy kernel against a one-row scratch buffer: the JIT,
-        seconds on a cold cache, then overlaps the pre-fault instead of following it
-        (docs/BENCHMARKS.md, "Node start-up")."""
+        A thread compiles the copy kernel against a one-row scratch buffer.  In the node
+        layouts the JIT, seconds on a cold cache, overlaps the pre-fault instead of following it
+        (docs/BENCHMARKS.md, "Node start-up"); a blocking private region is set up only once it
+        is done (the NOTE below); background set-up waits for it on its own threads."""
         plan = self._installed()
         registrar = self.registrar_factory(self.kv_tensors[0].device)
         began = time.perf_counter()
         compiler = self._compiler = threading.Thread(target=self._compile_kernel,
                                                      name="offload-jit", daemon=True)
         compiler.start()
+        if not self.config.background and plan.layout == "private":
+            # NOTE: a private rank registers its region in ranges of gigabytes after pre-fault,
+            # and each call holds the CUDA driver, which the JIT needs too: beside set-up the
+            # JIT took 2.5-9.6 s (create with it), alone 0.6 s.  Measured in one run, 48 GiB
+            # over 2 ranks on an H200 host: create 2.5-9.6 s with the JIT beside set-up,
+            # 2.6-3.0 s with it first; the node layouts lost 4-18% that way and keep the
+            # overlap (docs/BENCHMARKS.md, "Set-up after the JIT").
+            compiler.join()
         try:
             self.region = HostRegion.create(plan, self.topology, self.config, self.tier_id,
                                             registrar, self.progress, self._set_up)

@@ -539,3 +539,39 @@ def test_the_leader_reserves_the_node_files_behind_create(mode: str, shm_dir) ->
         assert 1 <= len(calls) <= segments
         assert all(name.startswith("offload-bg-reserve") for name in calls)
         assert error is not None and "No space left" in error
+
+
+def _blocking_jit_order(rank: int, layout: str) -> object:
+    """A blocking create with a slow JIT: when it ended, and when the first registration
+    began."""
+    from offload import HostTier
+    from offload.actor import RankActor
+
+    ended: list[float] = []
+
+    def slow_jit(actor) -> None:
+        time.sleep(1.0)
+        ended.append(time.perf_counter())
+
+    RankActor._compile_on_scratch = slow_jit  # the JIT's seam: compilation itself
+    registrar = _TimedRegistrar()
+    config = TierConfig(cpu_bytes_per_node=40 * PAGE * 2, layout=layout, blocks_per_chunk=1,
+                        tp=2, timeout_s=20)
+    tier = HostTier.create(_kv(rank), config, registrar_factory=lambda device: registrar)
+    tier.close()
+    assert registrar.first_at is not None
+    return registrar.first_at - ended[0]
+
+
+@pytest.mark.parametrize("layout", ["private", "shared"])
+def test_a_blocking_private_region_is_set_up_after_the_jit_and_a_node_region_beside_it(
+        layout) -> None:
+    """A private rank's long registrations hold the CUDA driver the JIT needs (beside them
+    it took up to 16x longer), so its region is set up once the kernel is compiled; the node
+    layouts keep the JIT beside their set-up, where it costs them nothing."""
+    for o in run_group(_blocking_jit_order, 2, args=(layout,), timeout=90):
+        assert o.ok, o.error
+        if layout == "private":
+            assert o.value >= 0  # registered after the JIT ended
+        else:
+            assert o.value < -0.5  # registered while the JIT still ran

@@ -70,9 +70,11 @@ UNIT_BYTES = 8 << 20
 MADVISE_BYTES = UNIT_BYTES
 # NOTE: registrations and populating take turns (`BackgroundSetup._populate_held`): the pin
 # thread holds the pre-fault threads back while it registers the units populated so far, for
-# this long at most, so populating goes on between batches.  Registrations beside populating
-# threads of the same process took 25-100 ms for a 40 MiB row, against 3-4 ms once populating
-# was over, and an engine launch waits for the one in progress (docs/BENCHMARKS.md, "Set-up
+# this long at most, so populating goes on between batches.  A registration beside populating
+# threads of the same process took up to 30-100 ms for a 40 MiB row, against 3-4 ms once
+# populating was over, and an engine launch waits for the one in progress.  Measured in one
+# run (48 GiB over 2 ranks, H200 host): the longest registration 31-51 -> 6-12 ms, the probe's
+# launch p99 12-19 -> 4-6 ms, every row ready 1.0-1.1x later (docs/BENCHMARKS.md, "Set-up
 # after the JIT").
 REGISTER_BATCH_S = 0.05
 # The background reservation's piece: what `close` may wait for (one `fallocate` per thread).
@@ -87,11 +89,11 @@ RESERVE_BYTES = 256 << 20
 # docs/BENCHMARKS.md, "Set-up that leaves the engine alone").  The pin thread keeps its
 # priority: it holds the driver while it registers, and nothing should wait behind it longer.
 # NOTE: set-up begins once the copy kernel is compiled (`start`'s ``after``): no row is usable
-# before the JIT anyway, and the JIT beside populating threads is slowed several times over --
-# it maps and frees memory, which waits for their madvise calls (the mmap lock).  Measured in
-# one run, 48 GiB over 2 ranks on an H200 host: JIT beside one populating thread 2.4-3.6 s,
-# alone 0.6-0.9 s; first job decided 2.6-3.7 -> 0.8-1.0 s after create began, and every row
-# ready no later (private 4.5-4.7 -> 3.5-4.1 s; docs/BENCHMARKS.md, "Set-up after the JIT").
+# before the JIT anyway, and the JIT beside set-up is slowed several times over (its own mmaps
+# wait for the populating madvise calls, its CUDA calls for the registrations).  Measured in
+# one run each, 48 GiB over 2 ranks on an H200 host: the JIT took 1.5-3.6 s beside one
+# populating thread and 0.6-0.9 s alone; the first job was decided 1.7-3.7 -> 0.8-1.0 s after
+# create began, and every row was ready no later (docs/BENCHMARKS.md, "Set-up after the JIT").
 PROGRESS_INTERVAL_S = 2.0
 
 
@@ -311,7 +313,7 @@ class BackgroundSetup:
     @contextlib.contextmanager
     def _populate_held(self) -> Iterator[None]:
         """No ``madvise`` runs inside: the pre-fault threads start none and those in flight
-        finish first.  A registration beside them took 25-100 ms where alone it took 3-4 ms
+        finish first.  A registration beside them took up to 30-100 ms where alone it took 3-4 ms
         (the NOTE above `REGISTER_BATCH_S`), and holds the CUDA driver all along; the wait for
         the calls in flight holds nothing the engine needs."""
         if self._native is not None:

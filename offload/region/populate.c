@@ -20,8 +20,8 @@
  * worker counts itself in `inflight` for the length of each call and starts none while `pause`
  * is set, and the pin thread sets `pause` and waits for `inflight` to drain before it registers
  * (offload_pause_populate).  A registration beside populating threads of the same process took
- * 25-100 ms where alone it took 3-4 ms, and holds the CUDA driver all along; the wait for the
- * drain holds nothing the engine needs.
+ * up to 30-100 ms where alone it took 3-4 ms, and holds the CUDA driver all along; the wait for
+ * the drain holds nothing the engine needs.
  */
 #define _GNU_SOURCE /* fallocate(2) */
 #include <errno.h>
