@@ -405,6 +405,8 @@ class RankActor:
 
     def close(self) -> None:
         """Fence in-flight copies, then unpin, unmap and unlink.  Idempotent."""
+        if self.region is not None:  # set-up waiting for the JIT must not start after it
+            self.region.stop_setup()
         if self._compiler is not None and self._compiler is not threading.current_thread():
             self._compiler.join()  # it announces on the board, which closes after us
         try:

@@ -4,16 +4,20 @@ that stops set-up where it is, and `stop` that abandons the rest without a stray
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import mmap
 import os
 import threading
 import time
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 
 from offload.config import TierConfig
 from offload.geometry import ByteRange, RegionGeometry, setup_units
+from offload.region import background
 from offload.region.background import BackgroundSetup, native_populator
 from offload.region.pin import Pinner, RecordingRegistrar
 from offload.region.prefault import madvise_populate
@@ -270,9 +274,10 @@ def test_a_set_up_stopped_before_the_kernel_is_compiled_ends_at_once() -> None:
     setup = BackgroundSetup(mapping.address, units, pinner, 3, _Recorder().on_ready)
     try:
         setup.start(after=threading.Event())
-        began = time.perf_counter()
-        setup.stop()
-        assert time.perf_counter() - began < 1.0
+        stopper = threading.Thread(target=setup.stop, daemon=True)  # a hang fails, not hangs
+        stopper.start()
+        stopper.join(5)
+        assert not stopper.is_alive()
         assert setup.done.is_set() and registrar.calls == 0 and setup.error is None
         assert not [t for t in (*setup._workers, setup._thread) if t.is_alive()]
     finally:
@@ -465,22 +470,47 @@ def _private_geometry(rows: int, row_bytes: int) -> RegionGeometry:
     return RegionGeometry("private", rows, row_bytes, 0, row_bytes, PAGE)
 
 
+MADV_NOHUGEPAGE = mmap.MADV_NOHUGEPAGE
+
+
+def _resident_pages(address: int, length: int) -> int:
+    """Pages of [address, address + length) resident in this process (``mincore``)."""
+    vec = np.zeros(length // PAGE, dtype=np.uint8)
+    assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(length),
+                        ctypes.c_void_p(vec.ctypes.data)) == 0
+    return int((vec & 1).sum())
+
+
 @needs_cc
-def test_the_c_loop_populates_nothing_while_a_unit_is_registered() -> None:
+def test_the_c_loop_populates_nothing_while_a_unit_is_registered(monkeypatch) -> None:
     """A registration beside populating threads is many times slower and holds the CUDA
-    driver all along, so the pin thread holds the C workers back while it registers: no
-    madvise is in flight during any registration, and populating still runs ahead."""
-    geometry = _private_geometry(64, 2 << 20)
+    driver all along, so the pin thread holds the C workers back while it registers.  The
+    oracle is the mapping's own residency, before and after each (slow) registration, with
+    populating slowed down (16 KiB calls) so that it would overlap them."""
+    monkeypatch.setattr(background, "MADVISE_BYTES", 16 << 10)
+    monkeypatch.setattr(background, "DRAIN_WAIT_S", 30.0)  # the gate itself, never its limit
+    rows = 128
+    geometry = _private_geometry(rows, 2 << 20)
     units = setup_units(geometry, TierConfig(cpu_bytes_per_node=1 << 30), 2 << 20)
     mapping = Mapping.anonymous(geometry.total_bytes)
-    registrar = _OverlapRegistrar()
-    pinner = Pinner(registrar, mapping.address)
-    setup = BackgroundSetup(mapping.address, units, pinner, 3, _Recorder().on_ready)
-    registrar.in_flight = lambda: int(setup._inflight[0])
+    # 4 KiB pages: a huge page would make the first small call populate 2 MiB at once
+    libc.madvise(ctypes.c_void_p(mapping.address), ctypes.c_size_t(geometry.total_bytes),
+                 MADV_NOHUGEPAGE)
+    grew: list[int] = []
+
+    class Registrar(RecordingRegistrar):
+        def register(self, address: int, length: int) -> None:
+            before = _resident_pages(mapping.address, geometry.total_bytes)
+            time.sleep(0.002)
+            grew.append(_resident_pages(mapping.address, geometry.total_bytes) - before)
+            super().register(address, length)
+
+    pinner = Pinner(Registrar(), mapping.address)
+    setup = BackgroundSetup(mapping.address, units, pinner, 1, _Recorder().on_ready)
     try:
         assert setup._native is not None
-        assert setup.start().wait(30) and setup.error is None and setup.ready_rows == 64
-        assert len(registrar.seen) == 2 * 64 and max(registrar.seen) == 0
+        assert setup.start().wait(60) and setup.error is None and setup.ready_rows == rows
+        assert len(grew) == rows and max(grew) == 0 and setup.undrained == 0
         assert setup._pause[0] == 0  # populating let go after the last batch
     finally:
         setup.stop()
@@ -488,8 +518,86 @@ def test_the_c_loop_populates_nothing_while_a_unit_is_registered() -> None:
         mapping.close()
 
 
-def test_the_python_loop_populates_nothing_while_a_unit_is_registered() -> None:
+def test_a_call_in_flight_delays_registering_populated_rows_a_bounded_time(
+        monkeypatch) -> None:
+    """A pre-fault thread preempted inside its call (here: a 1 s stand-in) does not hold back
+    the registration of the rows populated before it: after `DRAIN_WAIT_S` the pin thread
+    registers beside it, and counts that it did."""
+    monkeypatch.setattr(background, "DRAIN_WAIT_S", 0.05)
+    rows = 8
+    geometry = _private_geometry(rows, 4 * PAGE)
+    units = setup_units(geometry, TierConfig(cpu_bytes_per_node=1 << 30), 4 * PAGE)
+    mapping = Mapping.anonymous(geometry.total_bytes)
+    registrar = _OverlapRegistrar()
+    stuck = mapping.address + geometry.row_stride  # row 1: in flight for a second
+
+    def populate(address: int, length: int) -> int:
+        time.sleep(1.0 if address == stuck else 0.001)
+        return madvise_populate(address, length)
+
+    first: list[float] = []
+    recorder = _Recorder()
+
+    def on_ready(rows_ready: int, stopped: bool) -> None:
+        first.append(time.perf_counter())
+        recorder.on_ready(rows_ready, stopped)
+
+    pinner = Pinner(registrar, mapping.address)
+    setup = BackgroundSetup(mapping.address, units, pinner, 2, on_ready, populate=populate)
+    try:
+        began = time.perf_counter()
+        assert setup.start().wait(30) and setup.error is None and setup.ready_rows == rows
+        assert first[0] - began < 0.6  # row 0 did not wait for row 1's second
+        assert setup.undrained >= 1
+    finally:
+        setup.stop()
+        pinner.unpin_all()
+        mapping.close()
+
+
+def test_a_batch_cut_short_gives_populating_a_turn(monkeypatch) -> None:
+    """With a backlog of populated units (the pin thread was late), registering it all in one
+    hold would stop populating for as long: a batch ends after `REGISTER_BATCH_S` and the
+    pre-fault threads get as long a turn before the next."""
+    monkeypatch.setattr(background, "REGISTER_BATCH_S", 0.02)
+    rows = 120
+    geometry = _private_geometry(rows, 4 * PAGE)
+    units = setup_units(geometry, TierConfig(cpu_bytes_per_node=1 << 30), 4 * PAGE)
+    mapping = Mapping.anonymous(geometry.total_bytes)
+    populated = [0]
+    lock = threading.Lock()
+
+    def populate(address: int, length: int) -> int:
+        time.sleep(0.01)
+        with lock:
+            populated[0] += 1
+        return madvise_populate(address, length)
+
+    seen: list[int] = []
+
+    class Late(RecordingRegistrar):
+        def register(self, address: int, length: int) -> None:
+            seen.append(populated[0])
+            time.sleep(0.3 if len(seen) == 1 else 0.005)  # the first call: a backlog builds
+            super().register(address, length)
+
+    pinner = Pinner(Late(), mapping.address)
+    setup = BackgroundSetup(mapping.address, units, pinner, 2, _Recorder().on_ready,
+                            populate=populate)
+    try:
+        assert setup.start().wait(60) and setup.error is None and setup.ready_rows == rows
+        backlog = seen[1]  # populated when the first (late) registration returned
+        registered_in_backlog = seen[1:backlog]
+        assert max(registered_in_backlog) >= backlog + 4  # populating went on meanwhile
+    finally:
+        setup.stop()
+        pinner.unpin_all()
+        mapping.close()
+
+
+def test_the_python_loop_populates_nothing_while_a_unit_is_registered(monkeypatch) -> None:
     """The same turn-taking in the Python loop (no compiler, a test's stand-in)."""
+    monkeypatch.setattr(background, "DRAIN_WAIT_S", 30.0)  # the gate itself, never its limit
     geometry = _private_geometry(32, 4 * PAGE)
     units = setup_units(geometry, TierConfig(cpu_bytes_per_node=1 << 30), 4 * PAGE)
     mapping = Mapping.anonymous(geometry.total_bytes)
@@ -512,6 +620,7 @@ def test_the_python_loop_populates_nothing_while_a_unit_is_registered() -> None:
     try:
         assert setup.start().wait(30) and setup.error is None and setup.ready_rows == 32
         assert len(registrar.seen) == 2 * 32 and max(registrar.seen) == 0
+        assert setup.undrained == 0
     finally:
         setup.stop()
         pinner.unpin_all()

@@ -283,9 +283,10 @@ def _jit_gates_rows(rank: int, gate: str) -> object:
             time.sleep(0.01)
 
     RankActor._compile_on_scratch = slow_jit  # the JIT's seam: compilation itself
-    tier = _background_tier(rank, "private", RecordingRegistrar())
+    registrar = RecordingRegistrar()
+    tier = _background_tier(rank, "private", registrar)
     time.sleep(0.3)
-    held = (tier.ready.rows, tier.actor.ready_rows, tier.actor.region.stats.registrations)
+    held = (tier.ready.rows, tier.actor.ready_rows, registrar.calls)
     try:
         tier.submit(CopyJob(1, "store", (0,), (0,), (0,)))
         refused = None

@@ -1,10 +1,10 @@
 """Background set-up: a mapped region populated and registered unit by unit, in row order,
 on the tier's own threads, while the engine loads its weights and serves (DESIGN.md section 3.9).
 
-``BackgroundSetup`` runs `geometry.setup_units`: a pool of pre-fault threads populates the
-units ahead (``MADV_POPULATE_WRITE``), and one pin thread registers each unit as soon as it is
-populated, strictly in order, then announces "rows below R are usable" through ``on_ready``
-(the rank's ready word on the node board).
+``BackgroundSetup`` runs `geometry.setup_units` once the copy kernel is compiled: a pool of
+pre-fault threads populates the units ahead (``MADV_POPULATE_WRITE``), and one pin thread, in
+turns with them, registers the units populated so far, strictly in order, and announces after
+each "rows below R are usable" through ``on_ready`` (the rank's ready word on the node board).
 
 The pre-fault threads never hold the GIL while they work: each makes one call into
 ``populate.c`` (built like the package's other C code, `offload.build_cache`), which takes
@@ -70,13 +70,17 @@ UNIT_BYTES = 8 << 20
 MADVISE_BYTES = UNIT_BYTES
 # NOTE: registrations and populating take turns (`BackgroundSetup._populate_held`): the pin
 # thread holds the pre-fault threads back while it registers the units populated so far, for
-# this long at most, so populating goes on between batches.  A registration beside populating
-# threads of the same process took up to 30-100 ms for a 40 MiB row, against 3-4 ms once
-# populating was over, and an engine launch waits for the one in progress.  Measured in one
-# run (48 GiB over 2 ranks, H200 host): the longest registration 31-51 -> 6-12 ms, the probe's
-# launch p99 12-19 -> 4-6 ms, every row ready 1.0-1.1x later (docs/BENCHMARKS.md, "Set-up
-# after the JIT").
+# this long at most, and a batch cut short by it is followed by as long a turn for populating.
+# A registration beside populating threads of the same process took up to 30-100 ms for a
+# 40 MiB row, against 3-4 ms once populating was over, and an engine launch waits for the one
+# in progress.  Measured in one run (48 GiB over 2 ranks, H200 host): the longest registration
+# 31-51 -> 6-12 ms, the probe's launch p99 12-19 -> 4-6 ms, every row ready 1.0-1.1x later
+# (docs/BENCHMARKS.md, "Set-up after the JIT").
 REGISTER_BATCH_S = 0.05
+# How long the pin thread waits for the madvise calls in flight before it registers beside
+# them: a worker preempted at idle priority inside its call may take long to finish it (up to
+# 2 s measured on 2 busy vCPUs), and the rows already populated should not wait for it.
+DRAIN_WAIT_S = 0.01
 # The background reservation's piece: what `close` may wait for (one `fallocate` per thread).
 RESERVE_BYTES = 256 << 20
 # NOTE: set-up runs beside the engine's own threads (weights, graph capture, the scheduler), so
@@ -120,8 +124,8 @@ def native_populator() -> ctypes.CDLL | None:
         lib.offload_populate_units.argtypes = [ctypes.c_uint64, pointer, pointer, ctypes.c_int64,
                                                pointer, pointer, pointer, ctypes.c_int32,
                                                ctypes.c_int64, pointer, pointer]
-        lib.offload_pause_populate.argtypes = [pointer, pointer]
-        lib.offload_pause_populate.restype = None
+        lib.offload_pause_populate.argtypes = [pointer, pointer, ctypes.c_int64]
+        lib.offload_pause_populate.restype = ctypes.c_int32
         lib.offload_resume_populate.argtypes = [pointer]
         lib.offload_resume_populate.restype = None
         lib.offload_populate_units.restype = ctypes.c_int64
@@ -155,13 +159,16 @@ class BackgroundSetup:
         self.launched = False  # `start` was called
         self._go = threading.Event()  # every thread exists: populate
         self._after: threading.Event | None = None  # `start`'s: set-up begins once it is set
+        self._begun = False  # some thread is past `_begin` (and reset `started`)
+        self._begun_lock = threading.Lock()
         self.ready_rows = 0
         self.error: str | None = None
-        self.started = time.perf_counter()
+        self.started = time.perf_counter()  # `start`, then when set-up could begin (`_begin`)
         self.finished: float | None = None  # perf_counter when the last unit was registered
         self.populated_s = 0.0  # from start until the last unit was populated
         self.first_ready_s: float | None = None  # from start until the first unit was usable
         self.busy_s = 0.0  # inside registration calls
+        self.undrained = 0  # registration batches that began beside madvise calls in flight
         self.longest_call_s = 0.0  # the longest single registration call
         self.total_bytes = sum(u.length for u in self._units)
         # unit i: _state[i] is 0 while pending, 1 once populated, negative when it failed
@@ -238,12 +245,15 @@ class BackgroundSetup:
 
     def _begin(self) -> bool:
         """Wait until every thread exists and `start`'s ``after`` is set; False once `stop`
-        was called (checked every 50 ms meanwhile).  A worker's failure does not end the
-        wait: the pin thread still registers the units below it and reports it."""
+        was called (checked every 50 ms meanwhile).  The first thread through restarts the
+        clock: set-up's timings count from when it could begin, not from the JIT's wait."""
         self._go.wait()
         while self._after is not None and not self._after.wait(0.05):
             if self._stopping.is_set():
                 return False
+        with self._begun_lock:
+            if not self._begun:
+                self._begun, self.started = True, time.perf_counter()
         return not self._stopping.is_set()
 
     def _populate_units(self) -> None:
@@ -312,18 +322,18 @@ class BackgroundSetup:
 
     @contextlib.contextmanager
     def _populate_held(self) -> Iterator[None]:
-        """No ``madvise`` runs inside: the pre-fault threads start none and those in flight
-        finish first.  A registration beside them took up to 30-100 ms where alone it took 3-4 ms
-        (the NOTE above `REGISTER_BATCH_S`), and holds the CUDA driver all along; the wait for
-        the calls in flight holds nothing the engine needs."""
+        """The pre-fault threads start no ``madvise`` inside, and those in flight finish
+        first, for `DRAIN_WAIT_S` at most (`undrained` counts the holds that gave up waiting).
+        A registration beside them took up to 30-100 ms where alone it took 3-4 ms (the NOTE
+        above `REGISTER_BATCH_S`), and holds the CUDA driver all along."""
         if self._native is not None:
-            self._native.offload_pause_populate(self._pause.ctypes.data,
-                                                self._inflight.ctypes.data)
+            drained = self._native.offload_pause_populate(
+                self._pause.ctypes.data, self._inflight.ctypes.data, int(DRAIN_WAIT_S * 1e9))
         else:
             with self._gate:
                 self._paused = True
-                while self._populating:
-                    self._gate.wait()
+                drained = self._gate.wait_for(lambda: not self._populating, DRAIN_WAIT_S)
+        self.undrained += not drained
         try:
             yield
         finally:
@@ -335,12 +345,12 @@ class BackgroundSetup:
                     self._gate.notify_all()
 
     def _register(self) -> None:
-        rows, done_bytes, last_log = 0, 0, self.started
         if not self._begin():
             self.done.set()
             return
+        rows, done_bytes, last_log = 0, 0, self.started
         try:
-            i = 0
+            i, cut_short = 0, False
             while i < len(self._units):
                 if not self._wait_populated(i):
                     return
@@ -362,9 +372,14 @@ class BackgroundSetup:
                         done_bytes += unit.length
                         i += 1
                         if (i == len(self._units) or self._state[i] != 1
-                                or self._stopping.is_set()
-                                or time.perf_counter() - batch_began >= REGISTER_BATCH_S):
+                                or self._stopping.is_set()):
                             break
+                        if time.perf_counter() - batch_began >= REGISTER_BATCH_S:
+                            cut_short = True
+                            break
+                if cut_short:  # the pre-fault threads' turn (they look every 100 us)
+                    cut_short = False
+                    self._stopping.wait(REGISTER_BATCH_S)
                 now = time.perf_counter()
                 if self._progress is not None and now - last_log >= PROGRESS_INTERVAL_S:
                     self._progress(done_bytes, self.total_bytes, now - self.started)

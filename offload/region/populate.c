@@ -20,8 +20,9 @@
  * worker counts itself in `inflight` for the length of each call and starts none while `pause`
  * is set, and the pin thread sets `pause` and waits for `inflight` to drain before it registers
  * (offload_pause_populate).  A registration beside populating threads of the same process took
- * up to 30-100 ms where alone it took 3-4 ms, and holds the CUDA driver all along; the wait for
- * the drain holds nothing the engine needs.
+ * up to 30-100 ms where alone it took 3-4 ms, and holds the CUDA driver all along.  The wait is
+ * bounded: an idle-priority worker preempted inside its call may not finish it for long, and
+ * rows already populated should not wait for it.
  */
 #define _GNU_SOURCE /* fallocate(2) */
 #include <errno.h>
@@ -50,11 +51,23 @@ static void enter(const int32_t *pause, int64_t *inflight) {
     }
 }
 
-/* The pin thread's side: no madvise starts after this returns, and none is in flight. */
-void offload_pause_populate(int32_t *pause, const int64_t *inflight) {
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* The pin thread's side: no madvise starts after this returns.  Returns 1 once none is in
+ * flight, 0 if some still were after `wait_ns` (the caller registers beside them). */
+int32_t offload_pause_populate(int32_t *pause, const int64_t *inflight, int64_t wait_ns) {
     __atomic_store_n(pause, 1, __ATOMIC_SEQ_CST);
-    while (__atomic_load_n(inflight, __ATOMIC_SEQ_CST) > 0)
+    int64_t deadline = now_ns() + wait_ns;
+    while (__atomic_load_n(inflight, __ATOMIC_SEQ_CST) > 0) {
+        if (now_ns() >= deadline)
+            return 0;
         nap(50000);
+    }
+    return 1;
 }
 
 void offload_resume_populate(int32_t *pause) { __atomic_store_n(pause, 0, __ATOMIC_SEQ_CST); }
