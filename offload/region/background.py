@@ -79,8 +79,9 @@ MADVISE_BYTES = UNIT_BYTES
 REGISTER_BATCH_S = 0.05
 # How long the pin thread waits for the madvise calls in flight before it registers beside
 # them: a worker preempted at idle priority inside its call may take long to finish it (up to
-# 2 s measured on 2 busy vCPUs), and the rows already populated should not wait for it.
-DRAIN_WAIT_S = 0.01
+# 2 s measured on 2 busy vCPUs), and the rows already populated should not wait for it.  As
+# long as a batch: waiting delays only readiness, registering beside the calls the engine.
+DRAIN_WAIT_S = 0.05
 # The background reservation's piece: what `close` may wait for (one `fallocate` per thread).
 RESERVE_BYTES = 256 << 20
 # NOTE: set-up runs beside the engine's own threads (weights, graph capture, the scheduler), so
