@@ -169,6 +169,7 @@ class BackgroundSetup:
         self.populated_s = 0.0  # from start until the last unit was populated
         self.first_ready_s: float | None = None  # from start until the first unit was usable
         self.busy_s = 0.0  # inside registration calls
+        self._registered_bytes = 0  # of the units registered so far (progress)
         self.undrained = 0  # registration batches that began beside madvise calls in flight
         self.longest_call_s = 0.0  # the longest single registration call
         self.total_bytes = sum(u.length for u in self._units)
@@ -345,56 +346,61 @@ class BackgroundSetup:
                     self._paused = False
                     self._gate.notify_all()
 
+    def _register_batch(self, first: int) -> tuple[int, bool]:
+        """Register unit ``first`` (populated) and the populated units after it, in order and
+        announcing each, with populating held (`_populate_held`) for `REGISTER_BATCH_S` at
+        most; return the next unit and whether the limit cut the batch short."""
+        i = first
+        with self._populate_held():
+            batch_began = time.perf_counter()
+            while True:
+                unit = self._units[i]
+                for r in unit.ranges:
+                    began = time.perf_counter()
+                    self._pinner.pin(r)
+                    took = time.perf_counter() - began
+                    self.busy_s += took
+                    self.longest_call_s = max(self.longest_call_s, took)
+                self.ready_rows = unit.rows_end
+                if self.first_ready_s is None:
+                    self.first_ready_s = time.perf_counter() - self.started
+                self._on_ready(self.ready_rows, False)
+                self._registered_bytes += unit.length
+                i += 1
+                if i == len(self._units) or self._state[i] != 1 or self._stopping.is_set():
+                    return i, False
+                if time.perf_counter() - batch_began >= REGISTER_BATCH_S:
+                    return i, True
+
     def _register(self) -> None:
         if not self._begin():
             self.done.set()
             return
-        rows, done_bytes, last_log = 0, 0, self.started
+        last_log = self.started
         try:
-            i, cut_short = 0, False
+            i = 0
             while i < len(self._units):
                 if not self._wait_populated(i):
                     return
                 self._populated(i)
-                with self._populate_held():  # every populated unit, for a batch at most
-                    batch_began = time.perf_counter()
-                    while True:
-                        unit = self._units[i]
-                        for r in unit.ranges:
-                            began = time.perf_counter()
-                            self._pinner.pin(r)
-                            took = time.perf_counter() - began
-                            self.busy_s += took
-                            self.longest_call_s = max(self.longest_call_s, took)
-                        rows = self.ready_rows = unit.rows_end
-                        if self.first_ready_s is None:
-                            self.first_ready_s = time.perf_counter() - self.started
-                        self._on_ready(rows, False)
-                        done_bytes += unit.length
-                        i += 1
-                        if (i == len(self._units) or self._state[i] != 1
-                                or self._stopping.is_set()):
-                            break
-                        if time.perf_counter() - batch_began >= REGISTER_BATCH_S:
-                            cut_short = True
-                            break
+                i, cut_short = self._register_batch(i)
                 if cut_short:  # the pre-fault threads' turn (they look every 100 us)
-                    cut_short = False
                     self._stopping.wait(REGISTER_BATCH_S)
                 now = time.perf_counter()
                 if self._progress is not None and now - last_log >= PROGRESS_INTERVAL_S:
-                    self._progress(done_bytes, self.total_bytes, now - self.started)
+                    self._progress(self._registered_bytes, self.total_bytes, now - self.started)
                     last_log = now
             self.finished = time.perf_counter()
             if self._progress is not None:
-                self._progress(done_bytes, self.total_bytes, self.finished - self.started)
+                self._progress(self._registered_bytes, self.total_bytes,
+                               self.finished - self.started)
         except BaseException as exc:
             self._halt_workers()
             if not self._stopping.is_set():
                 self.error = one_line(exc)
-                log.error("background set-up stopped at row %d of %d: %s", rows,
+                log.error("background set-up stopped at row %d of %d: %s", self.ready_rows,
                           self._units[-1].rows_end, self.error)
-                self._on_ready(rows, True)
+                self._on_ready(self.ready_rows, True)
         finally:
             self.done.set()
 
