@@ -240,7 +240,7 @@ class RankActor:
         self._block_bytes = sum(layout.page_bytes)  # per job entry, counted per submit
         self.timed("engine", began)
         self.timed("total", self.created_at)
-        # background set-up: after the engine's CUDA allocations, at full speed after the JIT
+        # background set-up: after the engine's CUDA allocations, populating once the JIT is done
         region.start_setup(self._compiled)
         return self.engine.name
 
@@ -406,7 +406,7 @@ class RankActor:
 
     def close(self) -> None:
         """Fence in-flight copies, then unpin, unmap and unlink.  Idempotent."""
-        if self.region is not None:  # set-up waiting for the JIT must not start after it
+        if self.region is not None:  # no row comes online after close (nor set-up after the JIT)
             self.region.stop_setup()
         if self._compiler is not None and self._compiler is not threading.current_thread():
             self._compiler.join()  # it announces on the board, which closes after us
@@ -418,8 +418,6 @@ class RankActor:
                 self.engine = None
             if self.files is not None:  # its I/O reads and writes the region's rows
                 files, self.files = self.files, None
-                if self.region is not None:  # no row comes online after close
-                    self.region.stop_setup()
                 if not files.close() and self.region is not None:
                     # NOTE: a stalled read still writes into its row when it returns, so the
                     # region is closed only after it did (or with the process).

@@ -281,9 +281,9 @@ def run_variant(world: int, fn: Callable[..., dict[str, Any]], *extra: Any) -> d
     seconds = max(r["ready"] for r in results.values()) - began
     stages = {key: max(r[key] for r in results.values()) - began
               for key in ("created", "first", "first_ready") if key in results[0]}
-    jits = [r["row"]["timings_s"].get("jit") for r in results.values() if "row" in r]
-    if any(j is not None for j in jits):
-        stages["jit_s"] = max(j for j in jits if j is not None)  # the slowest rank's JIT
+    jit = _most_over_ranks(results, lambda row: row["timings_s"].get("jit"))
+    if jit is not None:
+        stages["jit_s"] = jit  # the slowest rank's JIT
     probes = [r["probe"] for r in results.values() if r.get("probe")]
     if probes:
         stages["worst_wait_ms"] = max(p["max_ms"] for p in probes)
@@ -292,13 +292,21 @@ def run_variant(world: int, fn: Callable[..., dict[str, Any]], *extra: Any) -> d
         stages["over_2ms"] = sum(p["over_2ms"] for p in probes)
         stages["launches"] = sum(p["count"] for p in probes)
         stages["mmap_max_ms"] = max(p["mmap_max_ms"] for p in probes)
-    longest = [r["row"].get("longest_registration_s") for r in results.values() if "row" in r]
-    if any(x is not None for x in longest):
-        stages["reg_max_ms"] = 1e3 * max(x for x in longest if x is not None)
+    longest = _most_over_ranks(results, lambda row: row.get("longest_registration_s"))
+    if longest is not None:
+        stages["reg_max_ms"] = 1e3 * longest
     return {"seconds": seconds, **stages, "resident": results[0]["resident"],
             "registered_per_rank": max(r["registered"] for r in results.values()),
             "own_per_rank": max(r["own_bytes"] for r in results.values()),
             "ranks": [results[r] for r in range(world)]}
+
+
+def _most_over_ranks(results: dict[int, dict[str, Any]],
+                     pick: Callable[[dict[str, Any]], float | None]) -> float | None:
+    """The largest of ``pick(report row)`` over the ranks that have one, or None."""
+    values = [pick(r["row"]) for r in results.values() if "row" in r]
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
 
 
 def floor(args: argparse.Namespace) -> dict[str, Any]:
