@@ -187,6 +187,7 @@ class PagedCache:
                            for _ in range(2 * layers)]
             self.tensors = list(self.owners)
         self.block_tokens = block_tokens
+        self.views = views
 
     def write(self, table: Sequence[int], shares: Sequence[torch.Tensor]) -> None:
         """Write ``shares[t]`` (``[heads, T, dim]``, tensor t's share of the model cache) into
@@ -200,6 +201,18 @@ class PagedCache:
         heads, dim]`` each."""
         index = torch.tensor(table, device=self.tensors[0].device)
         return [tensor[index] for tensor in self.tensors]
+
+    def layer(self, layer: int, index: torch.Tensor, tokens: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``layer`` from the blocks ``index``, ``[heads, tokens, dim]`` each (not
+        contiguous): one gather where K and V share a per-layer tensor, else one each."""
+        if self.views:
+            pages = self.owners[layer][index]  # [blocks, 2, block_tokens, heads, dim]
+            blocks, _, block_tokens, heads, dim = pages.shape
+            flat = pages.permute(1, 3, 0, 2, 4).reshape(2, heads, blocks * block_tokens, dim)
+            return flat[0, :, :tokens], flat[1, :, :tokens]
+        k, v = (from_pages(self.tensors[2 * layer + half][index], tokens) for half in (0, 1))
+        return k, v
 
     def poison(self) -> None:
         """Drop the cache: every byte becomes 0xA5, so only a real load brings a page back."""
@@ -399,32 +412,40 @@ def reload_once(engine: Engine, prompt: Prompt, reload: int, table: list[int], a
 
 def reload_layerwise(engine: Engine, prompt: Prompt, reload: int, table: list[int],
                      args: Any) -> dict[str, Any]:
-    """The same reload, layer-wise: the load goes in ``--layerwise`` groups and the first
-    decode step starts at once, each decoder layer waiting (on the GPU) for its group's event
-    and then building its cache entry from the pages; the host waits for the job's decision
-    only after the first token.  Every rank holds all heads (no gather)."""
-    engine.paged.poison()
+    """The same reload, layer-wise.  First the load alone (its time against the whole
+    load's); then again with the first decode step: the load goes in ``--layerwise`` groups,
+    every layer's cache entry is queued on a side stream behind its group's event before the
+    step starts, and each decoder layer's pre-hook only makes the step wait for its entry, so
+    the first layers compute while later ones still load.  The host waits for the job's
+    decision only after the first token.  Every rank holds all heads (no gather)."""
     layers, tokens = args.layers, prompt.tokens
     group = {t: g for g, (first, count) in enumerate(tensor_ranges(2 * layers, args.layerwise))
              for t in range(first, first + count)}
     index = torch.tensor(table, device=engine.device)
+    engine.paged.poison()
+    started = engine.start_together()
+    job = CopyJob(next(engine.job_ids), "load", blocks=tuple(table), chunks=prompt.chunks,
+                  positions=prompt.positions)
+    engine.tier.submit(job, layer_groups=args.layerwise)
+    engine.tier.wait([job.job_id])
+    alone_s = time.perf_counter() - started
+    engine.paged.poison()
     cache = engine.tf.DynamicCache()
+    side = torch.cuda.Stream(engine.device) if engine.device.type == "cuda" else None
     started = engine.start_together()
     job = CopyJob(next(engine.job_ids), "load", blocks=tuple(table), chunks=prompt.chunks,
                   positions=prompt.positions)
     events = engine.tier.submit(job, layer_groups=args.layerwise)
+    ready = queue_cache(engine, cache, [events[group[2 * at + 1]] for at in range(layers)],
+                        index, tokens, side)
 
-    def fill(layer: int) -> None:
-        event = events[group[2 * layer + 1]]  # V follows K: its group's event covers both
-        if event is not None:
-            torch.cuda.current_stream(engine.device).wait_event(event)
-        k, v = (from_pages(engine.paged.tensors[2 * layer + half][index], tokens)
-                for half in (0, 1))
-        cache.update(k[None], v[None], layer)
+    def wait_for(layer: int) -> None:
+        entry = ready[layer]
+        if entry is not None:
+            torch.cuda.current_stream(engine.device).wait_event(entry)
 
-    fill(0)  # before the forward: the attention mask is sized from layer 0's length
-    hooks = [layer.register_forward_pre_hook(lambda _m, _a, at=at: fill(at))
-             for at, layer in enumerate(engine.model.model.layers) if at > 0]
+    hooks = [layer.register_forward_pre_hook(lambda _m, _a, at=at: wait_for(at))
+             for at, layer in enumerate(engine.model.model.layers)]
     try:
         first = greedy(engine.model, cache, prompt.first_token, tokens, 1)
     finally:
@@ -441,7 +462,36 @@ def reload_layerwise(engine: Engine, prompt: Prompt, reload: int, table: list[in
     rest = greedy(engine.model, cache, first[-1], tokens + 1, args.decode_tokens - 1)
     outcome = judge(prompt, reload, first + rest[1:], kv_diff)
     return {**outcome, "mode": "layerwise", "reload_s": decided - started, "rebuild_s": 0.0,
-            "ttft_s": answered - started, "forward_s": None}
+            "ttft_s": answered - started, "forward_s": None, "load_alone_s": alone_s}
+
+
+def queue_cache(engine: Engine, cache: Any, events: list[torch.cuda.Event | None],
+                index: torch.Tensor, tokens: int, side: torch.cuda.Stream | None
+                ) -> list[torch.cuda.Event | None]:
+    """Put every layer's entry in ``cache``, built from the pages of ``index`` on the
+    ``side`` stream once the layer's load event (``events[layer]``) fired, all queued now;
+    returns per layer the event after which its entry is there (None on the CPU, where the
+    entries are built at once)."""
+    if side is None:
+        for layer in range(len(events)):
+            k, v = engine.paged.layer(layer, index, tokens)
+            cache.update(k[None], v[None], layer)
+        return [None] * len(events)
+    main = torch.cuda.current_stream(engine.device)
+    side.wait_stream(main)  # the poisoned pages and the index upload come first
+    ready: list[torch.cuda.Event | None] = []
+    with torch.cuda.stream(side):
+        for layer, event in enumerate(events):
+            if event is not None:
+                side.wait_event(event)
+            k, v = engine.paged.layer(layer, index, tokens)
+            cache.update(k[None], v[None], layer)
+            for entry in layer_kv(cache, layer):  # made on this stream, read on the main one
+                entry.record_stream(main)
+            done = torch.cuda.Event()
+            done.record(side)
+            ready.append(done)
+    return ready
 
 
 def judge(prompt: Prompt, reload: int, tokens: list[int], kv_diff: dict[str, Any] | None
@@ -615,6 +665,7 @@ def build_report(args: argparse.Namespace, tier: HostTier, kv_heads: int,
     if args.layerwise:
         ttft["layerwise"] = slowest("ttft_s", "layerwise")
         ttft["layerwise_load"] = slowest("reload_s", "layerwise")
+        ttft["layerwise_load_alone"] = slowest("load_alone_s", "layerwise")
     return {
         "world_size": dist.get_world_size(), "tp": dist.get_world_size(), "layout": args.layout,
         "device": str(prompts[0].pages[0].device.type), "dtype": str(dtype).removeprefix("torch."),
@@ -655,7 +706,8 @@ def summary(report: dict[str, Any]) -> str:
     if "layerwise" in first:
         line += (f", layer-wise ({report['layerwise_groups']} groups) "
                  f"{first['layerwise'] * 1e3:.2f} ms (its load decided after "
-                 f"{first['layerwise_load'] * 1e3:.2f} ms; one forward step "
+                 f"{first['layerwise_load'] * 1e3:.2f} ms, alone after "
+                 f"{first['layerwise_load_alone'] * 1e3:.2f} ms; one forward step "
                  f"{first['forward'] * 1e3:.2f} ms)")
     return line + f"; shm files left: {report['shm_files_left']}"
 

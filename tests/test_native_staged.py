@@ -175,3 +175,41 @@ def test_a_failed_driver_call_raises_with_its_name_and_stops_there(step: str, na
     with pytest.raises(RuntimeError, match=f"{name} failed: CUDA error 700"):
         issuer.issue(False, True, 0, 40, SLICES, SRCS, DSTS, SIZES_)
     assert len(driver.calls) == issued
+
+
+def test_a_layer_wise_load_records_each_mark_after_its_slices_scatters() -> None:
+    """Marks after slices 0 and 2: the engine stream follows slice 0's scatter, records the
+    first layer event, then follows slices 1 and 2's (each ring slot's last use) and records
+    the second; the job's completion then needs no further wait."""
+    issuer, driver = _issuer()
+    l0, l1 = 0x8000, 0x8001
+    marks = (np.array([0, 2], dtype=np.int64), np.array([l0, l1], dtype=np.uint64))
+    assert issuer.issue(True, False, 0, 40, SLICES, SRCS, DSTS, SIZES_, marks)
+    (s0, f0), (s1, f1) = RING
+    p0, p1 = PASSES
+    assert driver.calls == [("record", START, MAIN), ("wait", p0, START), ("wait", p1, START),
+        ("wait", DMA, f0), _copy(0, 1), ("record", s0, DMA), ("wait", p0, s0),
+        _launch(0, 16, 0, 10, 0xA000, 0xA800, p0), ("record", f0, p0),
+        ("wait", MAIN, f0), ("record", l0, MAIN),
+        ("wait", DMA, f1), _copy(1, 2), ("record", s1, DMA), ("wait", p1, s1),
+        _launch(16, 16, 0, 10, 0xB000, 0xB800, p1), ("record", f1, p1),
+        ("wait", DMA, f0), _copy(3, 1), ("record", s0, DMA), ("wait", p0, s0),
+        _launch(32, 8, 2, 3, 0xA000, 0xA400, p0), ("record", f0, p0),
+        ("wait", MAIN, f0), ("wait", MAIN, f1), ("record", l1, MAIN)]
+
+
+@pytest.mark.parametrize("after", [[1, 0], [0, 3], [-1], [1, 1]])
+def test_marks_out_of_order_or_outside_the_job_issue_nothing(after: list[int]) -> None:
+    """A mark that no slice reaches would leave its event unrecorded: nothing is issued."""
+    issuer, driver = _issuer()
+    events = np.arange(0x8000, 0x8000 + len(after), dtype=np.uint64)
+    assert not issuer.issue(True, False, 0, 40, SLICES, SRCS, DSTS, SIZES_,
+                            (np.array(after, dtype=np.int64), events))
+    assert driver.calls == []
+
+
+def test_a_store_takes_no_marks() -> None:
+    issuer, driver = _issuer()
+    marks = (np.array([2], dtype=np.int64), np.array([0x8000], dtype=np.uint64))
+    assert not issuer.issue(False, False, 0, 40, SLICES, SRCS, DSTS, SIZES_, marks)
+    assert driver.calls == []

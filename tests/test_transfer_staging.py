@@ -11,6 +11,8 @@ integrity setting and staging budget.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -18,11 +20,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offload import integrity
-from offload.transfer.layout import Job, check_job
+from offload.transfer.layout import Job, check_job, tensor_ranges
 from offload.transfer.staging import (
     ROW_ALIGN,
     StagePlan,
     job_slices,
+    layer_ends,
+    layer_plan,
     stage_plan,
     tensor_groups,
     whole_chunks,
@@ -33,9 +37,11 @@ PAGES = st.sampled_from([8, 60, 64, 256, 1000, 4096, 20_000])
 
 
 def _emulate(plan: StagePlan, layout: object, kv: list[np.ndarray], job: Job,
-             region: np.ndarray, load: bool, first_slot: int) -> None:
+             region: np.ndarray, load: bool, first_slot: int,
+             after_slice: Callable[[int], None] | None = None) -> None:
     """Run ``job`` as the staged path would: per slice, the GPU pass over its ring slot and
-    the DMAs `job_slices` lists (a load checks every page's sums before taking it)."""
+    the DMAs `job_slices` lists (a load checks every page's sums before taking it), then
+    ``after_slice(s)``."""
     from offload.transfer.layout import SlotLayout
 
     assert isinstance(layout, SlotLayout)
@@ -84,6 +90,8 @@ def _emulate(plan: StagePlan, layout: object, kv: list[np.ndarray], job: Job,
             for c in copies:
                 h, g, n = int(host[c]), int(parts.stage[c]), int(parts.size[c])
                 region[h:h + n] = ring[g:g + n]
+        if after_slice is not None:
+            after_slice(s)
 
 
 @settings(max_examples=60, deadline=None)
@@ -183,3 +191,72 @@ def test_a_slot_too_large_for_half_the_budget_says_why() -> None:
     layout = slot_layout([1 << 20], 16)
     reason = stage_plan(layout, 8 << 20)
     assert isinstance(reason, str) and "whole chunks run on the kernel" in reason
+
+
+@settings(max_examples=80, deadline=None)
+@given(pages=st.lists(PAGES, min_size=1, max_size=8), bpc=st.sampled_from([1, 2, 4, 5]),
+       checked=st.booleans(), budget_rows=st.sampled_from([0.6, 1.0, 2.5, 9.0]),
+       layers=st.integers(1, 8), seed=st.integers(0, 2**16))
+def test_a_layer_wise_load_brings_each_layer_group_back_by_its_last_slice(
+        pages: list[int], bpc: int, checked: bool, budget_rows: float, layers: int,
+        seed: int) -> None:
+    """Stored through the ring's own plan, loaded through its layer plan: every page comes
+    back, every staged row lies in one layer group and fits its ring slot, and once a layer
+    group's last slice ran (`layer_ends`) all its pages are back and no later group's are."""
+    layout = slot_layout(pages, bpc, integrity=checked)
+    slot = layout.tensor_offsets[-1] + bpc * pages[-1] + (
+        integrity.trailer_bytes(pages, bpc) + 8 if checked else 0)
+    plan = stage_plan(layout, max(2 * ROW_ALIGN, int(2 * budget_rows * slot)))
+    if isinstance(plan, str):
+        return
+    ranges = tensor_ranges(len(pages), min(layers, len(pages)))
+    layered = layer_plan(plan, layout, ranges)
+    cut = layered.plan
+    assert (cut.slots, cut.slice_bytes) == (plan.slots, plan.slice_bytes)
+    assert cut.rows_per_slice >= 1 and cut.rows_per_slice * cut.row_bytes <= cut.slice_bytes
+    assert [t for g in cut.groups for t in range(g.first, g.first + g.count)] == \
+        list(range(len(pages)))
+    for group, index in zip(cut.groups, layered.layer, strict=True):
+        first, count = ranges[index]
+        assert first <= group.first and group.first + group.count <= first + count
+    rng = np.random.default_rng(seed)
+    chunk_count, num_blocks = 7, 3 * bpc + 2
+    chunks = rng.permutation(chunk_count)[:3]
+    blocks = rng.permutation(num_blocks)[:3 * bpc]
+    host = (chunks[:, None] * bpc + np.arange(bpc)).ravel()
+    job = check_job(layout, blocks, host // bpc, host % bpc, num_blocks=num_blocks,
+                    chunk_count=chunk_count)
+    kv = [rng.integers(0, 256, (num_blocks, p), dtype=np.uint8) for p in pages]
+    region = rng.integers(0, 256, layout.region_bytes(chunk_count), dtype=np.uint8)
+    _emulate(plan, layout, kv, job, region, load=False, first_slot=seed % plan.slots)
+    loaded = [np.zeros_like(k) for k in kv]
+    ends = layer_ends(job_slices(cut, layout, 3), layered.layer, len(ranges))
+    assert ends == sorted(ends) and ends[-1] == len(job_slices(cut, layout, 3)) - 1
+
+    def check_layers(s: int) -> None:
+        for index, (first, count) in enumerate(ranges):
+            back = all(np.array_equal(loaded[t][blocks], kv[t][blocks])
+                       for t in range(first, first + count))
+            untouched = all(not loaded[t].any() or not kv[t][blocks].any()
+                            for t in range(first, first + count))
+            if ends[index] <= s:
+                assert back, f"layer group {index} incomplete after its last slice {s}"
+            elif index > 0 and ends[index - 1] >= s:
+                assert untouched, f"layer group {index} moved before group {index - 1} ended"
+
+    _emulate(cut, layout, loaded, job, region, load=True, first_slot=seed % plan.slots,
+             after_slice=check_layers)
+
+
+def test_layer_groups_of_one_staging_group_move_in_few_slices() -> None:
+    """160 tensors of 16 KiB pages, 16 blocks a chunk, 128 MiB of staging (the engine shape):
+    one staging group of 40 MiB rows; in 80 layer groups each row is 512 KiB, and a layer
+    group's 4 chunks move in one slice, not four."""
+    layout = slot_layout([16 << 10] * 160, 16)
+    plan = stage_plan(layout, 128 << 20)
+    assert not isinstance(plan, str) and len(plan.groups) == 1
+    layered = layer_plan(plan, layout, tensor_ranges(160, 80))
+    assert len(layered.plan.groups) == 80 and layered.layer == tuple(range(80))
+    parts = job_slices(layered.plan, layout, 4)
+    assert len(parts) == 80 and parts.entries == [4 * 16] * 80
+    assert layer_ends(parts, layered.layer, 80) == list(range(80))

@@ -77,10 +77,16 @@ class HybridEngine(StreamEngine):
 
     def _launch_layers(self, job: Job, ranges: list[tuple[int, int]], caller: int | None
                        ) -> tuple[object, list[torch.cuda.Event | None]]:
-        """A layer-wise load runs on the kernel, one launch per group (the staged path does
-        not stage group by group yet); with every page on the copy engines, as one job."""
+        """A layer-wise load of whole chunks takes the staged path group by group (the copy
+        engines move it, so the forward pass it overlaps keeps its SMs); any other on the
+        kernel, one launch per group; with every page on the copy engines, as one job."""
         if self.page_runs:
             return super()._launch_layers(job, ranges, caller)
+        chunks = (whole_chunks(job, self._layout.blocks_per_chunk)
+                  if self.staged is not None else None)
+        if chunks is not None:
+            self.routes["staged"] += 1
+            return self.staged.launch_layers(job, chunks, ranges, caller)  # type: ignore[union-attr]
         self.routes["kernel"] += 1
         return self.kernel.launch_layers(job, ranges, caller)
 

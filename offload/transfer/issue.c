@@ -144,20 +144,42 @@ static int64_t slice_value(const int64_t *slice, int cell, int64_t n) {
     }
 }
 
+/* The engine stream waits for every scatter of a load's slices ``from`` .. ``to`` (each
+ * ring slot's last use among them: a slot's scatters run in order on its own stream). */
+static int follow_scatters(struct offload_staged *c, int64_t first_slot, int64_t from,
+                           int64_t to) {
+    int64_t s;
+    for (s = to; s >= from && s > to - c->slots; s--) {
+        int rc = c->stream_wait_event(c->stream, c->free_slot[(first_slot + s) % c->slots], 0);
+        if (rc != 0)
+            return rc;
+    }
+    return 0;
+}
+
 /* Issues a whole-chunk job of ``slices`` slices (``slice``: SLICE_FIELDS values each) through
  * the ring from slot ``first_slot`` on: per slice one staged pass on the engine stream and one
  * batched copy of its rows on the DMA stream, ordered by the ring slot's two events
  * (offload/transfer/staged.py says how); a load first follows the engine stream where
- * ``after_engine`` is set.  ``srcs``, ``dsts`` and ``sizes`` are the job's copies.  Returns 0, the failing driver call's
- * CUresult (its step in failed_step), or -1 when a value does not fit the kernel's compiled
- * parameter types (nothing was issued). */
+ * ``after_engine`` is set.  ``srcs``, ``dsts`` and ``sizes`` are the job's copies.  A
+ * layer-wise load gives ``marks`` > 0: once slice ``mark_after[k]`` is issued, the engine
+ * stream follows every scatter since the previous mark and records ``mark_events[k]`` (a
+ * layer group is back once it fires).  Returns 0, the failing driver call's CUresult (its step
+ * in failed_step), or -1 when a value does not fit the kernel's compiled parameter types
+ * (nothing was issued). */
 int offload_issue_staged(struct offload_staged *c, int32_t load, int32_t after_engine,
                          int64_t first_slot, int64_t n, int64_t slices, const int64_t *slice,
-                         const uint64_t *srcs, const uint64_t *dsts, const uint64_t *sizes) {
+                         const uint64_t *srcs, const uint64_t *dsts, const uint64_t *sizes,
+                         int64_t marks, const int64_t *mark_after, void *const *mark_events) {
     int rc;
-    int64_t s;
+    int64_t s, mark = 0, marked = -1;
     int cell;
     c->failed_step = STAGED_NONE;
+    for (s = 0; s < marks; s++) /* in order, each a slice of this job: else no mark records */
+        if (!load || mark_after[s] >= slices || mark_after[s] <= (s ? mark_after[s - 1] : -1)) {
+            c->failed_step = STAGED_FITS;
+            return -1;
+        }
     for (s = 0; s < slices; s++) {
         const int64_t *f = slice + s * SLICE_FIELDS;
         int64_t items = f[1] * f[3] * c->pieces;
@@ -197,6 +219,12 @@ int offload_issue_staged(struct offload_staged *c, int32_t load, int32_t after_e
             CALL(STAGED_LAUNCH, c->launch_kernel(c->function, grid, 1, 1, c->threads, 1, 1,
                                                  c->shared_bytes, pass, c->params, NULL));
             CALL(STAGED_RECORD, c->event_record(c->free_slot[r], pass));
+            if (mark < marks && mark_after[mark] == s) {
+                CALL(STAGED_WAIT, follow_scatters(c, first_slot, marked + 1, s));
+                CALL(STAGED_RECORD, c->event_record(mark_events[mark], c->stream));
+                marked = s;
+                mark++;
+            }
         } else {
             if (s >= c->slots)
                 CALL(STAGED_WAIT, c->stream_wait_event(c->stream, c->free_slot[r], 0));
@@ -211,9 +239,7 @@ int offload_issue_staged(struct offload_staged *c, int32_t load, int32_t after_e
         }
     }
     if (load) /* the job's completion, recorded on the engine stream, follows every scatter */
-        for (s = slices - 1; s >= 0 && s >= slices - c->slots; s--)
-            CALL(STAGED_WAIT, c->stream_wait_event(
-                                  c->stream, c->free_slot[(first_slot + s) % c->slots], 0));
+        CALL(STAGED_WAIT, follow_scatters(c, first_slot, marked + 1, slices - 1));
     else if (slices > 0) /* ... and every copy of a store */
         CALL(STAGED_WAIT, c->stream_wait_event(
                               c->stream, c->free_slot[(first_slot + slices - 1) % c->slots], 0));

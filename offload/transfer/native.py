@@ -63,6 +63,7 @@ def library() -> ctypes.CDLL | None:
         lib.offload_issue_staged.argtypes = [ctypes.POINTER(StagedContext), ctypes.c_int32,
                                              ctypes.c_int32, ctypes.c_int64, ctypes.c_int64,
                                              ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                              ctypes.c_void_p, ctypes.c_void_p]
         lib.offload_issue_staged.restype = ctypes.c_int
     return lib
@@ -167,15 +168,21 @@ class StagedIssuer:
         self.kernel = kernel  # the bound pass whose cells the context points into
 
     def issue(self, load: bool, after_engine: bool, first_slot: int, n: int,
-              slices: np.ndarray, srcs: np.ndarray, dsts: np.ndarray, sizes: np.ndarray
-              ) -> bool:
+              slices: np.ndarray, srcs: np.ndarray, dsts: np.ndarray, sizes: np.ndarray,
+              marks: tuple[np.ndarray, np.ndarray] | None = None) -> bool:
         """Issue one job of ``n`` entries from ring slot ``first_slot`` on (``slices``: int64
         rows of `SLICE_FIELDS`; the copies as uint64 arrays; a load after the engine stream's
-        work so far where ``after_engine``); False (nothing issued) when a value overflows
-        the kernel's compiled integer types.  A failed driver call raises with its name."""
+        work so far where ``after_engine``; a layer-wise load's ``marks``: the int64 slices
+        after which the engine stream records the uint64 event handles beside them); False
+        (nothing issued) when a value overflows the kernel's compiled integer types or the
+        marks are not increasing slices of a load.  A failed driver call raises with its
+        name."""
+        after, events = marks if marks is not None else (None, None)
         result = self._issue(self._pointer, load, after_engine, first_slot, n, len(slices),
                              slices.ctypes.data, srcs.ctypes.data, dsts.ctypes.data,
-                             sizes.ctypes.data)
+                             sizes.ctypes.data, 0 if after is None else len(after),
+                             None if after is None else after.ctypes.data,
+                             None if events is None else events.ctypes.data)
         if result == -1:
             return False
         check(result, STAGED_STEPS[self.context.failed_step])

@@ -22,6 +22,10 @@ So a load's DMAs run ahead while earlier scatters wait for SMs behind a forward 
 copy engines stay busy, and no event is waited on the host: ``submit`` never blocks.  The
 whole issue is one native call (``offload_issue_staged`` in issue.c), or the same driver calls
 from Python before the staged passes are compiled and bound.
+
+A layer-wise load (`StagedCopier.launch_layers`) moves the job layer group by layer group
+(`offload.transfer.staging.layer_plan`); after a group's last slice the engine stream follows
+that group's scatters and records the group's event, which a forward pass waits on.
 """
 
 from __future__ import annotations
@@ -38,9 +42,18 @@ from offload.transfer.batch_copy import BatchCopier
 from offload.transfer.kernel import STAGED_CELLS, KernelCopier, StagingSlot
 from offload.transfer.layout import IndexArray, Job, SlotLayout
 from offload.transfer.native import SLICE_FIELDS, StagedIssuer, library, staged_entry_points
-from offload.transfer.staging import JobSlices, StagePlan, TensorGroup, job_slices
+from offload.transfer.staging import (
+    JobSlices,
+    LayerPlan,
+    StagePlan,
+    TensorGroup,
+    job_slices,
+    layer_ends,
+    layer_plan,
+)
 
-KEPT_SHAPES = 64  # job shapes (chunks, first ring slot) whose slices an engine keeps
+KEPT_SHAPES = 64  # job shapes (chunks, first ring slot, layer groups) whose slices are kept
+Ranges = tuple[tuple[int, int], ...]  # a layer-wise load's layer groups: (first tensor, count)
 
 
 class StagedCopier:
@@ -78,7 +91,8 @@ class StagedCopier:
         self._pass_streams = [torch.cuda.Stream(device, priority=priority)
                               for _ in range(plan.slots)]
         self._passes = [p.cuda_stream for p in self._pass_streams]
-        self._shapes: dict[tuple[int, int], _Slices] = {}
+        self._shapes: dict[tuple[int, int, Ranges], _Slices] = {}
+        self._layer_plans: dict[Ranges, LayerPlan] = {}
         self._next_slot = 0  # where the next job's first slice goes
         self._engine_wrote = True  # until a load followed it: see `engine_wrote`
         self._native: dict[bool, StagedIssuer | None] = {}  # by direction (load)
@@ -95,21 +109,46 @@ class StagedCopier:
         """Issue whole-chunk ``job`` (``chunks``: the chunk of each run of ``bpc`` entries),
         first ordered after the raw stream ``caller`` when given; returns what the job holds
         until it completes (its index slot, the DMA arrays)."""
+        return self._launch(direction, job, chunks, caller, (), [])
+
+    def launch_layers(self, job: Job, chunks: IndexArray, ranges: list[tuple[int, int]],
+                      caller: int | None
+                      ) -> tuple[tuple[StagingSlot, tuple[np.ndarray, ...]],
+                                 list[torch.cuda.Event | None]]:
+        """Load whole-chunk ``job`` layer group by layer group (``ranges``: first tensor and
+        count, in order); returns what the job holds and one event per group, recorded on
+        the engine stream once every page of the group is scattered."""
+        events = [torch.cuda.Event() for _ in ranges]
+        for event in events:  # created now, so their handles exist; recorded again in order
+            event.record(self._stream)
+        held = self._launch("load", job, chunks, caller, tuple(ranges), events)
+        return held, list(events)
+
+    def _launch(self, direction: Direction, job: Job, chunks: IndexArray, caller: int | None,
+                ranges: Ranges, events: list[torch.cuda.Event]
+                ) -> tuple[StagingSlot, tuple[np.ndarray, ...]]:
+        """Issue ``job`` through the ring's plan, or a layer-wise load's through its layer
+        plan with ``events`` (one per range) recorded as each layer group is back."""
         layout = self._layout
+        plan = self._layer_plan(ranges).plan if ranges else self.plan
         first = self._next_slot
-        parts = self._slices(int(chunks.size), first)
+        parts = self._slices(int(chunks.size), first, ranges)
         host = (parts.host_offsets(chunks, layout.row_stride) + self._region).astype(np.uint64)
         load = direction == "load"
         src, dst = (host, parts.stage) if load else (parts.stage, host)
         after_engine = load and self._engine_wrote
+        marks = None
+        if ranges:
+            marks = (parts.ends, np.array([e.cuda_event for e in events], dtype=np.uint64))
         slot = self._kernel.upload(direction, job, caller)
         try:
-            issuer = self._issuer(load)
+            issuer = self._issuer(load, plan)
             if issuer is not None and issuer.issue(load, after_engine, first, len(job),
-                                                   parts.table, src, dst, parts.size):
+                                                   parts.table, src, dst, parts.size, marks):
                 self.issued["native"] += 1
             else:
-                self._issue_here(load, after_engine, first, len(job), parts, src, dst)
+                self._issue_here(load, after_engine, first, len(job), parts, src, dst, plan,
+                                 events)
                 self.issued["python"] += 1
         except BaseException:
             self._fence(slot)
@@ -118,6 +157,13 @@ class StagedCopier:
             self._engine_wrote = False
         self._next_slot = (first + len(parts.first_entry)) % self.plan.slots
         return slot, (host, parts.stage, parts.size)  # the DMA arrays, kept to the end
+
+    def _layer_plan(self, ranges: Ranges) -> LayerPlan:
+        layered = self._layer_plans.get(ranges)
+        if layered is None:
+            layered = self._layer_plans[ranges] = layer_plan(self.plan, self._layout,
+                                                             list(ranges))
+        return layered
 
     def _fence(self, slot: StagingSlot) -> None:
         """A job failed part-way: whatever it issued must not outlive it.  The engine stream
@@ -137,10 +183,10 @@ class StagedCopier:
         self._engine_wrote = True
 
     def _issue_here(self, load: bool, after_engine: bool, first_slot: int, n: int,
-                    parts: _Slices, src: np.ndarray, dst: np.ndarray) -> None:
+                    parts: _Slices, src: np.ndarray, dst: np.ndarray, plan: StagePlan,
+                    events: list[torch.cuda.Event]) -> None:
         """What ``offload_issue_staged`` does, from Python: before the staged passes are
         compiled and bound, or without the native library."""
-        plan = self.plan
         main, dma = self._raw
         slots, bounds = plan.slots, parts.bounds
         starts, counts = parts.first_entry, parts.entries
@@ -152,6 +198,7 @@ class StagedCopier:
                 self._wait_on(dma, start)
             for s in range(min(len(groups), slots)):
                 self._wait_on(self._passes[(first_slot + s) % slots], start)
+        marked, after = -1, -1  # the last mark recorded, and the slice it followed
         for s, group in enumerate(groups):
             r = (first_slot + s) % slots
             staged, free = self._handles[r]
@@ -162,27 +209,42 @@ class StagedCopier:
                 self._batch.launch_part(src, dst, parts.size, first, count)
                 self._record_on(staged, dma)
                 self._wait_on(self._passes[r], staged)
-                self._rows(True, n, starts[s], counts[s], group, base, self._pass_streams[r])
+                self._rows(True, n, starts[s], counts[s], group, plan.row_bytes, base,
+                           self._pass_streams[r])
                 self._record_on(free, self._passes[r])
+                if marked + 1 < len(events) and parts.ends[marked + 1] == s:
+                    self._follow_scatters(first_slot, range(after + 1, s + 1))
+                    self._record_on(events[marked + 1].cuda_event, main)
+                    marked, after = marked + 1, s
             else:
                 if s >= slots:
                     self._wait_on(main, free)
-                self._rows(False, n, starts[s], counts[s], group, base, self._stream)
+                self._rows(False, n, starts[s], counts[s], group, plan.row_bytes, base,
+                           self._stream)
                 self._record_on(staged, main)
                 self._wait_on(dma, staged)
                 self._batch.launch_part(src, dst, parts.size, first, count)
                 self._record_on(free, dma)
         # the job's completion event, recorded on the engine stream, follows every scatter of
-        # a load and every copy of a store
-        last = range(max(0, len(groups) - slots), len(groups)) if load else [len(groups) - 1]
-        for s in last:
-            self._wait_on(main, self._handles[(first_slot + s) % slots][1])
+        # a load (those before the last mark already) and every copy of a store
+        if load:
+            self._follow_scatters(first_slot, range(after + 1, len(groups)))
+        elif groups:
+            self._wait_on(main, self._handles[(first_slot + len(groups) - 1) % slots][1])
 
-    def _issuer(self, load: bool) -> StagedIssuer | None:
-        """The native staged issue of one direction over its pass as bound now; None before
-        the pass is bound, while a profiler watches Triton's launches, or without the native
-        library.  Made again if the pass was bound again (the issuer holds its cells)."""
-        kernel = self._kernel.staged_kernel(load, self.plan.row_bytes)
+    def _follow_scatters(self, first_slot: int, slices: range) -> None:
+        """The engine stream waits for every scatter of a load's ``slices``: each ring
+        slot's last use among them (a slot's scatters run in order on its own stream)."""
+        slots = self.plan.slots
+        for s in reversed(slices[-slots:]):
+            self._wait_on(self._raw[0], self._handles[(first_slot + s) % slots][1])
+
+    def _issuer(self, load: bool, plan: StagePlan) -> StagedIssuer | None:
+        """The native staged issue of one direction over its pass as bound now, its row
+        stride set for ``plan``; None before the pass is bound, while a profiler watches
+        Triton's launches, or without the native library.  Made again if the pass was bound
+        again (the issuer holds its cells)."""
+        kernel = self._kernel.staged_kernel(load, plan.row_bytes)
         if kernel is None:
             return None  # not compiled yet (its first job compiles it), or a profiler watches
         cached = self._native.get(load)
@@ -199,34 +261,40 @@ class StagedCopier:
         self._native[load] = issuer
         return issuer
 
-    def _slices(self, count: int, first_slot: int) -> _Slices:
-        """The slices of a job of ``count`` chunks from ring slot ``first_slot`` on, with
-        absolute staging addresses, kept per shape (the most recent `KEPT_SHAPES`): the same
-        for every such job."""
-        key = (count, first_slot)
+    def _slices(self, count: int, first_slot: int, ranges: Ranges) -> _Slices:
+        """The slices of a job of ``count`` chunks from ring slot ``first_slot`` on (a
+        layer-wise load's in layer groups ``ranges``), with absolute staging addresses, kept
+        per shape (the most recent `KEPT_SHAPES`): the same for every such job."""
+        key = (count, first_slot, ranges)
         parts = self._shapes.pop(key, None)
         if parts is None:
-            parts = _Slices(job_slices(self.plan, self._layout, count, first_slot), self.plan,
-                            first_slot, self._base)
+            layered = self._layer_plan(ranges) if ranges else None
+            plan = layered.plan if layered is not None else self.plan
+            parts = _Slices(job_slices(plan, self._layout, count, first_slot), plan,
+                            first_slot, self._base, layered)
             if len(self._shapes) >= KEPT_SHAPES:
                 del self._shapes[next(iter(self._shapes))]
         self._shapes[key] = parts  # newest last
         return parts
 
     def _rows(self, load: bool, n: int, first: int, count: int, group: TensorGroup,
-              base: int, stream: torch.cuda.Stream) -> None:
-        self._kernel.launch_rows(load, n, first, count, group.first, group.count,
-                                 self.plan.row_bytes, base, base + group.stage_trailer, stream)
+              row_bytes: int, base: int, stream: torch.cuda.Stream) -> None:
+        self._kernel.launch_rows(load, n, first, count, group.first, group.count, row_bytes,
+                                 base, base + group.stage_trailer, stream)
 
 
 class _Slices:
     """`JobSlices` as the driver and ``offload_issue_staged`` take them: staging addresses and
     sizes as uint64 (a job adds its host addresses), and one int64 row of `SLICE_FIELDS` per
     slice -- first entry, entries, first tensor, tensors, its ring slot's staging address and
-    that of its sums, first copy, copies."""
+    that of its sums, first copy, copies; a layer-wise load's ``ends`` (int64: the last slice
+    of each layer group, `layer_ends`)."""
 
-    def __init__(self, parts: JobSlices, plan: StagePlan, first_slot: int, ring: int) -> None:
+    def __init__(self, parts: JobSlices, plan: StagePlan, first_slot: int, ring: int,
+                 layered: LayerPlan | None = None) -> None:
         self.first_entry, self.entries = parts.first_entry, parts.entries
+        self.ends = np.array([] if layered is None else layer_ends(
+            parts, layered.layer, layered.layer[-1] + 1), dtype=np.int64)
         self.group, self.bounds = parts.group, parts.bounds
         self.stage = (parts.stage + ring).astype(np.uint64)
         self.size = parts.size.astype(np.uint64)

@@ -12,6 +12,8 @@ Staging is bounded (``staging_bytes``, default 128 MiB) whatever the job size: a
 gather of one slice overlaps the DMA of the one before.  A slot image too
 large for half the ring is cut into *tensor groups* (consecutive tensors, whose pages and sums
 are each contiguous in the slot, tensor-major): a staged row then holds one (chunk, group).
+A layer-wise load (`layer_plan`) cuts those groups again at its layer groups' bounds and moves
+them layer group by layer group, so the first layers' pages are back before the last ones'.
 
 Pure numpy, no torch and no CUDA (`offload.transfer.staged` executes what this module says), so
 the rules are tested exhaustively on any host.
@@ -65,21 +67,29 @@ class TensorGroup:
 
 @dataclass(frozen=True)
 class StagePlan:
-    """The ring: ``slots`` slices of ``rows_per_slice`` rows of ``row_bytes``; each staged row
-    holds one chunk of one group of ``groups``."""
+    """The ring: ``slots`` slices of ``slice_bytes``, each holding up to ``rows_per_slice``
+    staged rows of ``row_bytes``; each staged row holds one chunk of one group of ``groups``.
+    Every plan over one ring (a layer plan included) has the ring's ``slots`` and
+    ``slice_bytes``: its slot ``r`` starts at byte ``r * slice_bytes``."""
 
     groups: tuple[TensorGroup, ...]
     row_bytes: int
     rows_per_slice: int
     slots: int
-
-    @property
-    def slice_bytes(self) -> int:
-        return self.rows_per_slice * self.row_bytes
+    slice_bytes: int
 
     @property
     def ring_bytes(self) -> int:
         return self.slots * self.slice_bytes
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """A layer-wise load's plan over a ring: ``plan``'s groups each lie in one layer group,
+    ``layer[g]`` being that of group ``g`` (non-decreasing: groups are in tensor order)."""
+
+    plan: StagePlan
+    layer: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -116,7 +126,6 @@ def tensor_groups(layout: SlotLayout, limit: int) -> tuple[TensorGroup, ...] | N
     ends = [o + bpc * p for o, p in zip(layout.tensor_offsets, pages, strict=True)]
     if any(layout.tensor_offsets[t + 1] != ends[t] for t in range(len(pages) - 1)):
         return None
-    sums = [int(o) for o in layout.trailer_offsets()] if layout.integrity else None
     words = [integrity.WORD * bpc * u for u in layout.units] if layout.integrity else None
     groups: list[TensorGroup] = []
     first = 0
@@ -126,13 +135,23 @@ def tensor_groups(layout: SlotLayout, limit: int) -> tuple[TensorGroup, ...] | N
             last += 1
         if _row(layout, first, last, words) > limit:
             return None
-        pages_bytes = ends[last] - layout.tensor_offsets[first]
-        groups.append(TensorGroup(
-            first, last - first + 1, layout.slot_offset + layout.tensor_offsets[first],
-            pages_bytes, sums[first] if sums is not None else None,
-            sum(words[first:last + 1]) if words is not None else 0))
+        groups.append(_group(layout, first, last - first + 1))
         first = last + 1
     return tuple(groups)
+
+
+def _group(layout: SlotLayout, first: int, count: int) -> TensorGroup:
+    """Tensors ``first`` .. ``first + count - 1`` of a slot whose pages are back to back in
+    tensor order, as one group."""
+    last = first + count - 1
+    pages_bytes = (layout.tensor_offsets[last] + layout.blocks_per_chunk * layout.page_bytes[last]
+                   - layout.tensor_offsets[first])
+    if not layout.integrity:
+        return TensorGroup(first, count, layout.slot_offset + layout.tensor_offsets[first],
+                           pages_bytes, None, 0)
+    words = integrity.WORD * layout.blocks_per_chunk * sum(layout.units[first:last + 1])
+    return TensorGroup(first, count, layout.slot_offset + layout.tensor_offsets[first],
+                       pages_bytes, int(layout.trailer_offsets()[first]), words)
 
 
 def _row(layout: SlotLayout, first: int, last: int, words: list[int] | None) -> int:
@@ -158,7 +177,37 @@ def stage_plan(layout: SlotLayout, staging_bytes: int = DEFAULT_STAGING_BYTES
                 f"give staging_bytes below {2 * MAX_ROW_BYTES} B")
     slots = min(MAX_SLOTS, staging_bytes // row_bytes)
     rows = staging_bytes // (slots * row_bytes) if len(groups) == 1 else 1
-    return StagePlan(groups, row_bytes, rows, slots)
+    return StagePlan(groups, row_bytes, rows, slots, rows * row_bytes)
+
+
+def layer_plan(plan: StagePlan, layout: SlotLayout, ranges: list[tuple[int, int]]
+               ) -> LayerPlan:
+    """``plan``'s ring for a load in layer groups ``ranges`` (first tensor, count; in order,
+    covering every tensor): each of ``plan``'s groups cut where a layer group ends, so a
+    staged row never holds two layer groups, and as many rows to a slice as the ring's slices
+    hold (a layer group's chunks move in as few slices as fit)."""
+    groups: list[TensorGroup] = []
+    layer: list[int] = []
+    for index, (first, count) in enumerate(ranges):
+        for group in plan.groups:
+            lo, hi = max(first, group.first), min(first + count, group.first + group.count)
+            if lo < hi:
+                groups.append(_group(layout, lo, hi - lo))
+                layer.append(index)
+    row_bytes = max(round_up(g.row_bytes, ROW_ALIGN) for g in groups)  # <= plan.row_bytes
+    rows = plan.slice_bytes // row_bytes
+    return LayerPlan(StagePlan(tuple(groups), row_bytes, rows, plan.slots, plan.slice_bytes),
+                     tuple(layer))
+
+
+def layer_ends(parts: JobSlices, layer: tuple[int, ...], layers: int) -> list[int]:
+    """The last slice of each of ``layers`` layer groups in a job cut by a `LayerPlan`
+    (``layer``: its groups' layer groups): once that slice's pages are scattered, the layer
+    group's are all back."""
+    ends = [-1] * layers
+    for s, group in enumerate(parts.group):
+        ends[layer[group]] = s
+    return ends
 
 
 def whole_chunks(job: Job, bpc: int) -> IndexArray | None:
@@ -177,30 +226,21 @@ def whole_chunks(job: Job, bpc: int) -> IndexArray | None:
 
 def job_slices(plan: StagePlan, layout: SlotLayout, count: int, first_slot: int = 0
                ) -> JobSlices:
-    """Cut a whole-chunk job of ``count`` chunks into slices and their DMAs.  One group:
-    ``rows_per_slice`` chunks a slice; several: one (chunk, group) a slice, chunk by chunk,
-    groups in order.  Slice ``s`` uses ring slot ``(first_slot + s) % slots`` (jobs take
-    the slots in turn, so a job's first slice need not wait for the last job's)."""
-    bpc, groups = layout.blocks_per_chunk, plan.groups
+    """Cut a whole-chunk job of ``count`` chunks into slices and their DMAs: group by group,
+    in order, each group's chunks ``rows_per_slice`` to a slice (one row per chunk).  Slice
+    ``s`` uses ring slot ``(first_slot + s) % slots`` (jobs take the slots in turn, so a job's
+    first slice need not wait for the last job's)."""
+    bpc, groups, per = layout.blocks_per_chunk, plan.groups, plan.rows_per_slice
     g = len(groups)
-    if g == 1:
-        per = plan.rows_per_slice
-        unit_chunk = np.arange(count)  # one row per chunk
-        unit_group = np.zeros(count, dtype=np.int64)
-        unit_slice = unit_chunk // per
-        unit_row = unit_chunk % per
-        slices = -(-count // per)
-        first_entry = np.arange(slices) * per * bpc
-        entries = np.minimum(per, count - np.arange(slices) * per) * bpc
-        slice_group = np.zeros(slices, dtype=np.int64)
-    else:
-        unit_chunk = np.repeat(np.arange(count), g)
-        unit_group = np.tile(np.arange(g), count)
-        unit_slice = np.arange(count * g)
-        unit_row = np.zeros(count * g, dtype=np.int64)
-        first_entry = unit_chunk * bpc
-        entries = np.full(count * g, bpc)
-        slice_group = unit_group
+    group_slices = -(-count // per)
+    unit_group = np.repeat(np.arange(g), count)  # one unit per (group, chunk), group-major
+    unit_chunk = np.tile(np.arange(count), g)
+    unit_slice = unit_group * group_slices + unit_chunk // per
+    unit_row = unit_chunk % per
+    run = np.arange(group_slices)  # a group's slices
+    first_entry = np.tile(run * per * bpc, g)
+    entries = np.tile(np.minimum(per, count - run * per) * bpc, g)
+    slice_group = np.repeat(np.arange(g), group_slices)
     start = ((unit_slice + first_slot) % plan.slots) * plan.slice_bytes + unit_row * plan.row_bytes
 
     def per_group(field: str) -> IndexArray:

@@ -702,8 +702,8 @@ def test_a_layer_wise_load_gives_each_group_its_event(backend: str) -> None:
         assert engine.wait_all() == [2] and engine.job_error(2) is None
         for t, got in enumerate(seen):
             assert torch.equal(got, original[t][index]), f"tensor {t}"
-        if backend == "hybrid":
-            assert engine.routes["kernel"] >= 1
+        if backend == "hybrid":  # scattered pages: the kernel, group by group
+            assert engine.routes["kernel"] >= 1 and engine.routes["staged"] == 0
         if engine.integrity:
             chunk, position = int(job[1][0]), int(job[2][0])
             start = (chunk * layout.row_stride + layout.slot_offset + layout.tensor_offsets[4]
@@ -714,6 +714,58 @@ def test_a_layer_wise_load_gives_each_group_its_event(backend: str) -> None:
             assert engine.job_error(3) == (f"integrity: tensor 4 chunk {chunk} position "
                                            f"{position} does not match what was stored")
             region[start + 10] ^= 0x01
+        round_trip(engine, kv, region, layout, job)
+
+
+@needs_triton
+@needs_batch
+@needs_native
+@pytest.mark.parametrize("staging", [128 * MiB, 2 * 3 * 4 * 64 * KiB + 8 * KiB])
+def test_a_staged_layer_wise_load_gives_each_group_its_event_once_it_is_back(staging: int
+                                                                            ) -> None:
+    """Whole chunks load layer-wise through the staging ring (the copy engines, not the
+    kernel), once from Python and once natively.  The DMA stream is held back by a sleep, so
+    a group's event that did not follow its own scatters fires before its pages are back: a
+    compute stream that waits for group g's event and reads its blocks would then see zeros.
+    The small ring cuts its tensor groups (3 tensors) across the layer groups (2).  A flipped
+    byte in group 2 names its tensor."""
+    kv = kv_set(64, [64 * KiB] * 6, "cuda")
+    with cuda_engine("hybrid", kv, 16, staging_bytes=staging) as (engine, kv, region):
+        staged, layout = engine.staged, engine.layout
+        assert staged is not None and len(staged.plan.groups) == (1 if staging > MiB else 2)
+        job = _whole_chunks(np.random.default_rng(3), [9, 2, 14, 5, 0], 64, 4)
+        engine.submit(1, "store", *job)
+        engine.wait_all()
+        original = [t.view(torch.uint8).clone() for t in kv]
+        index = torch.from_numpy(np.asarray(job[0])).cuda()
+        for job_id in (2, 3):  # the load pass is compiled by the first: the Python issue
+            for t in kv:
+                t.zero_()
+            with torch.cuda.stream(staged.dma_stream):
+                torch.cuda._sleep(SLEEP_CYCLES // 4)
+            events = engine.load_layers(job_id, *job, groups=3)
+            compute = torch.cuda.Stream()
+            seen = []
+            with torch.cuda.stream(compute):
+                for group, event in enumerate(events):
+                    compute.wait_event(event)
+                    seen += [kv[t].view(torch.uint8)[index].clone() for t in (2 * group,
+                                                                               2 * group + 1)]
+            compute.synchronize()
+            assert engine.wait_all() == [job_id] and engine.job_error(job_id) is None
+            for t, got in enumerate(seen):
+                assert torch.equal(got, original[t][index]), f"job {job_id} tensor {t}"
+        assert engine.routes["staged"] == 3 and engine.routes["kernel"] == 0
+        assert staged.issued == {"python": 2, "native": 1}
+        chunk, position = int(job[1][0]), int(job[2][0])
+        start = (chunk * layout.row_stride + layout.slot_offset + layout.tensor_offsets[4]
+                 + position * 64 * KiB)
+        region[start + 10] ^= 0x01
+        engine.load_layers(4, *job, groups=3)
+        assert engine.wait_all() == [4]
+        assert engine.job_error(4) == (f"integrity: tensor 4 chunk {chunk} position "
+                                       f"{position} does not match what was stored")
+        region[start + 10] ^= 0x01
         round_trip(engine, kv, region, layout, job)
 
 
