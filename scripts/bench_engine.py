@@ -12,7 +12,9 @@ thousand blocks.  For each backend and job size (``--blocks``), both directions,
 * link      one pinned buffer of ``--link-bytes`` copied in one piece, same run: the ratio's base.
 
 Every backend's last job of each size is verified byte for byte (stored blocks loaded back into
-other blocks).  ``--matmul`` runs a bf16 matmul loop (the stand-in forward pass) while jobs of
+other blocks).  ``--layer-groups G`` submits every load layer-wise (``load_layers``: ``G``
+groups of consecutive tensors, one event each), to compare with the same loads whole.
+``--matmul`` runs a bf16 matmul loop (the stand-in forward pass) while jobs of
 each size copy without a pause and prints the fraction of its speed alone it kept
 (``mm_kept``) and the copies' rate meanwhile (``during``, x link);  ``path`` says which path
 of the engine ran (hybrid: ``staged``, ``kernel`` or ``copy_engine``);
@@ -187,7 +189,7 @@ class Rank:
         for i, job in enumerate(jobs):
             self.sync()
             t0 = time.perf_counter()
-            engine.submit(i, direction, *job)
+            self.submit(engine, i, direction, job)
             t1 = time.perf_counter()
             engine.wait_all()
             t2 = time.perf_counter()
@@ -202,6 +204,14 @@ class Rank:
                 "b2b_us": self.back_to_back_submit(engine, jobs, direction) * 1e6,
                 "wall_us": wall * 1e6}
 
+    def submit(self, engine: Any, job_id: int, direction: str, job: Any,
+               after: Any = None) -> None:
+        """One timed job: a load layer-wise with ``--layer-groups``, else whole."""
+        if direction == "load" and self.args.layer_groups:
+            engine.load_layers(job_id, *job, groups=self.args.layer_groups, after=after)
+        else:
+            engine.submit(job_id, direction, *job, after=after)
+
     def back_to_back_submit(self, engine: Any, jobs: list[Any], direction: str) -> float:
         """Median host time in ``submit`` of jobs issued back to back, each while the one
         before copies: an engine's steady state, where the host never waited for a copy
@@ -212,7 +222,7 @@ class Rank:
         hosts = []
         for i, job in enumerate(jobs):
             t0 = time.perf_counter()
-            engine.submit(i, direction, *job)
+            self.submit(engine, i, direction, job)
             hosts.append(time.perf_counter() - t0)
         engine.wait_all()
         return statistics.median(hosts[1:])
@@ -266,6 +276,7 @@ class Rank:
                 for n in a.blocks:
                     for direction in ("store", "load"):
                         row = {"backend": label, "engine": engine.name, "blocks": n,
+                               "layer_groups": a.layer_groups if direction == "load" else 0,
                                "integrity": "on" if integrity else "off",
                                "direction": direction, "bytes": n * self.job_bytes,
                                **self.measure(engine, n, direction)}
@@ -302,7 +313,8 @@ class Rank:
         t0, submitted, finished, last = time.perf_counter(), 0, 0, 0.0
         while not end.query():
             if submitted - finished < 2:
-                engine.submit(submitted, direction, *jobs[submitted % len(jobs)], after=free)
+                self.submit(engine, submitted, direction, jobs[submitted % len(jobs)],
+                            after=free)
                 submitted += 1
             done = len(engine.poll())
             if done:
@@ -357,7 +369,8 @@ def rank_result(rank: int, args: argparse.Namespace, barrier: Any) -> dict[str, 
 
 def print_table(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
     print(f"{2 * args.layers} tensors x {format_size(args.page_bytes)} pages, layout "
-          f"{args.layout}, pattern {args.pattern}, {args.bpc} blocks per chunk")
+          f"{args.layout}, pattern {args.pattern}, {args.bpc} blocks per chunk"
+          + (f", loads in {args.layer_groups} layer groups" if args.layer_groups else ""))
     print(f"{'rank':>4} {'backend':>12} {'path':>11} {'integ':>5} {'blocks':>6} {'bytes':>9} "
           f"{'dir':>5} {'GB/s':>6} {'ratio':>5} {'sub_us':>7} {'b2b_us':>7} {'wall_us':>8} "
           f"{'mm_TF':>5} {'mm_kept':>7} {'during':>6} ok")
@@ -417,6 +430,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--link-bytes", default="1GiB")
     p.add_argument("--ranks", type=int, default=1)
     p.add_argument("--matmul", action="store_true")
+    p.add_argument("--layer-groups", type=int, default=0, metavar="G",
+                   help="submit every timed load layer-wise in G groups (0: whole)")
     p.add_argument("--contention", action="store_true")
     p.add_argument("--sweep-programs", default="",
                    help="kernel settings to try, comma-separated "
