@@ -232,6 +232,7 @@ def test_a_layer_wise_load_brings_each_layer_group_back_by_its_last_slice(
     loaded = [np.zeros_like(k) for k in kv]
     ends = layer_ends(job_slices(cut, layout, 3), layered.layer, len(ranges))
     assert ends == sorted(ends) and ends[-1] == len(job_slices(cut, layout, 3)) - 1
+    assert job_slices(cut, layout, 3).size.size == 3 * layered.copies_per_chunk
 
     def check_layers(s: int) -> None:
         for index, (first, count) in enumerate(ranges):

@@ -39,6 +39,12 @@ from offload.transfer.staging import stage_plan, whole_chunks
 log = logging.getLogger(__name__)
 
 COPY_ENGINE_MIN_RUN = 512 << 10
+# A layer-wise load through the staging ring issues one DMA per (chunk, layer group), two with
+# checksums apart from the pages, and the driver spends ~1 us of host time on each: at 80
+# groups, 1,280 DMAs cost `submit` 2.0 ms (the kernel's 80 launches 2.1 ms), 10,240 cost 12 ms
+# and blocked the next `submit` for the whole copy (docs/BENCHMARKS.md, "Layer-wise loads
+# through the staging ring").  Past this many, the load runs on the kernel, group by group.
+MAX_LAYER_COPIES = 1536
 
 
 class HybridEngine(StreamEngine):
@@ -66,6 +72,7 @@ class HybridEngine(StreamEngine):
                 self.staged = StagedCopier(self.kernel, plan, layout, self._region.data_ptr(),
                                            self._stream, priority)
         self.routes = {"kernel": 0, "staged": 0, "copy_engine": 0}
+        self.max_layer_copies = MAX_LAYER_COPIES
         if not self.page_runs:  # every job's indices go to the kernel
             self._pack_target = self.kernel.staging
 
@@ -78,13 +85,15 @@ class HybridEngine(StreamEngine):
     def _launch_layers(self, job: Job, ranges: list[tuple[int, int]], caller: int | None
                        ) -> tuple[object, list[torch.cuda.Event | None]]:
         """A layer-wise load of whole chunks takes the staged path group by group (the copy
-        engines move it, so the forward pass it overlaps keeps its SMs); any other on the
-        kernel, one launch per group; with every page on the copy engines, as one job."""
+        engines move it, so the forward pass it overlaps keeps its SMs) up to
+        `MAX_LAYER_COPIES` DMAs; any other on the kernel, one launch per group; with every
+        page on the copy engines, as one job."""
         if self.page_runs:
             return super()._launch_layers(job, ranges, caller)
         chunks = (whole_chunks(job, self._layout.blocks_per_chunk)
                   if self.staged is not None else None)
-        if chunks is not None:
+        if chunks is not None and self.staged.layer_copies(  # type: ignore[union-attr]
+                int(chunks.size), ranges) <= self.max_layer_copies:
             self.routes["staged"] += 1
             return self.staged.launch_layers(job, chunks, ranges, caller)  # type: ignore[union-attr]
         self.routes["kernel"] += 1

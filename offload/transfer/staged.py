@@ -158,6 +158,10 @@ class StagedCopier:
         self._next_slot = (first + len(parts.first_entry)) % self.plan.slots
         return slot, (host, parts.stage, parts.size)  # the DMA arrays, kept to the end
 
+    def layer_copies(self, chunks: int, ranges: list[tuple[int, int]]) -> int:
+        """DMAs a layer-wise load of ``chunks`` whole chunks in ``ranges`` would issue."""
+        return chunks * self._layer_plan(tuple(ranges)).copies_per_chunk
+
     def _layer_plan(self, ranges: Ranges) -> LayerPlan:
         layered = self._layer_plans.get(ranges)
         if layered is None:

@@ -91,6 +91,11 @@ class LayerPlan:
     plan: StagePlan
     layer: tuple[int, ...]
 
+    @property
+    def copies_per_chunk(self) -> int:
+        """DMAs a chunk takes: one per group, two where its pages and sums are apart."""
+        return sum(1 if g.one_copy else 2 for g in self.plan.groups)
+
 
 @dataclass(frozen=True)
 class JobSlices:
