@@ -27,6 +27,8 @@ from offload.transfer.staging import (
     job_slices,
     layer_ends,
     layer_plan,
+    layer_runs,
+    merged_ranges,
     stage_plan,
     tensor_groups,
     whole_chunks,
@@ -232,7 +234,7 @@ def test_a_layer_wise_load_brings_each_layer_group_back_by_its_last_slice(
     loaded = [np.zeros_like(k) for k in kv]
     ends = layer_ends(job_slices(cut, layout, 3), layered.layer, len(ranges))
     assert ends == sorted(ends) and ends[-1] == len(job_slices(cut, layout, 3)) - 1
-    assert job_slices(cut, layout, 3).size.size == 3 * layered.copies_per_chunk
+    assert job_slices(cut, layout, 3).size.size <= 3 * len(cut.groups) * (2 if checked else 1)
 
     def check_layers(s: int) -> None:
         for index, (first, count) in enumerate(ranges):
@@ -261,3 +263,47 @@ def test_layer_groups_of_one_staging_group_move_in_few_slices() -> None:
     parts = job_slices(layered.plan, layout, 4)
     assert len(parts) == 80 and parts.entries == [4 * 16] * 80
     assert layer_ends(parts, layered.layer, 80) == list(range(80))
+
+
+@settings(max_examples=200, deadline=None)
+@given(tensors=st.integers(1, 40), groups=st.integers(1, 40), runs=st.integers(1, 40))
+def test_merged_ranges_join_consecutive_groups_in_order(tensors: int, groups: int,
+                                                        runs: int) -> None:
+    ranges = tensor_ranges(tensors, min(groups, tensors))
+    merged = merged_ranges(ranges, runs)
+    assert len(merged) == -(-len(ranges) // runs)
+    for index, (first, count) in enumerate(merged):
+        joined = ranges[index * runs:(index + 1) * runs]
+        assert (first, count) == (joined[0][0], sum(c for _, c in joined))
+
+
+@settings(max_examples=100, deadline=None)
+@given(pages=st.lists(PAGES, min_size=1, max_size=10), checked=st.booleans(),
+       budget_rows=st.sampled_from([0.6, 1.0, 2.5]), groups=st.integers(1, 10),
+       chunks=st.integers(1, 9), max_copies=st.integers(1, 200))
+def test_layer_runs_are_the_fewest_joins_within_the_bound(
+        pages: list[int], checked: bool, budget_rows: float, groups: int, chunks: int,
+        max_copies: int) -> None:
+    """The DMAs `job_slices` issues for the joined groups stay within the bound (unless
+    every group is joined: a whole load's DMAs), and one join fewer would pass it."""
+    layout = slot_layout(pages, 4, integrity=checked)
+    slot = layout.tensor_offsets[-1] + 4 * pages[-1] + (
+        integrity.trailer_bytes(pages, 4) + 8 if checked else 0)
+    plan = stage_plan(layout, max(2 * ROW_ALIGN, int(2 * budget_rows * slot)))
+    if isinstance(plan, str):
+        return
+    ranges = tensor_ranges(len(pages), min(groups, len(pages)))
+    runs = layer_runs(plan, ranges, chunks, checked, max_copies)
+
+    def copies(k: int) -> tuple[int, int]:
+        """DMAs of ``k`` groups joined, and the bound's count (two per cut group with
+        checksums, where one whose sums follow its pages takes one)."""
+        cut = layer_plan(plan, layout, merged_ranges(ranges, k)).plan
+        return (int(job_slices(cut, layout, chunks).size.size),
+                chunks * len(cut.groups) * (2 if checked else 1))
+
+    if runs < len(ranges):
+        issued, bound = copies(runs)
+        assert issued <= bound <= max_copies
+    if runs > 1:
+        assert copies(runs - 1)[1] > max_copies

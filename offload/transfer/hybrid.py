@@ -34,7 +34,7 @@ from offload.transfer.cuda import StreamEngine
 from offload.transfer.kernel import NUM_WARPS, kernel_copier
 from offload.transfer.layout import Job, SlotLayout
 from offload.transfer.staged import StagedCopier
-from offload.transfer.staging import stage_plan, whole_chunks
+from offload.transfer.staging import merged_ranges, stage_plan, whole_chunks
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ COPY_ENGINE_MIN_RUN = 512 << 10
 # checksums apart from the pages, and the driver spends ~1 us of host time on each: at 80
 # groups, 1,280 DMAs cost `submit` 2.0 ms (the kernel's 80 launches 2.1 ms), 10,240 cost 12 ms
 # and blocked the next `submit` for the whole copy (docs/BENCHMARKS.md, "Layer-wise loads
-# through the staging ring").  Past this many, the load runs on the kernel, group by group.
+# through the staging ring").  Past this many, consecutive layer groups move together.
 MAX_LAYER_COPIES = 1536
 
 
@@ -85,17 +85,20 @@ class HybridEngine(StreamEngine):
     def _launch_layers(self, job: Job, ranges: list[tuple[int, int]], caller: int | None
                        ) -> tuple[object, list[torch.cuda.Event | None]]:
         """A layer-wise load of whole chunks takes the staged path group by group (the copy
-        engines move it, so the forward pass it overlaps keeps its SMs) up to
-        `MAX_LAYER_COPIES` DMAs; any other on the kernel, one launch per group; with every
-        page on the copy engines, as one job."""
+        engines move it, so the forward pass it overlaps keeps its SMs), joining as few
+        consecutive groups as keep it within `MAX_LAYER_COPIES` DMAs (the groups joined share
+        one event); any other on the kernel, one launch per group; with every page on the copy
+        engines, as one job."""
         if self.page_runs:
             return super()._launch_layers(job, ranges, caller)
-        chunks = (whole_chunks(job, self._layout.blocks_per_chunk)
-                  if self.staged is not None else None)
-        if chunks is not None and self.staged.layer_copies(  # type: ignore[union-attr]
-                int(chunks.size), ranges) <= self.max_layer_copies:
+        staged = self.staged
+        chunks = whole_chunks(job, self._layout.blocks_per_chunk) if staged is not None else None
+        if staged is not None and chunks is not None:
             self.routes["staged"] += 1
-            return self.staged.launch_layers(job, chunks, ranges, caller)  # type: ignore[union-attr]
+            runs = staged.layer_runs(int(chunks.size), ranges, self.max_layer_copies)
+            held, events = staged.launch_layers(job, chunks, merged_ranges(ranges, runs),
+                                                caller)
+            return held, [events[g // runs] for g in range(len(ranges))]
         self.routes["kernel"] += 1
         return self.kernel.launch_layers(job, ranges, caller)
 

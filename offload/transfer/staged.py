@@ -50,6 +50,7 @@ from offload.transfer.staging import (
     job_slices,
     layer_ends,
     layer_plan,
+    layer_runs,
 )
 
 KEPT_SHAPES = 64  # job shapes (chunks, first ring slot, layer groups) whose slices are kept
@@ -93,6 +94,7 @@ class StagedCopier:
         self._passes = [p.cuda_stream for p in self._pass_streams]
         self._shapes: dict[tuple[int, int, Ranges], _Slices] = {}
         self._layer_plans: dict[Ranges, LayerPlan] = {}
+        self._runs: dict[tuple[int, Ranges, int], int] = {}
         self._next_slot = 0  # where the next job's first slice goes
         self._engine_wrote = True  # until a load followed it: see `engine_wrote`
         self._native: dict[bool, StagedIssuer | None] = {}  # by direction (load)
@@ -158,9 +160,16 @@ class StagedCopier:
         self._next_slot = (first + len(parts.first_entry)) % self.plan.slots
         return slot, (host, parts.stage, parts.size)  # the DMA arrays, kept to the end
 
-    def layer_copies(self, chunks: int, ranges: list[tuple[int, int]]) -> int:
-        """DMAs a layer-wise load of ``chunks`` whole chunks in ``ranges`` would issue."""
-        return chunks * self._layer_plan(tuple(ranges)).copies_per_chunk
+    def layer_runs(self, chunks: int, ranges: list[tuple[int, int]], max_copies: int) -> int:
+        """`offload.transfer.staging.layer_runs` for this ring, kept per shape."""
+        key = (chunks, tuple(ranges), max_copies)
+        runs = self._runs.get(key)
+        if runs is None:
+            runs = layer_runs(self.plan, ranges, chunks, self._layout.integrity, max_copies)
+            if len(self._runs) >= KEPT_SHAPES:
+                self._runs.clear()
+            self._runs[key] = runs
+        return runs
 
     def _layer_plan(self, ranges: Ranges) -> LayerPlan:
         layered = self._layer_plans.get(ranges)

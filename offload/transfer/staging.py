@@ -91,11 +91,6 @@ class LayerPlan:
     plan: StagePlan
     layer: tuple[int, ...]
 
-    @property
-    def copies_per_chunk(self) -> int:
-        """DMAs a chunk takes: one per group, two where its pages and sums are apart."""
-        return sum(1 if g.one_copy else 2 for g in self.plan.groups)
-
 
 @dataclass(frozen=True)
 class JobSlices:
@@ -203,6 +198,29 @@ def layer_plan(plan: StagePlan, layout: SlotLayout, ranges: list[tuple[int, int]
     rows = plan.slice_bytes // row_bytes
     return LayerPlan(StagePlan(tuple(groups), row_bytes, rows, plan.slots, plan.slice_bytes),
                      tuple(layer))
+
+
+def merged_ranges(ranges: list[tuple[int, int]], runs: int) -> list[tuple[int, int]]:
+    """Layer groups ``ranges`` (first tensor, count) joined ``runs`` at a time, in order (the
+    last join may hold fewer)."""
+    return [(ranges[i][0], sum(count for _, count in ranges[i:i + runs]))
+            for i in range(0, len(ranges), runs)]
+
+
+def layer_runs(plan: StagePlan, ranges: list[tuple[int, int]], chunks: int, checked: bool,
+               max_copies: int) -> int:
+    """How many consecutive layer groups a layer-wise load of ``chunks`` chunks moves
+    together (`merged_ranges`): the fewest whose `layer_plan` issues at most ``max_copies``
+    DMAs -- one per chunk and cut group, two with checksums (``checked``; one where a group's
+    sums follow its pages, so this bounds the count from above) -- or all of them, which is a
+    whole load's DMAs."""
+    per_row = 2 if checked else 1
+    for runs in range(1, len(ranges)):
+        cut = sum(1 for first, count in merged_ranges(ranges, runs) for g in plan.groups
+                  if max(first, g.first) < min(first + count, g.first + g.count))
+        if chunks * cut * per_row <= max_copies:
+            return runs
+    return len(ranges)
 
 
 def layer_ends(parts: JobSlices, layer: tuple[int, ...], layers: int) -> list[int]:
