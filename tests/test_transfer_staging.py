@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offload import integrity
-from offload.transfer.layout import Job, check_job, tensor_ranges
+from offload.transfer.layout import Job, SlotLayout, check_job, tensor_ranges
 from offload.transfer.staging import (
     ROW_ALIGN,
     StagePlan,
@@ -44,8 +44,6 @@ def _emulate(plan: StagePlan, layout: object, kv: list[np.ndarray], job: Job,
     """Run ``job`` as the staged path would: per slice, the GPU pass over its ring slot and
     the DMAs `job_slices` lists (a load checks every page's sums before taking it), then
     ``after_slice(s)``."""
-    from offload.transfer.layout import SlotLayout
-
     assert isinstance(layout, SlotLayout)
     bpc = layout.blocks_per_chunk
     chunks = whole_chunks(job, bpc)
@@ -96,20 +94,21 @@ def _emulate(plan: StagePlan, layout: object, kv: list[np.ndarray], job: Job,
             after_slice(s)
 
 
-@settings(max_examples=60, deadline=None)
-@given(pages=st.lists(PAGES, min_size=1, max_size=6), bpc=st.sampled_from([1, 2, 4, 5]),
-       checked=st.booleans(), budget_rows=st.sampled_from([0.6, 1.0, 2.5, 9.0]),
-       seed=st.integers(0, 2**16))
-def test_staged_store_and_load_match_the_page_by_page_reference(
-        pages: list[int], bpc: int, checked: bool, budget_rows: float, seed: int) -> None:
+def _ring(pages: list[int], bpc: int, checked: bool, budget_rows: float
+          ) -> tuple[SlotLayout, StagePlan | str]:
+    """The slot layout and its ring from a budget of ``budget_rows`` x two slot images: below
+    one, the slot is cut into tensor groups; above, a slice holds several rows."""
     layout = slot_layout(pages, bpc, integrity=checked)
     slot = layout.tensor_offsets[-1] + bpc * pages[-1] + (
         integrity.trailer_bytes(pages, bpc) + 8 if checked else 0)
-    # from a budget that must cut the slot into tensor groups to one of many rows a slice
-    plan = stage_plan(layout, max(2 * ROW_ALIGN, int(2 * budget_rows * slot)))
-    if isinstance(plan, str):  # one tensor's chunk alone is larger than half the budget
-        assert tensor_groups(layout, 0) is None
-        return
+    return layout, stage_plan(layout, max(2 * ROW_ALIGN, int(2 * budget_rows * slot)))
+
+
+def _three_chunks(layout: SlotLayout, seed: int
+                  ) -> tuple[Job, np.ndarray, list[np.ndarray], np.ndarray]:
+    """A whole-chunk job of 3 random chunks (of 7) from random blocks, random KV tensors and
+    a random region: (job, its blocks, the tensors, the region)."""
+    bpc, pages = layout.blocks_per_chunk, layout.page_bytes
     rng = np.random.default_rng(seed)
     chunk_count, num_blocks = 7, 3 * bpc + 2
     chunks = rng.permutation(chunk_count)[:3]
@@ -118,12 +117,27 @@ def test_staged_store_and_load_match_the_page_by_page_reference(
     job = check_job(layout, blocks, host // bpc, host % bpc, num_blocks=num_blocks,
                     chunk_count=chunk_count)
     kv = [rng.integers(0, 256, (num_blocks, p), dtype=np.uint8) for p in pages]
-    before = rng.integers(0, 256, layout.region_bytes(chunk_count), dtype=np.uint8)
+    return job, blocks, kv, rng.integers(0, 256, layout.region_bytes(chunk_count),
+                                         dtype=np.uint8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(pages=st.lists(PAGES, min_size=1, max_size=6), bpc=st.sampled_from([1, 2, 4, 5]),
+       checked=st.booleans(), budget_rows=st.sampled_from([0.6, 1.0, 2.5, 9.0]),
+       seed=st.integers(0, 2**16))
+def test_staged_store_and_load_match_the_page_by_page_reference(
+        pages: list[int], bpc: int, checked: bool, budget_rows: float, seed: int) -> None:
+    layout, plan = _ring(pages, bpc, checked, budget_rows)
+    if isinstance(plan, str):  # one tensor's chunk alone is larger than half the budget
+        assert tensor_groups(layout, 0) is None
+        return
+    job, blocks, kv, before = _three_chunks(layout, seed)
     region = before.copy()
     first = seed % plan.slots
     _emulate(plan, layout, kv, job, region, load=False, first_slot=first)
     expected = expected_region(torch.from_numpy(before), [torch.from_numpy(k) for k in kv],
-                               layout, (blocks, host // bpc, host % bpc), checked)
+                               layout, (job.blocks, job.host_pages // bpc, job.host_pages % bpc),
+                               checked)
     assert np.array_equal(region, expected.numpy())
     loaded = [np.zeros_like(k) for k in kv]
     _emulate(plan, layout, loaded, job, region, load=True, first_slot=(first + 1) % plan.slots)
@@ -205,10 +219,7 @@ def test_a_layer_wise_load_brings_each_layer_group_back_by_its_last_slice(
     """Stored through the ring's own plan, loaded through its layer plan: every page comes
     back, every staged row lies in one layer group and fits its ring slot, and once a layer
     group's last slice ran (`layer_ends`) all its pages are back and no later group's are."""
-    layout = slot_layout(pages, bpc, integrity=checked)
-    slot = layout.tensor_offsets[-1] + bpc * pages[-1] + (
-        integrity.trailer_bytes(pages, bpc) + 8 if checked else 0)
-    plan = stage_plan(layout, max(2 * ROW_ALIGN, int(2 * budget_rows * slot)))
+    layout, plan = _ring(pages, bpc, checked, budget_rows)
     if isinstance(plan, str):
         return
     ranges = tensor_ranges(len(pages), min(layers, len(pages)))
@@ -221,15 +232,7 @@ def test_a_layer_wise_load_brings_each_layer_group_back_by_its_last_slice(
     for group, index in zip(cut.groups, layered.layer, strict=True):
         first, count = ranges[index]
         assert first <= group.first and group.first + group.count <= first + count
-    rng = np.random.default_rng(seed)
-    chunk_count, num_blocks = 7, 3 * bpc + 2
-    chunks = rng.permutation(chunk_count)[:3]
-    blocks = rng.permutation(num_blocks)[:3 * bpc]
-    host = (chunks[:, None] * bpc + np.arange(bpc)).ravel()
-    job = check_job(layout, blocks, host // bpc, host % bpc, num_blocks=num_blocks,
-                    chunk_count=chunk_count)
-    kv = [rng.integers(0, 256, (num_blocks, p), dtype=np.uint8) for p in pages]
-    region = rng.integers(0, 256, layout.region_bytes(chunk_count), dtype=np.uint8)
+    job, blocks, kv, region = _three_chunks(layout, seed)
     _emulate(plan, layout, kv, job, region, load=False, first_slot=seed % plan.slots)
     loaded = [np.zeros_like(k) for k in kv]
     ends = layer_ends(job_slices(cut, layout, 3), layered.layer, len(ranges))
@@ -286,10 +289,7 @@ def test_layer_runs_are_the_fewest_joins_within_the_bound(
         max_copies: int) -> None:
     """The DMAs `job_slices` issues for the joined groups stay within the bound (unless
     every group is joined: a whole load's DMAs), and one join fewer would pass it."""
-    layout = slot_layout(pages, 4, integrity=checked)
-    slot = layout.tensor_offsets[-1] + 4 * pages[-1] + (
-        integrity.trailer_bytes(pages, 4) + 8 if checked else 0)
-    plan = stage_plan(layout, max(2 * ROW_ALIGN, int(2 * budget_rows * slot)))
+    layout, plan = _ring(pages, 4, checked, budget_rows)
     if isinstance(plan, str):
         return
     ranges = tensor_ranges(len(pages), min(groups, len(pages)))

@@ -670,6 +670,37 @@ def test_per_block_runs_without_checksums_and_says_so(caplog: pytest.LogCaptureF
 
 
 # ------------------------------------------------------------------ layer-wise loads
+def _flip_in_tensor_4_names_it(engine: Any, region: torch.Tensor, job: Any, page: int,
+                               job_id: int) -> None:
+    """A flipped byte in tensor 4's page of the job's first entry (pages of ``page`` bytes):
+    a layer-wise load in 3 groups fails, naming the tensor among all tensors; the byte is
+    put back."""
+    layout = engine.layout
+    chunk, position = int(job[1][0]), int(job[2][0])
+    start = (chunk * layout.row_stride + layout.slot_offset + layout.tensor_offsets[4]
+             + position * page + 10)
+    region[start] ^= 0x01
+    engine.load_layers(job_id, *job, groups=3)
+    assert engine.wait_all() == [job_id]
+    assert engine.job_error(job_id) == (f"integrity: tensor 4 chunk {chunk} position "
+                                        f"{position} does not match what was stored")
+    region[start] ^= 0x01
+
+
+def _read_each_group(kv: list[torch.Tensor], events: list[Any], index: torch.Tensor
+                     ) -> list[torch.Tensor]:
+    """What a forward pass reads: on a compute stream, for each group of two tensors, wait
+    for its event and copy the blocks ``index`` of both; returns the copies, in tensor order."""
+    compute = torch.cuda.Stream()
+    seen = []
+    with torch.cuda.stream(compute):
+        for group, event in enumerate(events):
+            compute.wait_event(event)
+            seen += [kv[t].view(torch.uint8)[index].clone() for t in (2 * group, 2 * group + 1)]
+    compute.synchronize()
+    return seen
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_layer_wise_load_gives_each_group_its_event(backend: str) -> None:
     """Three groups of two tensors: a compute stream that waits for group g's event reads
@@ -691,30 +722,15 @@ def test_a_layer_wise_load_gives_each_group_its_event(backend: str) -> None:
         assert len(events) == 3 and all(e is not None for e in events)
         if backend == "copy_engine":  # no group launches: the job's completion, thrice
             assert events[0] is events[1] is events[2]
-        compute = torch.cuda.Stream()
         index = torch.from_numpy(np.asarray(job[0])).cuda()
-        seen = []
-        with torch.cuda.stream(compute):
-            for group, event in enumerate(events):
-                compute.wait_event(event)
-                seen += [kv[t].view(torch.uint8)[index].clone() for t in (2 * group,
-                                                                           2 * group + 1)]
-        compute.synchronize()
+        seen = _read_each_group(kv, events, index)
         assert engine.wait_all() == [2] and engine.job_error(2) is None
         for t, got in enumerate(seen):
             assert torch.equal(got, original[t][index]), f"tensor {t}"
         if backend == "hybrid":  # scattered pages: the kernel, group by group
             assert engine.routes["kernel"] >= 1 and engine.routes["staged"] == 0
         if engine.integrity:
-            chunk, position = int(job[1][0]), int(job[2][0])
-            start = (chunk * layout.row_stride + layout.slot_offset + layout.tensor_offsets[4]
-                     + position * 1000)
-            region[start + 10] ^= 0x01
-            engine.load_layers(3, *job, groups=3)
-            assert engine.wait_all() == [3]
-            assert engine.job_error(3) == (f"integrity: tensor 4 chunk {chunk} position "
-                                           f"{position} does not match what was stored")
-            region[start + 10] ^= 0x01
+            _flip_in_tensor_4_names_it(engine, region, job, 1000, 3)
         round_trip(engine, kv, region, layout, job)
 
 
@@ -744,29 +760,13 @@ def test_a_staged_layer_wise_load_gives_each_group_its_event_once_it_is_back(sta
                 t.zero_()
             with torch.cuda.stream(staged.dma_stream):
                 torch.cuda._sleep(SLEEP_CYCLES // 4)
-            events = engine.load_layers(job_id, *job, groups=3)
-            compute = torch.cuda.Stream()
-            seen = []
-            with torch.cuda.stream(compute):
-                for group, event in enumerate(events):
-                    compute.wait_event(event)
-                    seen += [kv[t].view(torch.uint8)[index].clone() for t in (2 * group,
-                                                                               2 * group + 1)]
-            compute.synchronize()
+            seen = _read_each_group(kv, engine.load_layers(job_id, *job, groups=3), index)
             assert engine.wait_all() == [job_id] and engine.job_error(job_id) is None
             for t, got in enumerate(seen):
                 assert torch.equal(got, original[t][index]), f"job {job_id} tensor {t}"
         assert engine.routes["staged"] == 3 and engine.routes["kernel"] == 0
         assert staged.issued == {"python": 2, "native": 1}
-        chunk, position = int(job[1][0]), int(job[2][0])
-        start = (chunk * layout.row_stride + layout.slot_offset + layout.tensor_offsets[4]
-                 + position * 64 * KiB)
-        region[start + 10] ^= 0x01
-        engine.load_layers(4, *job, groups=3)
-        assert engine.wait_all() == [4]
-        assert engine.job_error(4) == (f"integrity: tensor 4 chunk {chunk} position "
-                                       f"{position} does not match what was stored")
-        region[start + 10] ^= 0x01
+        _flip_in_tensor_4_names_it(engine, region, job, 64 * KiB, 4)
         # a bound on its DMAs joins layer groups, which then share one event
         # 5 chunks x 2 DMAs per cut group: 30 (one ring group) or 40 (two) group by group, 20
         # or 30 two groups at a time, 10 or 20 all at once
