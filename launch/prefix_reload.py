@@ -479,6 +479,7 @@ def queue_cache(engine: Engine, cache: Any, events: list[torch.cuda.Event | None
         return [None] * len(events)
     main = torch.cuda.current_stream(engine.device)
     side.wait_stream(main)  # the poisoned pages and the index upload come first
+    index.record_stream(side)  # made on the main stream, read on this one
     ready: list[torch.cuda.Event | None] = []
     with torch.cuda.stream(side):
         for layer, event in enumerate(events):

@@ -10,9 +10,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from offload import build_cache
+from offload import build_cache, integrity
 from offload.transfer import native
+from offload.transfer.layout import tensor_ranges
+from offload.transfer.staging import job_slices, layer_ends, layer_plan, stage_plan
+from tests.test_transfer_helpers import slot_layout
 
 pytestmark = pytest.mark.skipif(build_cache.compiler() is None, reason="needs a C compiler")
 
@@ -79,15 +84,19 @@ class FakeDriver:
                                   for f in self._functions)
 
 
-def _issuer(fail: dict[str, int] | None = None) -> tuple[native.StagedIssuer, FakeDriver]:
+def _issuer(fail: dict[str, int] | None = None, slots: int = 2
+            ) -> tuple[native.StagedIssuer, FakeDriver]:
+    """An issuer over stand-ins, with `RING` and `PASSES` (or ``slots`` ring slots)."""
     lib = native.library()
     assert lib is not None, "the native issue path must build on this host"
     kernel = FakeKernel()
     driver = FakeDriver(kernel, fail)
     a, b, c, d = driver.entry_points
+    ring = RING if slots == 2 else [(0x6100 + r, 0x6200 + r) for r in range(slots)]
+    passes = PASSES if slots == 2 else [0x5200 + r for r in range(slots)]
     # 4 work items per page, 64 per program step, at most 8 programs
-    return native.StagedIssuer(lib, (a, b, c, d), kernel, CELLS, (MAIN, DMA), START, PASSES,
-                               RING, (4, 64, 8), (ATTRS, INDEX)), driver
+    return native.StagedIssuer(lib, (a, b, c, d), kernel, CELLS, (MAIN, DMA), START, passes,
+                               ring, (4, 64, 8), (ATTRS, INDEX)), driver
 
 
 # three slices through two ring slots: (first entry, entries, first tensor, tensors, stage,
@@ -213,3 +222,72 @@ def test_a_store_takes_no_marks() -> None:
     marks = (np.array([2], dtype=np.int64), np.array([0x8000], dtype=np.uint64))
     assert not issuer.issue(False, False, 0, 40, SLICES, SRCS, DSTS, SIZES_, marks)
     assert driver.calls == []
+
+
+def _follows(calls: list[tuple[Any, ...]]) -> list[set[int]]:
+    """Per driver call, every earlier call it waits for: the one before it on its stream, and
+    for a wait the record of the event it names (as recorded at that point), transitively."""
+    before: list[set[int]] = []
+    last: dict[Any, int] = {}
+    recorded: dict[Any, int] = {}
+    for i, call in enumerate(calls):
+        stream = call[2] if call[0] == "record" else call[1]
+        direct = {last[stream]} if stream in last else set()
+        if call[0] == "wait" and call[2] in recorded:
+            direct.add(recorded[call[2]])
+        before.append(set().union(*[before[d] | {d} for d in direct]) if direct else set())
+        last[stream] = i
+        if call[0] == "record":
+            recorded[call[1]] = i
+    return before
+
+
+@settings(max_examples=150, deadline=None)
+@given(pages=st.lists(st.sampled_from([64, 1000, 4096, 20_000]), min_size=1, max_size=8),
+       checked=st.booleans(), budget=st.sampled_from([0.6, 1.0, 2.5, 9.0]),
+       groups=st.integers(1, 8), chunks=st.integers(1, 7), first_slot=st.integers(0, 3))
+def test_each_layer_groups_event_follows_every_scatter_of_its_slices(
+        pages: list[int], checked: bool, budget: float, groups: int, chunks: int,
+        first_slot: int) -> None:
+    """Real layer plans through the native issue: each group's event is recorded after (in
+    stream order and through the events waited on) every scatter of its group's slices and of
+    those before; every DMA into a ring slot follows the slot's previous scatter; the job's
+    last wait on the engine stream follows every scatter."""
+    layout = slot_layout(pages, 4, integrity=checked)
+    slot = layout.tensor_offsets[-1] + 4 * pages[-1] + (
+        integrity.trailer_bytes(pages, 4) + 8 if checked else 0)
+    plan = stage_plan(layout, max(512, int(2 * budget * slot)))
+    if isinstance(plan, str):
+        return
+    ranges = tensor_ranges(len(pages), min(groups, len(pages)))
+    layered = layer_plan(plan, layout, ranges)
+    cut = layered.plan
+    parts = job_slices(cut, layout, chunks, first_slot % cut.slots)
+    first = first_slot % cut.slots
+    table = np.array([[parts.first_entry[s], parts.entries[s], cut.groups[g].first,
+                       cut.groups[g].count, at, at + cut.groups[g].stage_trailer,
+                       parts.bounds[s], parts.bounds[s + 1] - parts.bounds[s]]
+                      for s, g in enumerate(parts.group)
+                      for at in [0x100000 + ((first + s) % cut.slots) * cut.slice_bytes]],
+                     dtype=np.int64)
+    host = (parts.host_offsets(np.arange(chunks), layout.row_stride) + (1 << 40)
+            ).astype(np.uint64)
+    stage = (parts.stage + 0x100000).astype(np.uint64)
+    ends = np.array(layer_ends(parts, layered.layer, len(ranges)), dtype=np.int64)
+    events = np.arange(0x8000, 0x8000 + len(ranges), dtype=np.uint64)
+    issuer, driver = _issuer(slots=cut.slots)
+    assert issuer.issue(True, False, first, 4 * chunks, table, host, stage,
+                        parts.size.astype(np.uint64), (ends, events))
+    calls = driver.calls
+    follows = _follows(calls)
+    scatters = [i for i, c in enumerate(calls) if c[0] == "launch"]
+    copies = [i for i, c in enumerate(calls) if c[0] == "copy"]
+    assert len(scatters) == len(copies) == len(parts)
+    for k, end in enumerate(ends.tolist()):
+        marks = [i for i, c in enumerate(calls) if c[:2] == ("record", int(events[k]))]
+        assert len(marks) == 1 and calls[marks[0]][2] == MAIN
+        assert all(scatters[s] in follows[marks[0]] for s in range(end + 1)), f"group {k}"
+    for s in range(cut.slots, len(parts)):
+        assert scatters[s - cut.slots] in follows[copies[s]], f"slice {s} reused its slot early"
+    last = max(i for i, c in enumerate(calls) if c[0] in ("wait", "record") and MAIN in c[1:3])
+    assert all(x in follows[last] | {last} for x in scatters)

@@ -20,10 +20,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offload import integrity
+from offload.errors import OffloadError
 from offload.transfer.layout import Job, SlotLayout, check_job, tensor_ranges
 from offload.transfer.staging import (
     ROW_ALIGN,
     StagePlan,
+    check_layer_ends,
     job_slices,
     layer_ends,
     layer_plan,
@@ -307,3 +309,12 @@ def test_layer_runs_are_the_fewest_joins_within_the_bound(
         assert issued <= bound <= max_copies
     if runs > 1:
         assert copies(runs - 1)[1] > max_copies
+
+
+@pytest.mark.parametrize(("ends", "events", "slices"), [
+    ([1, 0, 2], 3, 3), ([0, 0, 2], 3, 3), ([0, 1, 3], 3, 3), ([-1, 1], 2, 3), ([0, 2], 3, 3)])
+def test_group_ends_that_leave_an_event_unrecorded_are_refused(ends: list[int], events: int,
+                                                                slices: int) -> None:
+    with pytest.raises(OffloadError, match="are not increasing slices"):
+        check_layer_ends(np.array(ends, dtype=np.int64), events, slices)
+    check_layer_ends(np.arange(events, dtype=np.int64), events, max(events, slices))

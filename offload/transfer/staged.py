@@ -47,6 +47,7 @@ from offload.transfer.staging import (
     LayerPlan,
     StagePlan,
     TensorGroup,
+    check_layer_ends,
     job_slices,
     layer_ends,
     layer_plan,
@@ -141,6 +142,7 @@ class StagedCopier:
         after_engine = load and self._engine_wrote
         marks = None
         if ranges:
+            check_layer_ends(parts.ends, len(events), len(parts.first_entry))
             marks = (parts.ends, np.array([e.cuda_event for e in events], dtype=np.uint64))
         slot = self._kernel.upload(direction, job, caller)
         try:

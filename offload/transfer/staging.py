@@ -27,6 +27,7 @@ import numpy as np
 
 from offload import integrity
 from offload.config import DEFAULT_STAGING_BYTES
+from offload.errors import OffloadError
 from offload.sizes import round_up
 from offload.transfer.layout import IndexArray, Job, SlotLayout
 
@@ -245,6 +246,17 @@ def whole_chunks(job: Job, bpc: int) -> IndexArray | None:
     if (starts != starts[:, :1]).any() or (starts[:, 0] % bpc).any():
         return None
     return starts[:, 0] // bpc
+
+
+def check_layer_ends(ends: IndexArray, events: int, slices: int) -> None:
+    """A layer-wise load's group ends must be increasing slices of the job, one per event:
+    an event no slice reaches keeps the record made before the issue and fires before its
+    pages are back.  Both issue paths rely on it (the native one refuses such ends, the
+    Python one would skip them), so the staged path checks before it issues anything."""
+    if (ends.size != events or (ends.size and (ends[0] < 0 or ends[-1] >= slices))
+            or bool((np.diff(ends) <= 0).any())):
+        raise OffloadError(f"layer-wise load: group ends {ends.tolist()} are not increasing "
+                           f"slices of its {slices}, one for each of {events} events")
 
 
 def job_slices(plan: StagePlan, layout: SlotLayout, count: int, first_slot: int = 0

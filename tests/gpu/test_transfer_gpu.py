@@ -741,9 +741,10 @@ def test_a_layer_wise_load_gives_each_group_its_event(backend: str) -> None:
 def test_a_staged_layer_wise_load_gives_each_group_its_event_once_it_is_back(staging: int
                                                                             ) -> None:
     """Whole chunks load layer-wise through the staging ring (the copy engines, not the
-    kernel), once from Python and once natively.  The DMA stream is held back by a sleep, so
-    a group's event that did not follow its own scatters fires before its pages are back: a
-    compute stream that waits for group g's event and reads its blocks would then see zeros.
+    kernel), once from Python and once natively.  The DMA stream and the first slice's
+    scatter stream are held back by sleeps, so a group's event that did not follow its own
+    scatters fires before its pages are back: a compute stream that waits for group g's
+    event and reads its blocks would then see zeros.
     The small ring cuts its tensor groups (3 tensors) across the layer groups (2).  A flipped
     byte in group 2 names its tensor."""
     kv = kv_set(64, [64 * KiB] * 6, "cuda")
@@ -758,8 +759,9 @@ def test_a_staged_layer_wise_load_gives_each_group_its_event_once_it_is_back(sta
         for job_id in (2, 3):  # the load pass is compiled by the first: the Python issue
             for t in kv:
                 t.zero_()
-            with torch.cuda.stream(staged.dma_stream):
-                torch.cuda._sleep(SLEEP_CYCLES // 4)
+            for held in (staged.dma_stream, staged._pass_streams[staged._next_slot]):
+                with torch.cuda.stream(held):  # the DMAs, and the first slice's scatter
+                    torch.cuda._sleep(SLEEP_CYCLES // 4)
             seen = _read_each_group(kv, engine.load_layers(job_id, *job, groups=3), index)
             assert engine.wait_all() == [job_id] and engine.job_error(job_id) is None
             for t, got in enumerate(seen):
