@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "every rank to hold all KV heads: --layout replicated or one rank)")
     p.add_argument("--corrupt-after-load", action="store_true",
                    help="self-test of the check: rank 0 flips one byte of the first reloaded "
-                        "page; the job must report a mismatch and exit 1")
+                        "page (of each mode with --layerwise); the job must report a mismatch "
+                        "and exit 1")
     p.add_argument("--report-json", default=None, metavar="PATH",
                    help="rank 0 writes the JSON report there")
     p.add_argument("--shm-dir", default=None, metavar="DIR",
@@ -413,11 +414,12 @@ def reload_once(engine: Engine, prompt: Prompt, reload: int, table: list[int], a
 def reload_layerwise(engine: Engine, prompt: Prompt, reload: int, table: list[int],
                      args: Any) -> dict[str, Any]:
     """The same reload, layer-wise.  First the load alone (its time against the whole
-    load's); then again with the first decode step: the load goes in ``--layerwise`` groups,
-    every layer's cache entry is queued on a side stream behind its group's event before the
-    step starts, and each decoder layer's pre-hook only makes the step wait for its entry, so
-    the first layers compute while later ones still load.  The host waits for the job's
-    decision only after the first token.  Every rank holds all heads (no gather)."""
+    load's; its pages are checked too); then again with the first decode step: the load goes
+    in ``--layerwise`` groups, every layer's cache entry is queued on a side stream behind its
+    group's event before the step starts, and each decoder layer's pre-hook only makes the
+    step wait for its entry, so the first layers compute while later ones still load.  The
+    host waits for the job's decision only after the first token.  Every rank holds all heads
+    (no gather)."""
     layers, tokens = args.layers, prompt.tokens
     group = {t: g for g, (first, count) in enumerate(tensor_ranges(2 * layers, args.layerwise))
              for t in range(first, first + count)}
@@ -429,6 +431,9 @@ def reload_layerwise(engine: Engine, prompt: Prompt, reload: int, table: list[in
     engine.tier.submit(job, layer_groups=args.layerwise)
     engine.tier.wait([job.job_id])
     alone_s = time.perf_counter() - started
+    if args.corrupt_after_load and dist.get_rank() == 0 and prompt.index == 0 and reload == 0:
+        engine.paged.corrupt(table[0])
+    alone_diff = page_difference(prompt, engine.paged.pages(table), engine.heads, args)
     engine.paged.poison()
     cache = engine.tf.DynamicCache()
     side = torch.cuda.Stream(engine.device) if engine.device.type == "cuda" else None
@@ -457,8 +462,8 @@ def reload_layerwise(engine: Engine, prompt: Prompt, reload: int, table: list[in
     decided = time.perf_counter()
     pages = engine.paged.pages(table)
     full = [t[0] for layer in range(layers) for t in layer_kv(cache, layer)]
-    kv_diff = page_difference(prompt, pages, engine.heads, args) or cache_difference(
-        prompt, [t[:, :tokens] for t in full])
+    kv_diff = alone_diff or page_difference(prompt, pages, engine.heads, args) or \
+        cache_difference(prompt, [t[:, :tokens] for t in full])
     rest = greedy(engine.model, cache, first[-1], tokens + 1, args.decode_tokens - 1)
     outcome = judge(prompt, reload, first + rest[1:], kv_diff)
     return {**outcome, "mode": "layerwise", "reload_s": decided - started, "rebuild_s": 0.0,

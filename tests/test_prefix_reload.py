@@ -190,6 +190,20 @@ def test_a_layer_wise_reload_continues_exactly_too(nproc: int, layout: str, tmp_
     assert "layer-wise (3 groups)" in proc.stdout
 
 
+@needs_transformers
+def test_a_corrupted_page_of_the_layer_wise_load_alone_is_caught(tmp_path: Path,
+                                                                  shm_dir: str) -> None:
+    """The layer-wise load timed alone is checked as well: a byte flipped after it fails
+    that reload, though the load with the decode step brings clean pages back."""
+    report_path = tmp_path / "r.json"
+    proc = torchrun(1, *SMALL, "--layerwise", "3", "--corrupt-after-load", "--report-json",
+                    str(report_path), shm_dir=shm_dir)
+    assert proc.returncode != 0
+    report = json.loads(report_path.read_text())
+    assert report["mismatched"] == 2 and report["matched"] == report["reloads"] - 2 == 10
+    assert report["first_difference"]["what"] == "page"
+
+
 def test_layer_wise_reloads_of_split_heads_are_one_line(shm_dir: str) -> None:
     proc = torchrun(2, "--layerwise", "2", shm_dir=shm_dir)
     assert proc.returncode != 0
