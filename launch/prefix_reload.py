@@ -205,8 +205,9 @@ class PagedCache:
 
     def layer(self, layer: int, index: torch.Tensor, tokens: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``layer`` from the blocks ``index``, ``[heads, tokens, dim]`` each (not
-        contiguous): one gather where K and V share a per-layer tensor, else one each."""
+        """K and V of ``layer`` from the blocks ``index``, ``[heads, tokens, dim]`` each: one
+        gather and one copy where K and V share a per-layer tensor (two views of it, not
+        contiguous), else `from_pages` of each."""
         if self.views:
             pages = self.owners[layer][index]  # [blocks, 2, block_tokens, heads, dim]
             blocks, _, block_tokens, heads, dim = pages.shape

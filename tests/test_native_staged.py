@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload import build_cache, integrity
+from offload import build_cache
 from offload.transfer import native
 from offload.transfer.layout import tensor_ranges
-from offload.transfer.staging import job_slices, layer_ends, layer_plan, stage_plan
-from tests.test_transfer_helpers import slot_layout
+from offload.transfer.staging import job_slices, layer_ends, layer_plan
+from tests.test_transfer_helpers import staging_ring
 
 pytestmark = pytest.mark.skipif(build_cache.compiler() is None, reason="needs a C compiler")
 
@@ -253,10 +253,7 @@ def test_each_layer_groups_event_follows_every_scatter_of_its_slices(
     stream order and through the events waited on) every scatter of its group's slices and of
     those before; every DMA into a ring slot follows the slot's previous scatter; the job's
     last wait on the engine stream follows every scatter."""
-    layout = slot_layout(pages, 4, integrity=checked)
-    slot = layout.tensor_offsets[-1] + 4 * pages[-1] + (
-        integrity.trailer_bytes(pages, 4) + 8 if checked else 0)
-    plan = stage_plan(layout, max(512, int(2 * budget * slot)))
+    layout, plan = staging_ring(pages, 4, checked, budget)
     if isinstance(plan, str):
         return
     ranges = tensor_ranges(len(pages), min(groups, len(pages)))

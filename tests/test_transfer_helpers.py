@@ -14,6 +14,7 @@ from offload.config import TierConfig
 from offload.plan import RankDescriptor, compute_plan
 from offload.transfer import SlotLayout
 from offload.transfer.base import TransferEngine
+from offload.transfer.staging import ROW_ALIGN, StagePlan, stage_plan
 
 Job = tuple[np.ndarray, np.ndarray, np.ndarray]
 HYBRID_PAGES = (512, 60, 1000)  # bf16 attention pages, an odd fp32 state, a uint8 blob
@@ -62,6 +63,16 @@ def slot_layout(pages: Sequence[int], bpc: int, rank: int = 1,
     plan = compute_plan([RankDescriptor(r, "n0", r, 2, r, 0, tuple(pages), config)
                          for r in range(2)])
     return SlotLayout.from_plan(plan, rank)
+
+
+def staging_ring(pages: list[int], bpc: int, checked: bool, budget_rows: float
+                 ) -> tuple[SlotLayout, StagePlan | str]:
+    """`slot_layout` and its staging ring from a budget of ``budget_rows`` x two slot images:
+    below one, the slot is cut into tensor groups; above, a slice holds several rows."""
+    layout = slot_layout(pages, bpc, integrity=checked)
+    slot = layout.tensor_offsets[-1] + bpc * pages[-1] + (
+        integrity.trailer_bytes(pages, bpc) + 8 if checked else 0)
+    return layout, stage_plan(layout, max(2 * ROW_ALIGN, int(2 * budget_rows * slot)))
 
 
 def page_sizes(kv: Sequence[torch.Tensor]) -> list[int]:

@@ -35,7 +35,7 @@ from offload.transfer.staging import (
     tensor_groups,
     whole_chunks,
 )
-from tests.test_transfer_helpers import expected_region, slot_layout
+from tests.test_transfer_helpers import expected_region, slot_layout, staging_ring
 
 PAGES = st.sampled_from([8, 60, 64, 256, 1000, 4096, 20_000])
 
@@ -96,16 +96,6 @@ def _emulate(plan: StagePlan, layout: object, kv: list[np.ndarray], job: Job,
             after_slice(s)
 
 
-def _ring(pages: list[int], bpc: int, checked: bool, budget_rows: float
-          ) -> tuple[SlotLayout, StagePlan | str]:
-    """The slot layout and its ring from a budget of ``budget_rows`` x two slot images: below
-    one, the slot is cut into tensor groups; above, a slice holds several rows."""
-    layout = slot_layout(pages, bpc, integrity=checked)
-    slot = layout.tensor_offsets[-1] + bpc * pages[-1] + (
-        integrity.trailer_bytes(pages, bpc) + 8 if checked else 0)
-    return layout, stage_plan(layout, max(2 * ROW_ALIGN, int(2 * budget_rows * slot)))
-
-
 def _three_chunks(layout: SlotLayout, seed: int
                   ) -> tuple[Job, np.ndarray, list[np.ndarray], np.ndarray]:
     """A whole-chunk job of 3 random chunks (of 7) from random blocks, random KV tensors and
@@ -129,7 +119,7 @@ def _three_chunks(layout: SlotLayout, seed: int
        seed=st.integers(0, 2**16))
 def test_staged_store_and_load_match_the_page_by_page_reference(
         pages: list[int], bpc: int, checked: bool, budget_rows: float, seed: int) -> None:
-    layout, plan = _ring(pages, bpc, checked, budget_rows)
+    layout, plan = staging_ring(pages, bpc, checked, budget_rows)
     if isinstance(plan, str):  # one tensor's chunk alone is larger than half the budget
         assert tensor_groups(layout, 0) is None
         return
@@ -221,7 +211,7 @@ def test_a_layer_wise_load_brings_each_layer_group_back_by_its_last_slice(
     """Stored through the ring's own plan, loaded through its layer plan: every page comes
     back, every staged row lies in one layer group and fits its ring slot, and once a layer
     group's last slice ran (`layer_ends`) all its pages are back and no later group's are."""
-    layout, plan = _ring(pages, bpc, checked, budget_rows)
+    layout, plan = staging_ring(pages, bpc, checked, budget_rows)
     if isinstance(plan, str):
         return
     ranges = tensor_ranges(len(pages), min(layers, len(pages)))
@@ -291,7 +281,7 @@ def test_layer_runs_are_the_fewest_joins_within_the_bound(
         max_copies: int) -> None:
     """The DMAs `job_slices` issues for the joined groups stay within the bound (unless
     every group is joined: a whole load's DMAs), and one join fewer would pass it."""
-    layout, plan = _ring(pages, 4, checked, budget_rows)
+    layout, plan = staging_ring(pages, 4, checked, budget_rows)
     if isinstance(plan, str):
         return
     ranges = tensor_ranges(len(pages), min(groups, len(pages)))

@@ -142,7 +142,6 @@ class StagedCopier:
         after_engine = load and self._engine_wrote
         marks = None
         if ranges:
-            check_layer_ends(parts.ends, len(events), len(parts.first_entry))
             marks = (parts.ends, np.array([e.cuda_event for e in events], dtype=np.uint64))
         slot = self._kernel.upload(direction, job, caller)
         try:
@@ -286,7 +285,7 @@ class StagedCopier:
             layered = self._layer_plan(ranges) if ranges else None
             plan = layered.plan if layered is not None else self.plan
             parts = _Slices(job_slices(plan, self._layout, count, first_slot), plan,
-                            first_slot, self._base, layered)
+                            first_slot, self._base, layered, len(ranges))
             if len(self._shapes) >= KEPT_SHAPES:
                 del self._shapes[next(iter(self._shapes))]
         self._shapes[key] = parts  # newest last
@@ -303,13 +302,15 @@ class _Slices:
     sizes as uint64 (a job adds its host addresses), and one int64 row of `SLICE_FIELDS` per
     slice -- first entry, entries, first tensor, tensors, its ring slot's staging address and
     that of its sums, first copy, copies; a layer-wise load's ``ends`` (int64: the last slice
-    of each layer group, `layer_ends`)."""
+    of each of its ``layers`` layer groups, `layer_ends`, checked here once per shape)."""
 
     def __init__(self, parts: JobSlices, plan: StagePlan, first_slot: int, ring: int,
-                 layered: LayerPlan | None = None) -> None:
+                 layered: LayerPlan | None = None, layers: int = 0) -> None:
         self.first_entry, self.entries = parts.first_entry, parts.entries
         self.ends = np.array([] if layered is None else layer_ends(
-            parts, layered.layer, layered.layer[-1] + 1), dtype=np.int64)
+            parts, layered.layer, layers), dtype=np.int64)
+        if layered is not None:
+            check_layer_ends(self.ends, layers, len(parts))
         self.group, self.bounds = parts.group, parts.bounds
         self.stage = (parts.stage + ring).astype(np.uint64)
         self.size = parts.size.astype(np.uint64)
