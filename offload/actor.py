@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -232,7 +232,8 @@ class RankActor:
 
     def start_engine(self) -> str:
         plan, region = self._installed(), self._region()
-        layout = SlotLayout.from_plan(plan, self.topology.rank)
+        # every copy split where the region registers a row in pieces (background set-up)
+        layout = replace(SlotLayout.from_plan(plan, self.topology.rank), cuts=region.cuts)
         began = time.perf_counter()
         self.engine = make_engine(self.kv_tensors, region.tensor, region.address, layout,
                                   plan.chunk_count, region.pinned, self.backend,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 from offload.config import TierConfig
 from offload.errors import OffloadError
@@ -145,24 +146,83 @@ class SetupUnit:
         return sum(r.length for r in self.ranges)
 
 
-def setup_units(geometry: RegionGeometry, config: TierConfig, unit_bytes: int
-                ) -> list[SetupUnit]:
+def registered_span(geometry: RegionGeometry, config: TierConfig) -> ByteRange:
+    """The bytes of each row this rank registers, row-relative: its slot, or the whole row
+    (`registers_slots`)."""
+    if registers_slots(geometry, config):
+        return ByteRange(geometry.slot_offset, geometry.slot_bytes)
+    return ByteRange(0, geometry.row_stride)
+
+
+def copy_starts(slot_offset: int, tensor_offsets: Sequence[int], page_bytes: Sequence[int],
+                blocks_per_chunk: int, trailer_offset: int | None) -> list[int]:
+    """Row-relative offsets where a copy of this rank's slot may begin: every page of every
+    tensor, and the checksum trailer (``trailer_offset``, slot-relative; None: none)."""
+    starts = [slot_offset + offset + b * page
+              for offset, page in zip(tensor_offsets, page_bytes, strict=True)
+              for b in range(blocks_per_chunk)]
+    if trailer_offset is not None:
+        starts.append(slot_offset + trailer_offset)
+    return starts
+
+
+def registration_cuts(geometry: RegionGeometry, config: TierConfig, starts: Iterable[int],
+                      unit_bytes: int) -> tuple[int, ...]:
+    """Where background set-up may begin a registration inside a row (row-relative, the same
+    in every row), so that no registration is much over ``unit_bytes``: none where a row's
+    registered span (`registered_span`) fits ``unit_bytes``.
+
+    A registration holds the CUDA driver for its whole duration, and a batched copy whose
+    host range spans two registrations fails, so the copy paths split every copy at these
+    cuts (`offload.transfer.layout.SlotLayout.cuts`).  Cuts are taken only from ``starts``,
+    the offsets where this rank's copies may begin (a page of one tensor, the checksum
+    trailer), and only on page boundaries of the region's page size: a page is never split
+    and registrations never share a page.  Greedy: a piece grows over the candidates until
+    the next would take it past ``unit_bytes`` (a piece with no candidate inside stays
+    longer).
+    """
+    span = registered_span(geometry, config)
+    if span.length <= unit_bytes:
+        return ()
+    page = geometry.page_size
+    candidates = sorted({c for c in starts
+                         if span.offset < c < span.end and c % page == 0} | {span.end})
+    cuts: list[int] = []
+    begin = span.offset
+    for here, after in pairwise(candidates):
+        if after - begin > unit_bytes:
+            cuts.append(here)
+            begin = here
+    return tuple(cuts)
+
+
+def setup_units(geometry: RegionGeometry, config: TierConfig, unit_bytes: int,
+                cuts: Sequence[int] = ()) -> list[SetupUnit]:
     """Background set-up's work, in row order: runs of whole rows of at most ``unit_bytes``
-    of registered bytes (at least one row each).
+    of registered bytes (at least one row each), or, with ``cuts`` (`registration_cuts`),
+    each row's registered span cut there, one piece a unit.
 
     A unit registers what `registration_ranges` would -- one range per slot, or its rows as
-    one range -- cut at row boundaries, so no copy of one block spans two registrations and
-    no registration is longer than a unit (a registration holds the CUDA driver for its
-    whole duration, delaying the engine's own launches).  A rank populates exactly the bytes
-    it registers, so a unit never waits for another rank: in the replicated layout the
-    stage's ranks each walk the stage's slots (the pages are allocated once, by whichever
-    rank comes first), where the blocking path splits the population into node shards.
+    one range -- cut at row boundaries (and at ``cuts``), so no copy of one block spans two
+    registrations and no registration is longer than a unit (a registration holds the CUDA
+    driver for its whole duration, delaying the engine's own launches).  A rank populates
+    exactly the bytes it registers, so a unit never waits for another rank: in the
+    replicated layout the stage's ranks each walk the stage's slots (the pages are allocated
+    once, by whichever rank comes first), where the blocking path splits the population into
+    node shards.  A row is usable after its last piece: ``rows_end`` repeats until then.
     """
     if geometry.rows == 0:
         return []
     registration_ranges(geometry, config)  # its caps and their one-line errors
     per_slot = registers_slots(geometry, config)
     stride = geometry.row_stride
+    if cuts:
+        span = registered_span(geometry, config)
+        edges = [span.offset, *cuts, span.end]
+        return [SetupUnit(row + (i == len(edges) - 2),
+                          (ByteRange(row * stride + lo, hi - lo),))
+                for row in range(geometry.rows)
+                for i, (lo, hi) in enumerate(pairwise(edges))]
     rows_per = max(1, unit_bytes // (geometry.slot_bytes if per_slot else stride))
     units = []
     for first in range(0, geometry.rows, rows_per):

@@ -18,6 +18,8 @@ from offload.geometry import (
     interleave_by_segment,
     merge_ranges,
     prefault_ranges,
+    registered_span,
+    registration_cuts,
     registration_ranges,
     segment_ranges,
     setup_units,
@@ -391,3 +393,70 @@ def test_setup_units_register_what_the_blocking_path_does_in_row_order(
     everything = [r for u in units for r in u.ranges]
     assert covered(everything) == covered(registration_ranges(g, config))
     assert sum(r.length for r in everything) == sum(r.length for r in covered(everything))
+
+
+@st.composite
+def cut_case(draw: st.DrawFn) -> tuple[RegionGeometry, TierConfig, list[int], int]:
+    """A geometry, its config, copy starts at random inside its rows (some off the page
+    size) and a unit size from a fraction of a row to more than one."""
+    g, config = draw(geometry_and_config())
+    starts = draw(st.lists(st.integers(0, max(0, g.row_stride)), max_size=24))
+    starts += [draw(st.integers(0, g.row_stride // max(1, g.page_size))) * g.page_size
+               for _ in range(draw(st.integers(0, 12)))]
+    unit = draw(st.integers(1, max(1, 2 * g.row_stride)))
+    return g, config, starts, unit
+
+
+@settings(max_examples=500, deadline=None)
+@given(cut_case())
+def test_registration_cuts_keep_pieces_within_the_unit_where_starts_allow(
+        case: tuple[RegionGeometry, TierConfig, list[int], int]) -> None:
+    """Cuts are copy starts on page boundaries strictly inside the registered span, none
+    where the span fits a unit; a piece longer than a unit holds no usable start, and no
+    piece could have reached its next usable start within a unit."""
+    g, config, starts, unit = case
+    if g.rows and (g.slot_bytes if per_slot(g, config) else g.row_stride) \
+            > config.max_registration_bytes:
+        return
+    cuts = registration_cuts(g, config, starts, unit)
+    span = registered_span(g, config)
+    usable = sorted({c for c in starts if span.offset < c < span.end and c % g.page_size == 0})
+    if span.length <= unit:
+        assert cuts == ()
+        return
+    assert list(cuts) == sorted(set(cuts)) and set(cuts) <= set(usable)
+    edges = [span.offset, *cuts, span.end]
+    for lo, hi in pairwise(edges):
+        inside = [c for c in usable if lo < c < hi]
+        assert hi - lo <= unit or not inside
+        if hi != span.end:  # cut at hi: going on to the next usable start was too long
+            later = [c for c in usable if c > hi] + [span.end]
+            assert later[0] - lo > unit
+
+
+@settings(max_examples=300, deadline=None)
+@given(cut_case())
+def test_setup_units_in_pieces_register_each_row_once_and_finish_it_last(
+        case: tuple[RegionGeometry, TierConfig, list[int], int]) -> None:
+    """With cuts, every row's registered span is registered in pieces cut exactly there, in
+    order; a row counts as usable after its last piece only; and together the pieces are
+    the bytes the blocking path registers."""
+    g, config, starts, unit = case
+    if not g.rows or (g.slot_bytes if per_slot(g, config) else g.row_stride) \
+            > config.max_registration_bytes:
+        return
+    cuts = registration_cuts(g, config, starts, unit)
+    if not cuts:
+        return
+    units = setup_units(g, config, unit, cuts)
+    span = registered_span(g, config)
+    pieces = len(cuts) + 1
+    assert len(units) == g.rows * pieces
+    edges = [span.offset, *cuts, span.end]
+    for i, u in enumerate(units):
+        row, piece = divmod(i, pieces)
+        assert u.ranges == (ByteRange(row * g.row_stride + edges[piece],
+                                      edges[piece + 1] - edges[piece]),)
+        assert u.rows_end == row + (piece == pieces - 1)
+    everything = [r for u in units for r in u.ranges]
+    assert covered(everything) == covered(registration_ranges(g, config))

@@ -56,12 +56,15 @@ def _kv(rank: int) -> list:
     return [torch.randint(1, 256, (BLOCKS, PAGE), generator=gen, dtype=torch.uint8)]
 
 
-def _background_tier(rank: int, layout: str, registrar, world: int = 2, **config):
-    """A background tier of one-block rows (about 20), one row per set-up unit."""
+def _background_tier(rank: int, layout: str, registrar, world: int = 2,
+                     unit_bytes: int = 2 * PAGE, **config):
+    """A background tier of one-block rows (about 20), each registering two pages: one row
+    per set-up unit, or with ``unit_bytes`` = one page each row in two pieces (its page,
+    then its checksum trailer)."""
     import offload.region.host_region as host_region
     from offload import HostTier
 
-    host_region.UNIT_BYTES = 1  # one row per unit: the test steps rows one at a time
+    host_region.UNIT_BYTES = unit_bytes  # the test steps rows (or pieces) one at a time
     budget = 40 * PAGE * (1 if layout == "replicated" else world)
     tier_config = TierConfig(cpu_bytes_per_node=budget, layout=layout, blocks_per_chunk=1,
                              tp=world, timeout_s=20, background=True, **config)
@@ -93,17 +96,18 @@ def _decide_all(tier, rank: int) -> list:
     return [(r.job_id, r.success, r.failed_rank, (r.error or "")[:9]) for r in results]
 
 
-def _not_ready_everywhere(rank: int, layout: str, gate: str) -> object:
-    """Rank 1 sets up 2 rows and waits at the gate; rank 0 sets up everything.  A store into
-    row 5 (ready on rank 0 only) fails on both ranks, naming rank 1; the manager hands out the
-    two ready rows only; after the gate opens, every row stores and loads byte-exact."""
+def _not_ready_everywhere(rank: int, layout: str, gate: str, pieces: bool) -> object:
+    """Rank 1 sets up 2 rows (with ``pieces``: and the first piece of the third) and waits at
+    the gate; rank 0 sets up everything.  A store into row 5 (ready on rank 0 only) fails on
+    both ranks, naming rank 1; the manager hands out the two ready rows only; after the gate
+    opens, every row stores and loads byte-exact."""
     import torch
     import torch.distributed as dist
 
     from offload import CopyJob, OffloadError
 
-    registrar = GatedRegistrar(gate, free=2 if rank == 1 else 10 ** 6)
-    tier = _background_tier(rank, layout, registrar)
+    registrar = GatedRegistrar(gate, free=(5 if pieces else 2) if rank == 1 else 10 ** 6)
+    tier = _background_tier(rank, layout, registrar, unit_bytes=PAGE if pieces else 2 * PAGE)
     total = tier.plan.chunk_count
     created_ready = tier.actor.ready_rows
     assert tier.wait_ready(20, rows=2).rows == 2  # rank 1 stops at the gate after two rows
@@ -144,14 +148,20 @@ def _not_ready_everywhere(rank: int, layout: str, gate: str) -> object:
             "refused": refused, "early": early, "handed": handed, "full": full.full,
             "stored_ok": all(ok for _, ok, _, _ in stored), "loaded_ok":
             all(ok for _, ok, _, _ in loaded), "exact": exact,
-            "report": (report["background"], report["ready_rows"], report["ready_s"] is not None)}
+            "report": (report["background"], report["ready_rows"], report["ready_s"] is not None),
+            "cuts": tier.actor.region.cuts, "registrations": registrar.calls,
+            "slot_offset": tier.plan.slots[rank].slot_offset}
 
 
-@pytest.mark.parametrize("layout", ["private", "shared", "replicated"])
+@pytest.mark.parametrize(("layout", "pieces"), [("private", False), ("shared", False),
+                                                ("replicated", False), ("private", True),
+                                                ("shared", True)])
 def test_a_row_not_ready_on_one_rank_fails_the_job_on_every_rank_and_nothing_is_wrong(
-        tmp_path, layout):
+        tmp_path, layout, pieces):
+    """Also with rows registered in pieces: a row whose first piece is registered on rank 1
+    is not ready there, and the tier counts it as not ready."""
     gate = str(tmp_path / "gate")
-    outcomes = run_group(_not_ready_everywhere, 2, args=(layout, gate), timeout=120)
+    outcomes = run_group(_not_ready_everywhere, 2, args=(layout, gate, pieces), timeout=120)
     for o in outcomes:
         assert o.ok, o.error
     values = [o.value for o in outcomes]
@@ -166,6 +176,9 @@ def test_a_row_not_ready_on_one_rank_fails_the_job_on_every_rank_and_nothing_is_
     for v in values:
         assert v["full"] and v["stored_ok"] and v["loaded_ok"] and v["exact"], v
         assert v["report"] == (True, total, True)
+        # pieces: each row's page, then its trailer (a page further), registered apart
+        assert v["cuts"] == ((v["slot_offset"] + PAGE,) if pieces else ())
+        assert v["registrations"] == total * (2 if pieces else 1)
 
 
 def _stops_on_error(rank: int, gate: str) -> object:

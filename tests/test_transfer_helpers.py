@@ -4,6 +4,7 @@ byte-by-byte reference of the region."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -11,6 +12,7 @@ import torch
 
 from offload import integrity
 from offload.config import TierConfig
+from offload.geometry import copy_starts
 from offload.plan import RankDescriptor, compute_plan
 from offload.transfer import SlotLayout
 from offload.transfer.base import TransferEngine
@@ -63,6 +65,17 @@ def slot_layout(pages: Sequence[int], bpc: int, rank: int = 1,
     plan = compute_plan([RankDescriptor(r, "n0", r, 2, r, 0, tuple(pages), config)
                          for r in range(2)])
     return SlotLayout.from_plan(plan, rank)
+
+
+def with_cuts(layout: SlotLayout, count: int, seed: int) -> SlotLayout:
+    """``layout`` with its rows registered in pieces: ``count`` cuts at random starts of its
+    pages or its trailer (`offload.geometry.copy_starts`)."""
+    starts = sorted(set(copy_starts(layout.slot_offset, layout.tensor_offsets,
+                                    layout.page_bytes, layout.blocks_per_chunk,
+                                    layout.trailer_offset)) - {0})
+    rng = np.random.default_rng(seed)
+    chosen = rng.choice(starts, size=min(count, len(starts)), replace=False)
+    return dataclasses.replace(layout, cuts=tuple(sorted(int(c) for c in chosen)))
 
 
 def staging_ring(pages: list[int], bpc: int, checked: bool, budget_rows: float

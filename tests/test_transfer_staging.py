@@ -31,11 +31,13 @@ from offload.transfer.staging import (
     layer_plan,
     layer_runs,
     merged_ranges,
+    row_copies,
+    split_at_cuts,
     stage_plan,
     tensor_groups,
     whole_chunks,
 )
-from tests.test_transfer_helpers import expected_region, slot_layout, staging_ring
+from tests.test_transfer_helpers import expected_region, slot_layout, staging_ring, with_cuts
 
 PAGES = st.sampled_from([8, 60, 64, 256, 1000, 4096, 20_000])
 
@@ -52,6 +54,9 @@ def _emulate(plan: StagePlan, layout: object, kv: list[np.ndarray], job: Job,
     assert chunks is not None
     parts = job_slices(plan, layout, int(chunks.size), first_slot)
     host = parts.host_offsets(chunks, layout.row_stride)
+    # no DMA spans two registrations: each lies in one piece of its row
+    within = parts.host_offsets(np.zeros_like(chunks), layout.row_stride)
+    assert np.array_equal(layout.piece_of(within), layout.piece_of(within + parts.size - 1))
     ring = np.full(plan.ring_bytes, 0xEE, dtype=np.uint8)  # what earlier jobs left there
     keys, offsets = layout.tensor_keys(), integrity.unit_offsets(layout.page_bytes)
     for s in range(len(parts)):
@@ -116,13 +121,17 @@ def _three_chunks(layout: SlotLayout, seed: int
 @settings(max_examples=60, deadline=None)
 @given(pages=st.lists(PAGES, min_size=1, max_size=6), bpc=st.sampled_from([1, 2, 4, 5]),
        checked=st.booleans(), budget_rows=st.sampled_from([0.6, 1.0, 2.5, 9.0]),
-       seed=st.integers(0, 2**16))
+       seed=st.integers(0, 2**16), cuts=st.integers(0, 6))
 def test_staged_store_and_load_match_the_page_by_page_reference(
-        pages: list[int], bpc: int, checked: bool, budget_rows: float, seed: int) -> None:
+        pages: list[int], bpc: int, checked: bool, budget_rows: float, seed: int,
+        cuts: int) -> None:
+    """Byte for byte what the page-by-page reference writes and reads, also with the rows
+    registered in pieces (``cuts`` of them, at random copy starts)."""
     layout, plan = staging_ring(pages, bpc, checked, budget_rows)
     if isinstance(plan, str):  # one tensor's chunk alone is larger than half the budget
         assert tensor_groups(layout, 0) is None
         return
+    layout = with_cuts(layout, cuts, seed)
     job, blocks, kv, before = _three_chunks(layout, seed)
     region = before.copy()
     first = seed % plan.slots
@@ -284,21 +293,21 @@ def test_layer_runs_are_the_fewest_joins_within_the_bound(
     layout, plan = staging_ring(pages, 4, checked, budget_rows)
     if isinstance(plan, str):
         return
+    layout = with_cuts(layout, chunks % 4, max_copies)
     ranges = tensor_ranges(len(pages), min(groups, len(pages)))
-    runs = layer_runs(plan, ranges, chunks, checked, max_copies)
+    runs = layer_runs(plan, layout, ranges, chunks, max_copies)
 
-    def copies(k: int) -> tuple[int, int]:
-        """DMAs of ``k`` groups joined, and the bound's count (two per cut group with
-        checksums, where one whose sums follow its pages takes one)."""
+    def copies(k: int) -> int:
+        """DMAs of ``k`` groups joined, as `job_slices` lists them."""
         cut = layer_plan(plan, layout, merged_ranges(ranges, k)).plan
-        return (int(job_slices(cut, layout, chunks).size.size),
-                chunks * len(cut.groups) * (2 if checked else 1))
+        issued = int(job_slices(cut, layout, chunks).size.size)
+        assert issued == chunks * row_copies(cut, layout)
+        return issued
 
     if runs < len(ranges):
-        issued, bound = copies(runs)
-        assert issued <= bound <= max_copies
+        assert copies(runs) <= max_copies
     if runs > 1:
-        assert copies(runs - 1)[1] > max_copies
+        assert copies(runs - 1) > max_copies
 
 
 @pytest.mark.parametrize(("ends", "events", "slices"), [
@@ -308,3 +317,27 @@ def test_group_ends_that_leave_an_event_unrecorded_are_refused(ends: list[int], 
     with pytest.raises(OffloadError, match="are not increasing slices"):
         check_layer_ends(np.array(ends, dtype=np.int64), events, slices)
     check_layer_ends(np.arange(events, dtype=np.int64), events, max(events, slices))
+
+
+@settings(max_examples=300, deadline=None)
+@given(copies=st.lists(st.tuples(st.integers(0, 200), st.integers(1, 80)), max_size=8),
+       cuts=st.lists(st.integers(1, 299), max_size=6, unique=True))
+def test_copies_split_at_cuts_cover_the_same_bytes_and_span_none(
+        copies: list[tuple[int, int]], cuts: list[int]) -> None:
+    """Each copy's parts are consecutive, in order, move the same bytes to the same places,
+    and none holds a cut inside it."""
+    host = np.array([h for h, _ in copies], dtype=np.int64)
+    size = np.array([n for _, n in copies], dtype=np.int64)
+    stage = 1000 + 3 * host
+    edges = tuple(sorted(cuts))
+    lo, at, length, tag = split_at_cuts(host, stage, size, np.arange(host.size), edges)
+    assert tag.tolist() == sorted(tag.tolist()) and (length > 0).all()
+    for c in range(host.size):
+        mine = tag == c
+        parts = list(zip(lo[mine].tolist(), length[mine].tolist(), at[mine].tolist(),
+                         strict=True))
+        assert parts[0][0] == host[c] and sum(n for _, n, _ in parts) == size[c]
+        for (h, n, g), (h2, _, _) in zip(parts, parts[1:] + [(host[c] + size[c], 0, 0)],
+                                         strict=True):
+            assert h + n == h2 and g == stage[c] + (h - host[c])
+            assert not any(h < x < h + n for x in edges)

@@ -361,10 +361,11 @@ class BackgroundSetup:
                     took = time.perf_counter() - began
                     self.busy_s += took
                     self.longest_call_s = max(self.longest_call_s, took)
-                self.ready_rows = unit.rows_end
-                if self.first_ready_s is None:
-                    self.first_ready_s = time.perf_counter() - self.started
-                self._on_ready(self.ready_rows, False)
+                if unit.rows_end > self.ready_rows:  # a row's last piece (or whole rows)
+                    self.ready_rows = unit.rows_end
+                    if self.first_ready_s is None:
+                        self.first_ready_s = time.perf_counter() - self.started
+                    self._on_ready(self.ready_rows, False)
                 self._registered_bytes += unit.length
                 i += 1
                 if i == len(self._units) or self._state[i] != 1 or self._stopping.is_set():

@@ -55,8 +55,10 @@ from offload.errors import OffloadError, one_line
 from offload.geometry import (
     ByteRange,
     RegionGeometry,
+    copy_starts,
     merge_ranges,
     prefault_ranges,
+    registration_cuts,
     registration_ranges,
     segment_ranges,
     setup_units,
@@ -157,6 +159,9 @@ class HostRegion:
         self._pipeline: PinPipeline | None = None
         self._setup: BackgroundSetup | None = None
         self._reservation: BackgroundReservation | None = None  # the leader's, background
+        # row-relative offsets where a registration may begin inside a row (background
+        # set-up's pieces below one row); every copy is split there (`SlotLayout.cuts`)
+        self.cuts: tuple[int, ...] = ()
 
     @property
     def address(self) -> int:
@@ -244,7 +249,12 @@ class HostRegion:
 
     def _start_background(self, topology: Topology, config: TierConfig,
                           progress: ProgressFn | None, on_ready: ReadyFn | None) -> None:
-        units = setup_units(self.geometry, config, UNIT_BYTES)
+        slot = self.plan.slots[topology.rank]
+        self.cuts = registration_cuts(
+            self.geometry, config, copy_starts(slot.slot_offset, slot.tensor_offsets,
+                                               slot.page_bytes, self.plan.blocks_per_chunk,
+                                               slot.trailer_offset), UNIT_BYTES)
+        units = setup_units(self.geometry, config, UNIT_BYTES, self.cuts)
         self.stats.background = True
         # a unit populates exactly the bytes it registers: the blocking path's registrations
         self.stats.prefault_bytes = self.stats.pin_plan_bytes = sum(u.length for u in units)

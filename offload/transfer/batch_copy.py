@@ -89,12 +89,17 @@ class BatchCopier:
 def page_copies(engine: StreamEngine, direction: Direction, job: Job
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``job`` as one (source, destination, bytes) copy per page of every tensor (whole-array
-    numpy operations), merged where pages continue each other inside one host row."""
+    numpy operations), merged where pages continue each other inside one registration: one
+    host row, or one piece of it where the row is registered in pieces (`SlotLayout.cuts`;
+    a page never spans a cut)."""
     layout = engine.layout
-    kv, host = page_addresses(engine._kv_bases, engine._block_strides,
-                              engine._region.data_ptr(), layout, job)
+    base = engine._region.data_ptr()
+    kv, host = page_addresses(engine._kv_bases, engine._block_strides, base, layout, job)
     sizes = np.broadcast_to(np.asarray(layout.page_bytes, dtype=np.int64)[:, None], kv.shape)
     rows = np.broadcast_to(job.host_pages // layout.blocks_per_chunk, kv.shape)
+    if layout.cuts:
+        within = host.astype(np.int64) - base - rows * layout.row_stride
+        rows = rows * (len(layout.cuts) + 1) + layout.piece_of(within)
     src, dst = (kv, host) if direction == "store" else (host, kv)
     return coalesce(src.ravel(), dst.ravel(), sizes.ravel(), rows.ravel())
 

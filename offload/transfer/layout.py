@@ -28,7 +28,10 @@ class SlotLayout:
     starts ``slot_offset`` bytes into each row; inside the slot KV tensor ``t`` holds
     ``blocks_per_chunk`` pages of ``page_bytes[t]`` bytes back to back from
     ``tensor_offsets[t]``; with ``trailer_offset`` set, the slot's page checksums follow at
-    that offset in the slot (`offload.integrity`), mixed with ``seed``."""
+    that offset in the slot (`offload.integrity`), mixed with ``seed``.  ``cuts``: row-relative
+    offsets where a host registration begins inside a row (background set-up registers rows
+    in pieces, `offload.geometry.registration_cuts`); a batched copy whose host range spans
+    two registrations fails, so the copy paths split every copy there (`piece_of`)."""
 
     row_stride: int
     slot_offset: int
@@ -37,6 +40,7 @@ class SlotLayout:
     tensor_offsets: tuple[int, ...]
     trailer_offset: int | None = None
     seed: int = 0
+    cuts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.page_bytes) != len(self.tensor_offsets) or not self.page_bytes:
@@ -65,6 +69,11 @@ class SlotLayout:
                 f"slot layout spans bytes {self.slot_offset}..{end} of a {self.row_stride}-byte "
                 "row; the slot must lie inside its row (rebuild the plan)"
             )
+        inside = (0, *self.cuts, self.row_stride)
+        if any(a >= b for a, b in zip(inside, inside[1:], strict=False)):
+            raise OffloadError(
+                f"registration cuts {list(self.cuts)} are not increasing offsets inside a "
+                f"{self.row_stride}-byte row; take them from the region (`HostRegion.cuts`)")
 
     @classmethod
     def from_plan(cls, plan: Plan, rank: int) -> SlotLayout:
@@ -104,6 +113,11 @@ class SlotLayout:
     def region_bytes(self, chunk_count: int) -> int:
         """Bytes a region must span to hold ``chunk_count`` rows."""
         return chunk_count * self.row_stride
+
+    def piece_of(self, offsets: IndexArray) -> IndexArray:
+        """For row-relative byte ``offsets``, the registration piece of the row each lies
+        in (0 .. len(cuts)): copies join or stay whole only within one piece."""
+        return np.searchsorted(np.asarray(self.cuts, dtype=np.int64), offsets, side="right")
 
     def host_page_offsets(self) -> IndexArray:
         """Per tensor, the byte offset of its page at (chunk 0, position 0) in the region."""
@@ -273,9 +287,10 @@ def coalesce(src: IndexArray, dst: IndexArray, count: IndexArray,
     """Merge copies that continue each other on both sides into one longer copy.
 
     Copies are first ordered by source; copy ``i + 1`` joins copy ``i`` when it starts where
-    ``i`` ends in both the source and the destination and, when ``row`` is given, lies in the
-    same host row: registrations end on row boundaries, and a batched copy that spans two of
-    them fails (DESIGN.md section 5).  A chunk's consecutive blocks going to consecutive
+    ``i`` ends in both the source and the destination and, when ``row`` is given, has the
+    same ``row`` key: the host registration it lies in (a row, or a piece of one,
+    `SlotLayout.cuts`), since a batched copy that spans two registrations fails (DESIGN.md
+    section 5).  A chunk's consecutive blocks going to consecutive
     positions become one copy per KV tensor (16 blocks of 64 KiB -> one 1 MiB copy), which a copy
     engine moves far faster than sixteen small ones.  The bytes moved are the same.
     """

@@ -208,20 +208,32 @@ def merged_ranges(ranges: list[tuple[int, int]], runs: int) -> list[tuple[int, i
             for i in range(0, len(ranges), runs)]
 
 
-def layer_runs(plan: StagePlan, ranges: list[tuple[int, int]], chunks: int, checked: bool,
-               max_copies: int) -> int:
+def layer_runs(plan: StagePlan, layout: SlotLayout, ranges: list[tuple[int, int]],
+               chunks: int, max_copies: int) -> int:
     """How many consecutive layer groups a layer-wise load of ``chunks`` chunks moves
     together (`merged_ranges`): the fewest whose `layer_plan` issues at most ``max_copies``
-    DMAs -- one per chunk and cut group, two with checksums (``checked``; one where a group's
-    sums follow its pages, so this bounds the count from above) -- or all of them, which is a
-    whole load's DMAs."""
-    per_row = 2 if checked else 1
+    DMAs (`row_copies` per chunk), or all of them, which is a whole load's DMAs."""
     for runs in range(1, len(ranges)):
-        cut = sum(1 for first, count in merged_ranges(ranges, runs) for g in plan.groups
-                  if max(first, g.first) < min(first + count, g.first + g.count))
-        if chunks * cut * per_row <= max_copies:
+        cut = layer_plan(plan, layout, merged_ranges(ranges, runs)).plan
+        if chunks * row_copies(cut, layout) <= max_copies:
             return runs
     return len(ranges)
+
+
+def row_copies(plan: StagePlan, layout: SlotLayout) -> int:
+    """The DMAs `job_slices` issues per chunk under ``plan``: per group its pages and its
+    sums (one copy where they are one run), each split at the layout's registration cuts."""
+    host: list[int] = []
+    size: list[int] = []
+    for g in plan.groups:
+        if g.trailer_offset is None or g.one_copy:
+            host.append(g.pages_offset)
+            size.append(g.pages_bytes + g.trailer_bytes)
+        else:
+            host += [g.pages_offset, g.trailer_offset]
+            size += [g.pages_bytes, g.trailer_bytes]
+    at = np.array(host, dtype=np.int64)
+    return int(split_at_cuts(at, at, np.array(size, dtype=np.int64), at, layout.cuts)[0].size)
 
 
 def layer_ends(parts: JobSlices, layer: tuple[int, ...], layers: int) -> list[int]:
@@ -291,14 +303,33 @@ def job_slices(plan: StagePlan, layout: SlotLayout, count: int, first_slot: int 
         size = np.stack([np.where(one, pages_bytes + sums_bytes, pages_bytes),
                          np.where(one, 0, sums_bytes)], axis=1)
         keep = size > 0
-        per_unit = keep.sum(axis=1)
-        chunk_index = np.broadcast_to(unit_chunk[:, None], keep.shape)[keep]
+        unit = np.broadcast_to(np.arange(unit_chunk.size)[:, None], keep.shape)[keep]
         host, stage, size = host[keep], stage[keep], size[keep]
     else:
-        host, stage, size, chunk_index = pages_at, start, pages_bytes, unit_chunk
-        per_unit = np.ones(unit_chunk.size, dtype=np.int64)
-    per_slice = np.bincount(unit_slice, weights=per_unit, minlength=first_entry.size)
+        host, stage, size, unit = pages_at, start, pages_bytes, np.arange(unit_chunk.size)
+    host, stage, size, unit = split_at_cuts(host, stage, size, unit, layout.cuts)
+    per_slice = np.bincount(unit_slice[unit], minlength=first_entry.size)
     bounds = np.concatenate(([0], np.cumsum(per_slice))).astype(np.int64)
     return JobSlices(first_entry.tolist(), entries.tolist(), slice_group.tolist(),
-                     bounds.tolist(), chunk_index.astype(np.int64), host.astype(np.int64),
+                     bounds.tolist(), unit_chunk[unit].astype(np.int64), host.astype(np.int64),
                      stage.astype(np.int64), size.astype(np.int64))
+
+
+def split_at_cuts(host: IndexArray, stage: IndexArray, size: IndexArray, tag: IndexArray,
+                  cuts: tuple[int, ...]) -> tuple[IndexArray, IndexArray, IndexArray, IndexArray]:
+    """Copies of ``size`` bytes between row-relative host offset ``host`` and ``stage``, each
+    cut where it crosses one of ``cuts`` (the row's registration pieces: a batched copy
+    spanning two registrations fails), in order; ``tag`` follows each copy into its parts."""
+    if not cuts:
+        return host, stage, size, tag
+    edges = np.asarray(cuts, dtype=np.int64)
+    first_cut = np.searchsorted(edges, host, side="right")  # the first cut past the start
+    parts = 1 + np.searchsorted(edges, host + size, side="left") - first_cut
+    copy = np.repeat(np.arange(host.size), parts)
+    k = np.arange(copy.size) - np.repeat(np.cumsum(parts) - parts, parts)  # part in copy
+    inner = np.concatenate((edges, np.zeros(1, dtype=np.int64)))  # [len(cuts)]: masked
+    lo = np.where(k == 0, host[copy], inner[first_cut[copy] + k - 1])
+    hi = np.where(k == parts[copy] - 1, host[copy] + size[copy],
+                  inner[np.minimum(first_cut[copy] + k, edges.size)])
+    at = (stage[copy] + (lo - host[copy])).astype(np.int64)
+    return lo.astype(np.int64), at, (hi - lo).astype(np.int64), tag[copy].astype(np.int64)
