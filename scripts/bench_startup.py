@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import mmap
 import os
@@ -81,8 +82,9 @@ def ours(rank: int, world: int, args: argparse.Namespace, layout: str) -> dict[s
     device = device_for(rank)
     tp = world // args.pp
     payload = stage_payloads(args)[rank // tp]
-    kv = [torch.zeros((args.blocks_per_chunk, payload // args.tensors), dtype=torch.uint8,
-                      device=device) for _ in range(args.tensors)]
+    blocks = max(args.blocks_per_chunk, args.job_blocks)
+    kv = [torch.zeros((blocks, payload // args.tensors), dtype=torch.uint8, device=device)
+          for _ in range(args.tensors)]
     background = layout.startswith("background:")
     config = TierConfig(cpu_bytes_per_node=args.cpu_bytes, layout=layout.split(":")[-1],
                         blocks_per_chunk=args.blocks_per_chunk, tp=tp, pp=args.pp,
@@ -103,9 +105,10 @@ def ours(rank: int, world: int, args: argparse.Namespace, layout: str) -> dict[s
             f.write(sampler.report() + "\n")
     ready = time.time() if background else created  # blocking: ready when create returns
     waits = probe.stop() if probe is not None else None
+    jobs = jobs_when_ready(tier, args.job_blocks, payload)
     row = tier.actor.report()
     result = {"start": start, "ready": ready, "created": created, "first": first,
-              "first_ready": first_ready,
+              "first_ready": first_ready, "jobs": jobs,
               "registered": row["pinned_bytes"], "probe": waits,
               "own_bytes": tier.plan.slots[rank].slot_bytes * tier.plan.chunk_count, "row": row}
     hold(rank, result, baseline)
@@ -126,6 +129,33 @@ def first_job(tier: Any, blocks: int) -> tuple[float, float]:
     tier.submit(CopyJob(0, "store", tuple(range(n)), (0,) * n, tuple(range(n))))
     tier.wait([0])
     return time.time(), first_ready
+
+
+def jobs_when_ready(tier: Any, blocks: int, payload: int, reps: int = 5
+                    ) -> dict[str, float] | None:
+    """Once every row is ready: the median GB/s of ``reps`` stores and loads of ``blocks``
+    blocks in whole chunks (an engine's prefix), each timed from ``submit`` to decided, so a
+    layout's registrations are seen in the copies (None: ``blocks`` is 0)."""
+    import statistics
+
+    from offload import CopyJob
+
+    bpc = tier.plan.blocks_per_chunk
+    n = min(blocks, tier.plan.chunk_count * bpc) // bpc * bpc
+    if n == 0:
+        return None
+    ids = itertools.count(1_000_000)
+    chunks = tuple(j // bpc for j in range(n))
+    positions = tuple(j % bpc for j in range(n))
+    rates: dict[str, list[float]] = {"store": [], "load": []}
+    for _ in range(reps):
+        for direction in ("store", "load"):
+            job = CopyJob(next(ids), direction, tuple(range(n)), chunks, positions)
+            began = time.perf_counter()
+            tier.submit(job)
+            tier.wait([job.job_id])
+            rates[direction].append(n * payload / (time.perf_counter() - began) / 1e9)
+    return {f"{d}_GBps": statistics.median(r) for d, r in rates.items()}
 
 
 class LaunchProbe:
@@ -292,6 +322,10 @@ def run_variant(world: int, fn: Callable[..., dict[str, Any]], *extra: Any) -> d
         stages["over_2ms"] = sum(p["over_2ms"] for p in probes)
         stages["launches"] = sum(p["count"] for p in probes)
         stages["mmap_max_ms"] = max(p["mmap_max_ms"] for p in probes)
+    rated = [r["jobs"] for r in results.values() if r.get("jobs")]
+    if rated:  # the slowest rank's
+        stages["store_GBps"] = min(j["store_GBps"] for j in rated)
+        stages["load_GBps"] = min(j["load_GBps"] for j in rated)
     longest = _most_over_ranks(results, lambda row: row.get("longest_registration_s"))
     if longest is not None:
         stages["reg_max_ms"] = 1e3 * longest
@@ -361,6 +395,9 @@ def main() -> None:
                    help="KV tensors the per-block payload is split into (160 with "
                         "--kv-bytes-per-block 2560KiB: 16 KiB pages, engine-shaped)")
     p.add_argument("--threads", type=int, default=16, help="pre-fault threads per rank")
+    p.add_argument("--job-blocks", type=int, default=128,
+                   help="our layouts: once every row is ready, time stores and loads of this "
+                        "many blocks in whole chunks (0: none)")
     p.add_argument("--layouts", default="private,shared,replicated")
     p.add_argument("--variants", default="floor,ours,naive,pin_memory",
                    help="any of floor, ours, background, naive, pin_memory")
@@ -444,16 +481,20 @@ def print_table(report: dict[str, Any]) -> None:
           "the start; full/blocking: full against the blocking create of the layout")
     print("(first_ready: row 0 ready on every rank; launch waits: the probe's, over every "
           "rank; >2ms: how many of all launches waited longer; mmap_ms: the probe's longest "
-          "4 KiB mmap and munmap; reg_ms: the longest registration call)")
+          "4 KiB mmap and munmap; reg_ms: the longest registration call; GB/s: stores and "
+          "loads of --job-blocks blocks once every row is ready, the slowest rank's median)")
     header = ("variant", "create", "first_ready", "first_job", "full", "full/blocking",
-              "worst_ms", "p99_ms", "p50_ms", ">2ms", "jit_s", "mmap_ms", "reg_ms")
-    print("{:<22}{:>8}{:>12}{:>11}{:>8}{:>15}{:>10}{:>8}{:>8}{:>12}{:>7}{:>9}{:>8}".format(
-        *header))
+              "worst_ms", "p99_ms", "p50_ms", ">2ms", "jit_s", "mmap_ms", "reg_ms",
+              "store/load GB/s")
+    print("{:<22}{:>8}{:>12}{:>11}{:>8}{:>15}{:>10}{:>8}{:>8}{:>12}{:>7}{:>9}{:>8}{:>17}"
+          .format(*header))
     for name, r in staged.items():
         blocking = rows.get("ours/" + name.split("/")[-1], {}).get("seconds")
         probed = "worst_wait_ms" in r
+        rates = (f"{r['store_GBps']:.1f}/{r['load_GBps']:.1f}" if "store_GBps" in r
+                 else "-")
         print("{:<22}{:>8.3f}{:>12}{:>11.3f}{:>8.2f}{:>15}{:>10}{:>8}{:>8}{:>12}{:>7}{:>9}{:>8}"
-              .format(
+              "{:>17}".format(
             name, r["created"], f"{r['first_ready']:.3f}" if "first_ready" in r else "-",
             r["first"], r["seconds"],
             f"{r['seconds'] / blocking:.2f}" if blocking and name.startswith("background")
@@ -463,7 +504,7 @@ def print_table(report: dict[str, Any]) -> None:
             f"{r['over_2ms']}/{r['launches']}" if probed else "-",
             f"{r['jit_s']:.2f}" if "jit_s" in r else "-",
             f"{r['mmap_max_ms']:.1f}" if probed else "-",
-            f"{r['reg_max_ms']:.0f}" if "reg_max_ms" in r else "-"))
+            f"{r['reg_max_ms']:.0f}" if "reg_max_ms" in r else "-", rates))
 
 
 if __name__ == "__main__":

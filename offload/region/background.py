@@ -60,7 +60,8 @@ log = logging.getLogger(__name__)
 # NOTE: one unit is one registration call at most (or one per slot): a registration holds the
 # CUDA driver, so an engine launch issued meanwhile waits for it -- up to 19 ms behind 256 MiB
 # pieces of 4 KiB shmem pages, measured (docs/BENCHMARKS.md, "Ready to serve at once").  At
-# ~6 GiB/s per process 8 MiB keeps that wait near 1 ms; a unit is never less than one row.
+# ~6 GiB/s per process 8 MiB keeps that wait near 1 ms.  A row larger than this is registered
+# in pieces (`geometry.registration_cuts`), which the copy paths split their copies at.
 UNIT_BYTES = 8 << 20
 # NOTE: the C loop's longest madvise: the advice holds the mmap lock for reading, and at idle
 # priority on a busy host a call can take long to finish while every thread that maps memory
