@@ -7,6 +7,7 @@ the rules of DESIGN.md sections 4 and 5 are tested exhaustively without touching
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -168,31 +169,34 @@ def copy_starts(slot_offset: int, tensor_offsets: Sequence[int], page_bytes: Seq
 
 def registration_cuts(geometry: RegionGeometry, config: TierConfig, starts: Iterable[int],
                       unit_bytes: int) -> tuple[int, ...]:
-    """Where background set-up may begin a registration inside a row (row-relative, the same
-    in every row), so that no registration is much over ``unit_bytes``: none where a row's
-    registered span (`registered_span`) fits ``unit_bytes``.
+    """Where background set-up begins a registration inside a row (row-relative, the same in
+    every row): the registered span (`registered_span`) cut into the nearest whole number of
+    pieces of ``unit_bytes``, as even as the copy starts allow; none where the span is under
+    one and a half units.
 
-    A registration holds the CUDA driver for its whole duration, and a batched copy whose
+    A registration holds the CUDA driver for its whole duration (an engine launch waits for
+    it), and each call also costs a fixed ~0.1 ms, so pieces are about a unit: not smaller
+    (no short trailing piece for a row's checksums), not much larger.  A batched copy whose
     host range spans two registrations fails, so the copy paths split every copy at these
     cuts (`offload.transfer.layout.SlotLayout.cuts`).  Cuts are taken only from ``starts``,
     the offsets where this rank's copies may begin (a page of one tensor, the checksum
     trailer), and only on page boundaries of the region's page size: a page is never split
-    and registrations never share a page.  Greedy: a piece grows over the candidates until
-    the next would take it past ``unit_bytes`` (a piece with no candidate inside stays
-    longer).
+    and registrations never share a page.  Each cut is the usable start nearest its even
+    share of the span.
     """
     span = registered_span(geometry, config)
-    if span.length <= unit_bytes:
-        return ()
+    pieces = int(span.length / unit_bytes + 0.5)
     page = geometry.page_size
-    candidates = sorted({c for c in starts
-                         if span.offset < c < span.end and c % page == 0} | {span.end})
+    usable = sorted({c for c in starts if span.offset < c < span.end and c % page == 0})
+    if pieces <= 1 or not usable:
+        return ()
     cuts: list[int] = []
-    begin = span.offset
-    for here, after in pairwise(candidates):
-        if after - begin > unit_bytes:
-            cuts.append(here)
-            begin = here
+    for i in range(1, pieces):
+        target = span.offset + i * span.length // pieces
+        at = bisect.bisect_left(usable, target)
+        near = min(usable[max(0, at - 1):at + 1], key=lambda c: (abs(c - target), c))
+        if not cuts or near > cuts[-1]:
+            cuts.append(near)
     return tuple(cuts)
 
 

@@ -409,11 +409,11 @@ def cut_case(draw: st.DrawFn) -> tuple[RegionGeometry, TierConfig, list[int], in
 
 @settings(max_examples=500, deadline=None)
 @given(cut_case())
-def test_registration_cuts_keep_pieces_within_the_unit_where_starts_allow(
+def test_registration_cuts_are_the_usable_starts_nearest_even_shares(
         case: tuple[RegionGeometry, TierConfig, list[int], int]) -> None:
-    """Cuts are copy starts on page boundaries strictly inside the registered span, none
-    where the span fits a unit; a piece longer than a unit holds no usable start, and no
-    piece could have reached its next usable start within a unit."""
+    """The span is cut into the nearest whole number of units: each cut is the copy start on
+    a page boundary strictly inside the span nearest its even share (one cut for two shares
+    that pick the same start), none for a span under one and a half units."""
     g, config, starts, unit = case
     if g.rows and (g.slot_bytes if per_slot(g, config) else g.row_stride) \
             > config.max_registration_bytes:
@@ -421,17 +421,31 @@ def test_registration_cuts_keep_pieces_within_the_unit_where_starts_allow(
     cuts = registration_cuts(g, config, starts, unit)
     span = registered_span(g, config)
     usable = sorted({c for c in starts if span.offset < c < span.end and c % g.page_size == 0})
-    if span.length <= unit:
+    pieces = int(span.length / unit + 0.5)  # the nearest whole number, halves up
+    if pieces <= 1 or not usable:
         assert cuts == ()
         return
-    assert list(cuts) == sorted(set(cuts)) and set(cuts) <= set(usable)
-    edges = [span.offset, *cuts, span.end]
-    for lo, hi in pairwise(edges):
-        inside = [c for c in usable if lo < c < hi]
-        assert hi - lo <= unit or not inside
-        if hi != span.end:  # cut at hi: going on to the next usable start was too long
-            later = [c for c in usable if c > hi] + [span.end]
-            assert later[0] - lo > unit
+    nearest = [min(usable, key=lambda c, t=span.offset + i * span.length // pieces:
+                   (abs(c - t), c)) for i in range(1, pieces)]
+    assert list(cuts) == sorted(set(nearest))
+
+
+@pytest.mark.parametrize(("span_pages", "unit_pages"), [(10, 4), (10, 5), (10, 3), (7, 2),
+                                                        (1000, 7), (3, 2)])
+def test_cuts_among_every_page_make_even_pieces_of_about_a_unit(span_pages: int,
+                                                               unit_pages: int) -> None:
+    """Where every page starts a copy, the pieces differ by a page at most and each is
+    within half a unit of one unit (a row of whole units takes exactly that many)."""
+    page = 4096
+    g = RegionGeometry("private", 4, span_pages * page, 0, span_pages * page, page)
+    config = TierConfig(cpu_bytes_per_node=1 << 30)
+    unit = unit_pages * page
+    cuts = registration_cuts(g, config, range(0, g.row_stride, page), unit)
+    sizes = [b - a for a, b in pairwise([0, *cuts, g.row_stride])]
+    assert max(sizes) - min(sizes) <= page
+    assert all(abs(size - unit) <= unit / 2 + page for size in sizes)
+    if span_pages % unit_pages == 0:
+        assert sizes == [unit] * (span_pages // unit_pages)
 
 
 @settings(max_examples=300, deadline=None)
