@@ -186,7 +186,7 @@ def test_a_layer_wise_reload_continues_exactly_too(nproc: int, layout: str, tmp_
     first = report["time_s"]["ttft_median"]
     assert set(first) == {"whole", "forward", "layerwise", "layerwise_load",
                           "layerwise_load_alone", "paged_forward",
-                          "layerwise_over_longer"}
+                          "layerwise_over_longer", "layerwise_submit"}
     assert all(v > 0 for v in first.values())
     assert "layer-wise (3 groups)" in proc.stdout
 
