@@ -171,32 +171,50 @@ def registration_cuts(geometry: RegionGeometry, config: TierConfig, starts: Iter
                       unit_bytes: int) -> tuple[int, ...]:
     """Where background set-up begins a registration inside a row (row-relative, the same in
     every row): the registered span (`registered_span`) cut into the nearest whole number of
-    pieces of ``unit_bytes``, as even as the copy starts allow; none where the span is under
-    one and a half units.
+    pieces of ``unit_bytes``; none where the span is under one and a half units.
 
     A registration holds the CUDA driver for its whole duration (an engine launch waits for
     it), and each call also costs a fixed ~0.1 ms, so pieces are about a unit: not smaller
-    (no short trailing piece for a row's checksums), not much larger.  A batched copy whose
-    host range spans two registrations fails, so the copy paths split every copy at these
-    cuts (`offload.transfer.layout.SlotLayout.cuts`).  Cuts are taken only from ``starts``,
-    the offsets where this rank's copies may begin (a page of one tensor, the checksum
-    trailer), and only on page boundaries of the region's page size: a page is never split
-    and registrations never share a page.  Each cut is the usable start nearest its even
-    share of the span.
+    (no short trailing piece for a row's checksums where the cuts allow), not much larger.
+    A batched copy whose host range spans two registrations fails, so the copy paths split
+    every copy at these cuts (`offload.transfer.layout.SlotLayout.cuts`).
+
+    Cuts lie on page boundaries of the region's page size (a page is never split, and
+    registrations never share a page) where no copy of this rank runs across: at ``starts``,
+    the offsets where its copies may begin (a page of one tensor, the checksum trailer), or
+    anywhere outside its slot (a node row registered whole holds the other ranks' slots,
+    which this rank never copies).  Each cut is the usable offset nearest its even share of
+    the span; where usable offsets are sparse (huge pages, pages of odd sizes) the pieces are
+    as even as they allow, and with none the span stays whole.
     """
     span = registered_span(geometry, config)
     pieces = int(span.length / unit_bytes + 0.5)
-    page = geometry.page_size
-    usable = sorted({c for c in starts if span.offset < c < span.end and c % page == 0})
-    if pieces <= 1 or not usable:
+    if pieces <= 1:
         return ()
+    page = geometry.page_size
+    slot_start = geometry.slot_offset // page * page
+    slot_end = round_up(geometry.slot_offset + geometry.slot_bytes, page)
+    usable = sorted({c for c in starts if span.offset < c < span.end and c % page == 0})
+
+    def nearest(target: int) -> int | None:
+        """The usable offset nearest ``target`` (the lower on a tie), or None."""
+        at = bisect.bisect_left(usable, target)
+        near = list(usable[max(0, at - 1):at + 1])
+        below = target // page * page  # the page boundaries either side of the target
+        if target < slot_start:  # before the slot: any page boundary up to its start
+            near += [below, min(slot_start, below + page)]
+        elif target >= slot_end:  # after it: any page boundary from its end
+            near += [max(slot_end, below), below + page]
+        else:  # inside: the slot's page-rounded edges
+            near += [slot_start, slot_end]
+        near = [c for c in near if span.offset < c < span.end]
+        return min(near, key=lambda c: (abs(c - target), c)) if near else None
+
     cuts: list[int] = []
     for i in range(1, pieces):
-        target = span.offset + i * span.length // pieces
-        at = bisect.bisect_left(usable, target)
-        near = min(usable[max(0, at - 1):at + 1], key=lambda c: (abs(c - target), c))
-        if not cuts or near > cuts[-1]:
-            cuts.append(near)
+        cut = nearest(span.offset + i * span.length // pieces)
+        if cut is not None and (not cuts or cut > cuts[-1]):
+            cuts.append(cut)
     return tuple(cuts)
 
 
@@ -208,12 +226,14 @@ def setup_units(geometry: RegionGeometry, config: TierConfig, unit_bytes: int,
 
     A unit registers what `registration_ranges` would -- one range per slot, or its rows as
     one range -- cut at row boundaries (and at ``cuts``), so no copy of one block spans two
-    registrations and no registration is longer than a unit (a registration holds the CUDA
-    driver for its whole duration, delaying the engine's own launches).  A rank populates
+    registrations and no registration is much longer than a unit where the cuts allow (a
+    registration holds the CUDA driver for its whole duration, delaying the engine's own
+    launches).  A rank populates
     exactly the bytes it registers, so a unit never waits for another rank: in the
     replicated layout the stage's ranks each walk the stage's slots (the pages are allocated
     once, by whichever rank comes first), where the blocking path splits the population into
     node shards.  A row is usable after its last piece: ``rows_end`` repeats until then.
+    Pieces are about a unit where the cuts allow (`registration_cuts`).
     """
     if geometry.rows == 0:
         return []

@@ -411,16 +411,22 @@ def cut_case(draw: st.DrawFn) -> tuple[RegionGeometry, TierConfig, list[int], in
 @given(cut_case())
 def test_registration_cuts_are_the_usable_starts_nearest_even_shares(
         case: tuple[RegionGeometry, TierConfig, list[int], int]) -> None:
-    """The span is cut into the nearest whole number of units: each cut is the copy start on
-    a page boundary strictly inside the span nearest its even share (one cut for two shares
-    that pick the same start), none for a span under one and a half units."""
+    """The span is cut into the nearest whole number of units: each cut is the usable offset
+    strictly inside the span nearest its even share (one cut for two shares that pick the
+    same one), none for a span under one and a half units.  Usable: a copy start on a page
+    boundary, or any page boundary outside the rank's slot (a whole node row holds the other
+    ranks' slots, which this rank never copies)."""
     g, config, starts, unit = case
     if g.rows and (g.slot_bytes if per_slot(g, config) else g.row_stride) \
             > config.max_registration_bytes:
         return
     cuts = registration_cuts(g, config, starts, unit)
     span = registered_span(g, config)
-    usable = sorted({c for c in starts if span.offset < c < span.end and c % g.page_size == 0})
+    page = g.page_size
+    outside = {c for c in range(0, span.end, page)
+               if c <= g.slot_offset or c >= g.slot_offset + g.slot_bytes}
+    usable = sorted({c for c in {*starts, *outside}
+                     if span.offset < c < span.end and c % page == 0})
     pieces = int(span.length / unit + 0.5)  # the nearest whole number, halves up
     if pieces <= 1 or not usable:
         assert cuts == ()
@@ -474,3 +480,16 @@ def test_setup_units_in_pieces_register_each_row_once_and_finish_it_last(
         assert u.rows_end == row + (piece == pieces - 1)
     everything = [r for u in units for r in u.ranges]
     assert covered(everything) == covered(registration_ranges(g, config))
+
+
+def test_a_node_row_registered_whole_is_cut_among_the_other_slots_too() -> None:
+    """Shared, 8 ranks of 8 MiB slots past ``max_slot_rows``: each rank registers whole
+    64 MiB rows, and cuts at page boundaries outside its own slot make them eight even
+    pieces, whichever rank (its own copy starts alone would leave pieces of up to 56 MiB)."""
+    page, slot, ranks = 4096, 8 << 20, 8
+    config = TierConfig(cpu_bytes_per_node=1 << 30, layout="shared", max_slot_rows=1)
+    for rank in range(ranks):
+        g = RegionGeometry("shared", 4, ranks * slot, rank * slot, slot, page)
+        starts = range(rank * slot, (rank + 1) * slot, 64 << 10)  # its pages
+        cuts = registration_cuts(g, config, starts, 8 << 20)
+        assert [b - a for a, b in pairwise([0, *cuts, g.row_stride])] == [slot] * ranks

@@ -168,7 +168,7 @@ class BackgroundSetup:
         self.started = time.perf_counter()  # `start`, then when set-up could begin (`_begin`)
         self.finished: float | None = None  # perf_counter when the last unit was registered
         self.populated_s = 0.0  # from start until the last unit was populated
-        self.first_ready_s: float | None = None  # from start until the first unit was usable
+        self.first_ready_s: float | None = None  # from start until the first row was usable
         self.busy_s = 0.0  # inside registration calls
         self._registered_bytes = 0  # of the units registered so far (progress)
         self.undrained = 0  # registration batches that began beside madvise calls in flight
