@@ -98,7 +98,7 @@ def page_copies(engine: StreamEngine, direction: Direction, job: Job
     sizes = np.broadcast_to(np.asarray(layout.page_bytes, dtype=np.int64)[:, None], kv.shape)
     rows = np.broadcast_to(job.host_pages // layout.blocks_per_chunk, kv.shape)
     if layout.cuts:
-        within = host.astype(np.int64) - base - rows * layout.row_stride
+        within = host - base - rows * layout.row_stride
         rows = rows * (len(layout.cuts) + 1) + layout.piece_of(within)
     src, dst = (kv, host) if direction == "store" else (host, kv)
     return coalesce(src.ravel(), dst.ravel(), sizes.ravel(), rows.ravel())

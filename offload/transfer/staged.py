@@ -166,7 +166,8 @@ class StagedCopier:
         key = (chunks, tuple(ranges), max_copies)
         runs = self._runs.get(key)
         if runs is None:
-            runs = layer_runs(self.plan, self._layout, ranges, chunks, max_copies)
+            runs = layer_runs(self.plan, self._layout, ranges, chunks, max_copies,
+                              lambda merged: self._layer_plan(tuple(merged)))
             if len(self._runs) >= KEPT_SHAPES:
                 self._runs.clear()
             self._runs[key] = runs

@@ -21,6 +21,7 @@ the rules are tested exhaustively on any host.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -209,12 +210,16 @@ def merged_ranges(ranges: list[tuple[int, int]], runs: int) -> list[tuple[int, i
 
 
 def layer_runs(plan: StagePlan, layout: SlotLayout, ranges: list[tuple[int, int]],
-               chunks: int, max_copies: int) -> int:
+               chunks: int, max_copies: int,
+               plan_of: Callable[[list[tuple[int, int]]], LayerPlan] | None = None) -> int:
     """How many consecutive layer groups a layer-wise load of ``chunks`` chunks moves
     together (`merged_ranges`): the fewest whose `layer_plan` issues at most ``max_copies``
-    DMAs (`row_copies` per chunk), or all of them, which is a whole load's DMAs."""
+    DMAs (`row_copies` per chunk), or all of them, which is a whole load's DMAs.
+    ``plan_of``: the layer plan of given ranges where the caller keeps them (the staged
+    copier, which then issues the chosen one), else `layer_plan`."""
     for runs in range(1, len(ranges)):
-        cut = layer_plan(plan, layout, merged_ranges(ranges, runs)).plan
+        merged = merged_ranges(ranges, runs)
+        cut = (plan_of(merged) if plan_of else layer_plan(plan, layout, merged)).plan
         if chunks * row_copies(cut, layout) <= max_copies:
             return runs
     return len(ranges)
