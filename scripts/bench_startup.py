@@ -29,11 +29,13 @@ its memory.  The VM's RAM grows on first touch, so the script first warms ``--wa
 from __future__ import annotations
 
 import argparse
+import bisect
 import datetime
 import itertools
 import json
 import mmap
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -97,6 +99,8 @@ def ours(rank: int, world: int, args: argparse.Namespace, layout: str) -> dict[s
     # what set-up costs the engine's own launches once create returned
     probe = LaunchProbe(device) if background and device.type == "cuda" else None
     first, first_ready = first_job(tier, args.blocks_per_chunk)
+    during = (jobs_during_setup(tier, args.job_blocks, payload)
+              if background and args.jobs_during_setup else None)
     tier.wait_ready(600)
     if sampler is not None:
         sampler.stop()
@@ -104,11 +108,20 @@ def ours(rank: int, world: int, args: argparse.Namespace, layout: str) -> dict[s
         with open(f"{args.stack_samples}-{name}-rank{rank}.txt", "w") as f:
             f.write(sampler.report() + "\n")
     ready = time.time() if background else created  # blocking: ready when create returns
-    waits = probe.stop() if probe is not None else None
+    waits = None
+    if probe is not None:
+        setup = tier.actor.region.background_setup
+        assert setup is not None
+        waits = probe.stop(setup.calls, setup.started)
+        # the same probe with nothing else going on: the wait a launch from a Python thread
+        # of this process sees anyway, the baseline of set-up's
+        idle = LaunchProbe(device)
+        time.sleep(args.idle_probe_s)
+        waits["idle"] = idle.stop([])
     jobs = jobs_when_ready(tier, args.job_blocks, payload)
     row = tier.actor.report()
     result = {"start": start, "ready": ready, "created": created, "first": first,
-              "first_ready": first_ready, "jobs": jobs,
+              "first_ready": first_ready, "jobs": jobs, "during": during,
               "registered": row["pinned_bytes"], "probe": waits,
               "own_bytes": tier.plan.slots[rank].slot_bytes * tier.plan.chunk_count, "row": row}
     hold(rank, result, baseline)
@@ -131,31 +144,74 @@ def first_job(tier: Any, blocks: int) -> tuple[float, float]:
     return time.time(), first_ready
 
 
+def whole_chunk_job(tier: Any, blocks: int, job_id: int, direction: str) -> Any:
+    """A job of ``blocks`` blocks (a whole number of chunks, from chunk 0) in ``direction``."""
+    from offload import CopyJob
+
+    bpc = tier.plan.blocks_per_chunk
+    return CopyJob(job_id, direction, tuple(range(blocks)), tuple(j // bpc for j in range(blocks)),
+                   tuple(j % bpc for j in range(blocks)))
+
+
+def job_blocks(tier: Any, blocks: int) -> int:
+    """``blocks`` rounded down to whole chunks the region has (0: none)."""
+    bpc = tier.plan.blocks_per_chunk
+    return min(blocks, tier.plan.chunk_count * bpc) // bpc * bpc
+
+
+def timed_job(tier: Any, job: Any, nbytes: int) -> float:
+    """GB/s of one job, from ``submit`` until it is decided; raises if it failed."""
+    began = time.perf_counter()
+    tier.submit(job)
+    tier.wait([job.job_id])
+    return nbytes / (time.perf_counter() - began) / 1e9
+
+
+JOB_IDS = itertools.count(1_000_000)
+
+
 def jobs_when_ready(tier: Any, blocks: int, payload: int, reps: int = 5
                     ) -> dict[str, float] | None:
     """Once every row is ready: the median GB/s of ``reps`` stores and loads of ``blocks``
     blocks in whole chunks (an engine's prefix), each timed from ``submit`` to decided, so a
     layout's registrations are seen in the copies (None: ``blocks`` is 0)."""
-    import statistics
-
-    from offload import CopyJob
-
-    bpc = tier.plan.blocks_per_chunk
-    n = min(blocks, tier.plan.chunk_count * bpc) // bpc * bpc
+    n = job_blocks(tier, blocks)
     if n == 0:
         return None
-    ids = itertools.count(1_000_000)
-    chunks = tuple(j // bpc for j in range(n))
-    positions = tuple(j % bpc for j in range(n))
     rates: dict[str, list[float]] = {"store": [], "load": []}
     for _ in range(reps):
         for direction in ("store", "load"):
-            job = CopyJob(next(ids), direction, tuple(range(n)), chunks, positions)
-            began = time.perf_counter()
-            tier.submit(job)
-            tier.wait([job.job_id])
-            rates[direction].append(n * payload / (time.perf_counter() - began) / 1e9)
+            job = whole_chunk_job(tier, n, next(JOB_IDS), direction)
+            rates[direction].append(timed_job(tier, job, n * payload))
     return {f"{d}_GBps": statistics.median(r) for d, r in rates.items()}
+
+
+def every_rank(flag: bool) -> bool:
+    """True on every rank once ``flag`` is true on every rank (a collective)."""
+    value = torch.tensor([int(flag)])
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
+def jobs_during_setup(tier: Any, blocks: int, payload: int) -> dict[str, float] | None:
+    """While set-up continues: stores and loads of ``blocks`` blocks in whole chunks over the
+    first rows, back to back from when those rows are ready on every rank until every row is;
+    the median GB/s of each direction (None: none ran before set-up ended)."""
+    n = job_blocks(tier, blocks)
+    if n == 0:
+        return None
+    rows = n // tier.plan.blocks_per_chunk
+    while tier.ready.rows < rows:
+        time.sleep(0.001)
+    rates: dict[str, list[float]] = {"store": [], "load": []}
+    while not every_rank(tier.ready.full):  # every rank runs as many jobs
+        for direction in ("store", "load"):
+            job = whole_chunk_job(tier, n, next(JOB_IDS), direction)
+            rates[direction].append(timed_job(tier, job, n * payload))
+    if not rates["store"]:
+        return None
+    return {f"{d}_GBps": statistics.median(r) for d, r in rates.items()} | {
+        "jobs": len(rates["store"]) + len(rates["load"])}
 
 
 class LaunchProbe:
@@ -167,7 +223,7 @@ class LaunchProbe:
         self._stop = False
         self.waits: list[float] = []
         self.maps: list[float] = []  # a 4 KiB mmap and munmap after each launch
-        self.at: list[float] = []  # when each launch began, from the probe's start
+        self.began: list[float] = []  # perf_counter when each launch began
         import threading
 
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -180,28 +236,53 @@ class LaunchProbe:
         with torch.cuda.stream(stream):  # the kernel's first launch loads its module: not timed
             x.add_(1)
         stream.synchronize()
-        first = time.perf_counter()
         while not self._stop:
             began = time.perf_counter()
             with torch.cuda.stream(stream):
                 x.add_(1)
             stream.synchronize()
             self.waits.append(time.perf_counter() - began)
-            self.at.append(began - first)
+            self.began.append(began)
             began = time.perf_counter()  # the mmap lock: held for reading by a populate
             mmap.mmap(-1, 4096).close()
             self.maps.append(time.perf_counter() - began)
             time.sleep(0.001)
 
-    def stop(self) -> dict[str, float]:
+    def stop(self, calls: list[tuple[float, float]], since: float = 0.0) -> dict[str, Any]:
+        """Stop and summarise the launches that began at ``since`` (perf_counter: when set-up
+        began, after the tier's JIT) or later; ``before_max_ms`` is the longest wait before
+        it (the tier's own start).  ``calls`` are set-up's registration calls (began,
+        seconds): ``beside_max_ms`` is the longest wait that overlapped none of them (the
+        process's own stalls), ``overlapped`` how many of the 10 worst overlapped one."""
         self._stop = True
         self._thread.join()
-        ordered = sorted(self.waits)
-        worst = max(range(len(self.waits)), key=self.waits.__getitem__)
+        launches = list(zip(self.began, self.waits, strict=True))
+        before = [w for b, w in launches if b < since]
+        began = [b for b, _ in launches if b >= since]
+        waits = [w for b, w in launches if b >= since]
+        ordered = sorted(waits)
+        if not ordered:
+            return {"count": 0}
+        calls = sorted(calls)
+        starts = [b for b, _ in calls]
+
+        def overlapping(i: int) -> float:
+            """The longest registration call overlapping launch ``i`` (0.0: none)."""
+            end = began[i] + waits[i]
+            k = bisect.bisect_right(starts, end)
+            return max((took for b, took in calls[max(0, k - 64):k] if b + took > began[i]),
+                       default=0.0)
+
+        by_wait = sorted(range(len(waits)), key=waits.__getitem__, reverse=True)
+        free = [waits[i] for i in by_wait[:200] if not overlapping(i)]
         return {"count": len(ordered), "p50_ms": 1e3 * ordered[len(ordered) // 2],
                 "p99_ms": 1e3 * ordered[int(len(ordered) * 0.99)],
-                "max_ms": 1e3 * ordered[-1], "worst_at_s": self.at[worst],
+                "max_ms": 1e3 * ordered[-1], "worst_at_s": began[by_wait[0]] - since,
                 "over_2ms": sum(w > 0.002 for w in ordered),
+                "overlapped": sum(bool(overlapping(i)) for i in by_wait[:10]),
+                "worst_call_ms": 1e3 * overlapping(by_wait[0]),
+                "beside_max_ms": 1e3 * max(free, default=0.0),
+                "before_max_ms": 1e3 * max(before, default=0.0),
                 "mmap_max_ms": 1e3 * max(self.maps, default=0.0)}
 
 
@@ -314,7 +395,7 @@ def run_variant(world: int, fn: Callable[..., dict[str, Any]], *extra: Any) -> d
     jit = _most_over_ranks(results, lambda row: row["timings_s"].get("jit"))
     if jit is not None:
         stages["jit_s"] = jit  # the slowest rank's JIT
-    probes = [r["probe"] for r in results.values() if r.get("probe")]
+    probes = [r["probe"] for r in results.values() if (r.get("probe") or {}).get("count")]
     if probes:
         stages["worst_wait_ms"] = max(p["max_ms"] for p in probes)
         stages["p50_wait_ms"] = max(p["p50_ms"] for p in probes)
@@ -322,10 +403,22 @@ def run_variant(world: int, fn: Callable[..., dict[str, Any]], *extra: Any) -> d
         stages["over_2ms"] = sum(p["over_2ms"] for p in probes)
         stages["launches"] = sum(p["count"] for p in probes)
         stages["mmap_max_ms"] = max(p["mmap_max_ms"] for p in probes)
+        stages["beside_max_ms"] = max(p["beside_max_ms"] for p in probes)
+        stages["overlapped"] = sum(p["overlapped"] for p in probes)
+        stages["before_max_ms"] = max(p["before_max_ms"] for p in probes)
+        idle = [p["idle"] for p in probes if p["idle"].get("count")]
+        if idle:
+            stages["idle_max_ms"] = max(p["max_ms"] for p in idle)
+            stages["idle_p99_ms"] = max(p["p99_ms"] for p in idle)
     rated = [r["jobs"] for r in results.values() if r.get("jobs")]
     if rated:  # the slowest rank's
         stages["store_GBps"] = min(j["store_GBps"] for j in rated)
         stages["load_GBps"] = min(j["load_GBps"] for j in rated)
+    during = [r["during"] for r in results.values() if r.get("during")]
+    if len(during) == len(results):  # the slowest rank's, while set-up continued
+        stages["during_store_GBps"] = min(j["store_GBps"] for j in during)
+        stages["during_load_GBps"] = min(j["load_GBps"] for j in during)
+        stages["during_jobs"] = min(j["jobs"] for j in during)
     longest = _most_over_ranks(results, lambda row: row.get("longest_registration_s"))
     if longest is not None:
         stages["reg_max_ms"] = 1e3 * longest
@@ -398,6 +491,13 @@ def main() -> None:
     p.add_argument("--job-blocks", type=int, default=128,
                    help="our layouts: once every row is ready, time stores and loads of this "
                         "many blocks in whole chunks (0: none)")
+    p.add_argument("--jobs-during-setup", action="store_true",
+                   help="background: also run --job-blocks stores and loads back to back over "
+                        "the first rows from when they are ready until every row is, and "
+                        "report their GB/s (they slow set-up: off for the readiness figures)")
+    p.add_argument("--idle-probe-s", type=float, default=2.0,
+                   help="background on a GPU: run the launch probe this long once every row "
+                        "is ready, as the baseline of its waits during set-up")
     p.add_argument("--layouts", default="private,shared,replicated")
     p.add_argument("--variants", default="floor,ours,naive,pin_memory",
                    help="any of floor, ours, background, naive, pin_memory")
@@ -505,6 +605,33 @@ def print_table(report: dict[str, Any]) -> None:
             f"{r['jit_s']:.2f}" if "jit_s" in r else "-",
             f"{r['mmap_max_ms']:.1f}" if probed else "-",
             f"{r['reg_max_ms']:.0f}" if "reg_max_ms" in r else "-", rates))
+    probed_rows = {name: r for name, r in staged.items()
+                   if "worst_wait_ms" in r or "during_store_GBps" in r}
+    if probed_rows:
+        print("\nwhere the launch waits come from: worst_ms during set-up (from when it began, "
+              "after the JIT); beside_ms the longest of them that overlapped no registration "
+              "call; reg_in_10 how many of each rank's 10 worst overlapped one; before_ms the "
+              "longest wait before set-up began (the tier's own start, its JIT); idle: the "
+              "probe once every row was ready, nothing "
+              "else running; during: --jobs-during-setup's store/load GB/s (slowest rank's "
+              "median) against after readiness")
+        causes = ("variant", "worst_ms", "beside_ms", "reg_in_10", "before_ms", "idle_worst",
+                  "idle_p99", "during GB/s", "jobs", "during/after")
+        print("{:<22}{:>10}{:>11}{:>11}{:>11}{:>12}{:>10}{:>15}{:>6}{:>14}".format(*causes))
+        for name, r in probed_rows.items():
+            during = "during_store_GBps" in r
+            ratio = (f"{r['during_store_GBps'] / r['store_GBps']:.2f}/"
+                     f"{r['during_load_GBps'] / r['load_GBps']:.2f}"
+                     if during and "store_GBps" in r else "-")
+            probed = "worst_wait_ms" in r
+            print("{:<22}{:>10}{:>11}{:>11}{:>11}{:>12}{:>10}{:>15}{:>6}{:>14}".format(
+                name, f"{r['worst_wait_ms']:.1f}" if probed else "-",
+                f"{r['beside_max_ms']:.1f}" if probed else "-", r.get("overlapped", "-"),
+                f"{r['before_max_ms']:.1f}" if probed else "-",
+                f"{r['idle_max_ms']:.1f}" if "idle_max_ms" in r else "-",
+                f"{r['idle_p99_ms']:.2f}" if "idle_p99_ms" in r else "-",
+                f"{r['during_store_GBps']:.1f}/{r['during_load_GBps']:.1f}" if during else "-",
+                r.get("during_jobs", "-"), ratio))
 
 
 if __name__ == "__main__":

@@ -173,6 +173,9 @@ class BackgroundSetup:
         self._registered_bytes = 0  # of the units registered so far (progress)
         self.undrained = 0  # registration batches that began beside madvise calls in flight
         self.longest_call_s = 0.0  # the longest single registration call
+        # every registration call: (perf_counter when it began, seconds it took); what a
+        # benchmark lines the engine's launch waits up against
+        self.calls: list[tuple[float, float]] = []
         self.total_bytes = sum(u.length for u in self._units)
         # unit i: _state[i] is 0 while pending, 1 once populated, negative when it failed
         # (populate.c's -errno; -1 from Python, the error in _failed[i]).  Written by the
@@ -360,6 +363,7 @@ class BackgroundSetup:
                     began = time.perf_counter()
                     self._pinner.pin(r)
                     took = time.perf_counter() - began
+                    self.calls.append((began, took))
                     self.busy_s += took
                     self.longest_call_s = max(self.longest_call_s, took)
                 if unit.rows_end > self.ready_rows:  # a row's last piece (or whole rows)

@@ -171,6 +171,11 @@ class HostRegion:
     def size(self) -> int:
         return self._mapping.size if self._mapping is not None else 0
 
+    @property
+    def background_setup(self) -> BackgroundSetup | None:
+        """The background set-up `create` prepared (None for a blocking create)."""
+        return self._setup
+
     def start_setup(self, after: threading.Event | None = None) -> None:
         """Start the background set-up `create` prepared (idempotent; nothing without one):
         the leader's reservation at once, the pre-fault and registration once ``after`` is set
