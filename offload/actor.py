@@ -93,7 +93,8 @@ class RankActor:
     progress: Callable[[int, int, float], None] | None = None
     backend: str = "auto"
     auditor: Auditor | None = None
-    registrar_factory: Callable[[torch.device], Registrar] = choose_registrar
+    # None: `choose_registrar`, in a context of its own for background set-up
+    registrar_factory: Callable[[torch.device], Registrar] | None = None
     plan: Plan | None = None
     region: HostRegion | None = None
     engine: TransferEngine | None = None
@@ -136,7 +137,9 @@ class RankActor:
         (docs/BENCHMARKS.md, "Node start-up"); a blocking private region is set up only once it
         is done (the NOTE below); background set-up waits for it on its own threads."""
         plan = self._installed()
-        registrar = self.registrar_factory(self.kv_tensors[0].device)
+        device = self.kv_tensors[0].device
+        registrar = (self.registrar_factory(device) if self.registrar_factory is not None else
+                     choose_registrar(device, self.config.background and self.config.setup_context))
         began = time.perf_counter()
         compiler = self._compiler = threading.Thread(target=self._compile_kernel,
                                                      name="offload-jit", daemon=True)

@@ -136,6 +136,14 @@ class TierConfig:
     ready" on every rank, and the chunk manager hands out only ready rows (`HostTier.ready`,
     `HostTier.wait_ready`)."""
 
+    setup_context: bool = True
+    """With ``background``, register in a CUDA context of the tier's own (``PORTABLE``, so the
+    engine's context sees the memory pinned and mapped): a registration holds its context's
+    driver lock, and in the engine's context every kernel launch issued meanwhile waits for it
+    (up to ~10 ms measured).  Costs about 260 MiB of GPU memory per rank for the tier's life
+    (H200).  False (``--no-setup-context``) registers in the engine's context
+    (`offload.region.pin`)."""
+
     metrics_port: int | None = None
     """Serve live Prometheus metrics (``offload_*``, `offload.metrics`) on this port plus the
     rank's local rank (``--metrics-port``); needs ``offload[metrics]``.  None: not served."""
@@ -215,7 +223,7 @@ _FLAGS = {"cpu_bytes_per_node": "--cpu-bytes", "blocks_per_chunk": "--blocks-per
           "private_memory": "--private-memory", "integrity": "--no-integrity",
           "metrics_port": "--metrics-port", "metrics_addr": "--metrics-addr",
           "numa": "--no-numa", "staging_bytes": "--staging-bytes",
-          "background": "--background-setup"}
+          "background": "--background-setup", "setup_context": "--no-setup-context"}
 
 
 def _describe(name: str) -> str:

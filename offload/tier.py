@@ -49,7 +49,7 @@ from offload.manager import ChunkManager, PromoteJob
 from offload.metrics import JobTally, MetricsServer, serve_metrics
 from offload.plan import Plan, RankDescriptor, compute_plan
 from offload.quorum import Quorum, Words, default_store
-from offload.region.pin import Registrar, choose_registrar
+from offload.region.pin import Registrar
 from offload.region.prefault import progress_logger
 from offload.rpc import CollectiveRPC
 from offload.tiers.rank_files import disk_capacity
@@ -146,7 +146,7 @@ class HostTier:
     @classmethod
     def create(cls, kv_tensors: Sequence[torch.Tensor], config: TierConfig, *,
                backend: str = "auto", audit: bool = False,
-               registrar_factory: Callable[[torch.device], Registrar] = choose_registrar,
+               registrar_factory: Callable[[torch.device], Registrar] | None = None,
                decider: int = 0, group: Any = None, store: dist.Store | None = None,
                metrics: Any = None) -> HostTier:
         """Collective: every rank calls it with its own KV tensors and the same config.
@@ -154,7 +154,9 @@ class HostTier:
         ``backend`` picks the transfer backend (``auto``: by device and pinning); ``audit``
         hashes every block before store and after load and counts mismatches
         (`offload.audit`).  ``registrar_factory`` makes the object that pins host memory for
-        the KV device (default: CUDA's driver API for CUDA tensors, a recording no-op else).
+        the KV device (default `choose_registrar`: CUDA's driver API for CUDA tensors, in a
+        context of its own with ``config.background`` and ``config.setup_context``; a
+        recording no-op else).
         ``decider`` is the rank whose `finished` decides (the engine's scheduling rank; the
         same on every rank).
 

@@ -91,7 +91,7 @@ def ours(rank: int, world: int, args: argparse.Namespace, layout: str) -> dict[s
     config = TierConfig(cpu_bytes_per_node=args.cpu_bytes, layout=layout.split(":")[-1],
                         blocks_per_chunk=args.blocks_per_chunk, tp=tp, pp=args.pp,
                         prefault_threads=args.threads, timeout_s=600, shm_dir=args.shm_dir,
-                        background=background)
+                        background=background, setup_context=args.setup_context)
     start, baseline = begin(rank)
     sampler = StackSampler().start() if args.stack_samples else None
     tier = HostTier.create(kv, config)
@@ -495,6 +495,9 @@ def main() -> None:
                    help="background: also run --job-blocks stores and loads back to back over "
                         "the first rows from when they are ready until every row is, and "
                         "report their GB/s (they slow set-up: off for the readiness figures)")
+    p.add_argument("--no-setup-context", dest="setup_context", action="store_false",
+                   help="background: register in the engine's own CUDA context, not one of "
+                        "the tier's (TierConfig.setup_context)")
     p.add_argument("--idle-probe-s", type=float, default=2.0,
                    help="background on a GPU: run the launch probe this long once every row "
                         "is ready, as the baseline of its waits during set-up")

@@ -81,3 +81,18 @@ def test_the_prefix_reload_refuses_a_bad_timeout_in_its_parser(value: str) -> No
         f"argument --timeout: {value} is not a positive number of seconds; give e.g. "
         "--timeout 300"), tail(proc)
     assert not has_our_traceback(proc.stderr), tail(proc)
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    (["--background-setup"], True),
+    (["--background-setup", "--no-setup-context"], False),
+    ([], True),
+])
+def test_background_setup_registers_in_its_own_context_unless_told_not_to(
+        flags: list[str], expected: bool) -> None:
+    from launch.run import build_parser, config_from_args
+
+    args = build_parser().parse_args(["--device", "cpu", *flags])
+    config = config_from_args(args, 1)
+    assert config.setup_context is expected
+    assert config.background is ("--background-setup" in flags)

@@ -86,6 +86,48 @@ def test_private_region_registrations_respect_the_cap_and_rows() -> None:
         assert not region.pinned and region.stats.pinned_bytes == 0  # recording pins nothing
     finally:
         region.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_registration_in_the_registrars_own_context_is_pinned_for_the_engines() -> None:
+    """Background set-up's registrar: its context is not the engine's, yet the engine's
+    (primary) context sees the range pinned and mapped, copies from it byte-exact, and no
+    thread's current context changes; closing it unregisters the range."""
+    import ctypes
+
+    from offload.cuda_driver import require_libcuda
+
+    cuda = require_libcuda()
+    torch.zeros(1, device="cuda")  # the primary context, current on this thread
+    current = ctypes.c_void_p()
+    cuda.cuCtxGetCurrent(ctypes.byref(current))
+    engine_context = current.value
+    registrar = CudaRegistrar(torch.device("cuda"), own_context=True)
+    assert registrar.own_context
+    cuda.cuCtxGetCurrent(ctypes.byref(current))
+    assert current.value == engine_context
+    host = torch.empty(16 * MiB, dtype=torch.uint8)
+    try:
+        worker = threading.Thread(target=registrar.register, args=(host.data_ptr(), 16 * MiB))
+        worker.start()
+        worker.join()
+        cuda.cuCtxGetCurrent(ctypes.byref(current))
+        assert current.value == engine_context
+        assert host.is_pinned()
+        flags = ctypes.c_uint()
+        assert cuda.cuMemHostGetFlags(ctypes.byref(flags), ctypes.c_void_p(host.data_ptr())) == 0
+        assert flags.value & 0x02  # mapped into the device's address space
+        data = torch.randint(0, 256, (16 * MiB,), dtype=torch.uint8, device="cuda")
+        host.copy_(data, non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(host.to("cuda", non_blocking=True), data)
+    finally:
+        registrar.close()
+    assert not host.is_pinned()  # destroying the context unregistered it
+    registrar.close()  # idempotent
+    with pytest.raises(RuntimeError, match="destroyed"):
+        registrar.register(host.data_ptr(), 4096)
     assert registrar.registered == {}  # close unregistered everything
 
 
@@ -142,6 +184,34 @@ def test_pipeline_finish_reports_ranges_still_waiting() -> None:
 
 def test_cpu_kv_gets_the_recording_registrar() -> None:
     assert isinstance(choose_registrar("cpu"), RecordingRegistrar)
+    assert isinstance(choose_registrar("cpu", own_context=True), RecordingRegistrar)
+
+
+class ClosingRegistrar(RecordingRegistrar):
+    """Records what was still registered each time it was closed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed_with: list[dict[int, int]] = []
+
+    def close(self) -> None:
+        self.closed_with.append(dict(self.registered))
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_closing_a_region_closes_its_registrar_after_every_unregistration(
+        background: bool) -> None:
+    """A registrar's own CUDA context unregisters what is left when destroyed, so the region
+    closes it last, with nothing registered (a background set-up stopped first)."""
+    registrar = ClosingRegistrar()
+    region = single_rank_region("private", 64 * MiB, registrar, job_id=uuid.uuid4().hex[:12],
+                                background=background)
+    region.start_setup()
+    assert registrar.closed_with == []
+    region.close()
+    assert registrar.closed_with == [{}]
+    region.close()  # idempotent: the registrar's close is too, and the region's is one call
+    assert len(registrar.closed_with) in (1, 2) and all(c == {} for c in registrar.closed_with)
 
 
 @pytest.mark.gpu

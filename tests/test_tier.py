@@ -555,6 +555,9 @@ class _PinnedStandIn:
         self.fail = fail
         self.live: set[int] = set()
 
+    def close(self) -> None:
+        pass
+
     def register(self, address: int, length: int) -> None:
         if self.fail:
             raise RuntimeError("cuMemHostRegister failed: out of memory (stand-in)")

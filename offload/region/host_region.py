@@ -460,6 +460,7 @@ class HostRegion:
         cleanup.unregister(self.close)
         self.unlink_names()
         _logged(self.unpin)
+        _logged(self.registrar.close)  # its own context, if any: after every unregistration
         mapping, self._mapping = self._mapping, None
         self.tensor = torch.empty(0, dtype=torch.uint8)
         if mapping is not None:

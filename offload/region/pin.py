@@ -2,14 +2,30 @@
 
 The driver API (``cuMemHostRegister``) is used instead of ``cudaHostRegister``: a failed runtime
 registration leaves a sticky error that surfaces later in an unrelated call, the driver's does
-not.  Registration may run on a pin thread while pre-fault continues, so the CUDA registrar binds
-the device's context in whatever thread calls it.  Without CUDA the ``RecordingRegistrar`` keeps
-the ranges it would have registered, which is what CPU-only CI checks.
+not.  Registration may run on a pin thread while pre-fault continues, so the CUDA registrar
+pushes its context around each call in whatever thread makes it, and leaves the caller's
+current context as it found it.  Without CUDA the ``RecordingRegistrar`` keeps the ranges it
+would have registered, which is what CPU-only CI checks.
+
+Background set-up registers while the engine serves, and a registration holds its context's
+driver lock for the whole call: a kernel launch of the engine waits behind it.  So there the
+registrar registers in a context of its own (``own_context``), with ``PORTABLE``: the memory is
+pinned and mapped for the engine's (primary) context all the same, and the engine's launches
+never wait for it.  Measured on an H200 host beside populating threads and a thread mapping
+memory every millisecond, 8 MiB registrations of up to 15 ms: the engine's longest launch
+0.58 ms, against 6.9 ms registering in its own context; copies from the memory ran at 54.8 GB/s
+(docs/BENCHMARKS.md, "A context of its own for set-up's registrations").  The context costs GPU
+memory (about 260 MiB with its stack, printf and heap limits at 0) and lives as long as the
+registrations: destroying it unregisters them.  Where a second context cannot be made (a GPU in
+exclusive-process mode) the registrar falls back to the primary context and says so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import logging
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
@@ -18,8 +34,13 @@ from offload.cuda_driver import bound_function, check, require_libcuda
 from offload.geometry import ByteRange
 from offload.sizes import format_size
 
+log = logging.getLogger(__name__)
+
 CU_MEMHOSTREGISTER_PORTABLE = 0x01
 CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
+# cuCtxSetLimit: a context that never launches a kernel needs no stack, printf FIFO nor heap
+# (measured on an H200: 524 MiB for a fresh context, 260 MiB with these at 0)
+_UNUSED_LIMITS = (0x00, 0x01, 0x02)  # CU_LIMIT_STACK_SIZE, _PRINTF_FIFO_SIZE, _MALLOC_HEAP_SIZE
 
 
 class Registrar(Protocol):
@@ -32,6 +53,9 @@ class Registrar(Protocol):
     def register(self, address: int, length: int) -> None: ...
 
     def unregister(self, address: int) -> None: ...
+
+    def close(self) -> None:
+        """Release what the registrar holds, once every range is unregistered."""
 
 
 class RecordingRegistrar:
@@ -53,46 +77,87 @@ class RecordingRegistrar:
     def unregister(self, address: int) -> None:
         del self.registered[address]
 
+    def close(self) -> None:
+        pass
+
 
 class CudaRegistrar:
-    """``cuMemHostRegister``/``cuMemHostUnregister`` on one device's primary context.
+    """``cuMemHostRegister``/``cuMemHostUnregister`` in one device's primary context, or with
+    ``own_context`` in a context of the registrar's own on that device (the module's
+    docstring: background set-up).
 
     The constructor resolves the context once (the primary context is the one the CUDA runtime
-    and therefore torch use); each call makes it current in the calling thread first, since a
-    fresh thread has no current context.
+    and therefore torch use); each call pushes it onto the calling thread's context stack and
+    pops it after, so a caller's current context (torch's, on the engine's threads) is never
+    changed.
     """
 
     name = "cuda"
     counts_as_pinned = True
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, own_context: bool = False) -> None:
         torch.cuda.init()
         index = device.index if device.index is not None else torch.cuda.current_device()
         cuda = require_libcuda()
         check(cuda.cuInit(0), "cuInit")
         dev = ctypes.c_int()
         check(cuda.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
-        self._context = ctypes.c_void_p()
-        # Retained for the process's life, like the runtime's own reference to it.
-        check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(self._context), dev),
-                    "cuDevicePrimaryCtxRetain")
+        self._push = bound_function("cuCtxPushCurrent_v2", ctypes.c_void_p)
+        self._pop = bound_function("cuCtxPopCurrent_v2", ctypes.c_void_p)
         self._register = bound_function("cuMemHostRegister_v2", ctypes.c_void_p,
                                         ctypes.c_size_t, ctypes.c_uint)
         self._unregister = bound_function("cuMemHostUnregister", ctypes.c_void_p)
-        self._set_current = bound_function("cuCtxSetCurrent", ctypes.c_void_p)
+        self._context = ctypes.c_void_p()
+        self.own_context = own_context and self._create_context(dev, index)
+        if not self.own_context:
+            # Retained for the process's life, like the runtime's own reference to it.
+            check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(self._context), dev),
+                  "cuDevicePrimaryCtxRetain")
+
+    def _create_context(self, dev: ctypes.c_int, index: int) -> bool:
+        """Make the registrar's own context (and leave the calling thread's current one as
+        it was); False, logged, where the device refuses a second context."""
+        cuda = require_libcuda()
+        result = cuda.cuCtxCreate_v2(ctypes.byref(self._context), 0, dev)
+        if result != 0:
+            log.warning("background set-up registers in the engine's own CUDA context, whose "
+                        "launches then wait behind each registration: device %d refused a "
+                        "second context (CUDA error %d; exclusive-process mode?)", index, result)
+            self._context = ctypes.c_void_p()
+            return False
+        try:  # cuCtxCreate made it current: set its limits, then pop it off this thread
+            for limit in _UNUSED_LIMITS:
+                check(cuda.cuCtxSetLimit(limit, ctypes.c_size_t(0)), "cuCtxSetLimit")
+        finally:
+            self._pop(ctypes.byref(ctypes.c_void_p()))
+        return True
 
     def register(self, address: int, length: int) -> None:
-        self._bind()
         flags = CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP
-        check(self._register(address, length, flags),
-                    f"cuMemHostRegister of {length} B ({format_size(length)}) at {address:#x}")
+        with self._bound():
+            check(self._register(address, length, flags),
+                  f"cuMemHostRegister of {length} B ({format_size(length)}) at {address:#x}")
 
     def unregister(self, address: int) -> None:
-        self._bind()
-        check(self._unregister(address), f"cuMemHostUnregister at {address:#x}")
+        with self._bound():
+            check(self._unregister(address), f"cuMemHostUnregister at {address:#x}")
 
-    def _bind(self) -> None:
-        check(self._set_current(self._context), "cuCtxSetCurrent")
+    def close(self) -> None:
+        """Destroy the registrar's own context, if it made one (idempotent).  Call it once
+        every range is unregistered: destroying the context unregisters what is left."""
+        if self.own_context and self._context.value:
+            context, self._context = self._context, ctypes.c_void_p()
+            check(require_libcuda().cuCtxDestroy_v2(context), "cuCtxDestroy")
+
+    @contextlib.contextmanager
+    def _bound(self) -> Iterator[None]:
+        if not self._context.value:
+            raise RuntimeError("the registrar's CUDA context was destroyed (closed)")
+        check(self._push(self._context), "cuCtxPushCurrent")
+        try:
+            yield
+        finally:
+            self._pop(ctypes.byref(ctypes.c_void_p()))
 
 
 class Pinner:
@@ -127,11 +192,12 @@ class Pinner:
         return sum(r.length for r in self.registered)
 
 
-def choose_registrar(device: torch.device | str) -> Registrar:
-    """CUDA registration when the KV cache lives on a CUDA device that is present; otherwise
-    the recording stand-in (nothing to pin for CPU tensors)."""
+def choose_registrar(device: torch.device | str, own_context: bool = False) -> Registrar:
+    """CUDA registration when the KV cache lives on a CUDA device that is present (in a
+    context of its own with ``own_context``); otherwise the recording stand-in (nothing to pin
+    for CPU tensors)."""
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.is_available():
-        return CudaRegistrar(device)
+        return CudaRegistrar(device, own_context)
     return RecordingRegistrar()
 

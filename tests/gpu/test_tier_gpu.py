@@ -168,7 +168,7 @@ def test_background_set_up_serves_ready_rows_on_cuda_while_the_rest_is_registere
         tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=2048 * MiB, layout=layout,
                                               blocks_per_chunk=8, tp=2, timeout_s=60,
                                               background=True),
-                               registrar_factory=Unhurried)
+                               registrar_factory=lambda device: Unhurried(device, True))
         created = tier.ready
         while tier.ready.rows < 8:
             time.sleep(0.001)
@@ -195,15 +195,18 @@ def test_background_set_up_serves_ready_rows_on_cuda_while_the_rest_is_registere
         same = all(torch.equal(a, b) for a, b in zip(kv, original, strict=True))
         tier.wait_ready(120)
         row = tier.actor.report()
+        # set-up registered in a context of its own, which the engine's copies never used
+        own = tier.actor.region.registrar.own_context
         tier.close()
         return (created.rows < created.total, seen.rows < seen.total, refused, outcome,
                 same, row["pinned"], row["pinned_bytes"], row["pin_plan_bytes"],
-                row["setup_error"], row["longest_registration_s"])
+                row["setup_error"], row["longest_registration_s"], own)
 
     out = run_group(body, 2, timeout=240, pg_timeout=120)
     assert all(o.ok for o in out), [o.error for o in out]
     for (early, partial, refused, outcome, same, pinned, pinned_bytes, plan_bytes, error,
-         longest) in (o.value for o in out):
+         longest, own) in (o.value for o in out):
+        assert own
         assert early and partial  # create returned, and the jobs ran, before set-up finished
         assert refused  # every rank refuses a row it has not registered yet
         assert "job 99" in outcome and "not ready" in outcome  # decided failed everywhere
