@@ -136,10 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "online while the job runs (jobs only use ready rows) and the report's "
                         "readiness block says when the first job succeeded and when every row "
                         "was ready")
-    p.add_argument("--no-setup-context", dest="setup_context", action="store_false",
-                   help="with --background-setup, register in the engine's own CUDA context "
-                        "instead of one of the tier's (saves ~260 MiB of GPU memory per rank; "
-                        "the engine's kernel launches then wait behind each registration)")
+    p.add_argument("--setup-context", action="store_true",
+                   help="with --background-setup, register in a CUDA context of the tier's own, "
+                        "so the job's kernel launches never wait behind a registration (costs "
+                        "~260 MiB of GPU memory per rank)")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve live Prometheus metrics (offload_*) at /metrics on PORT + each "
                         "rank's local rank (needs offload[metrics]); default off")

@@ -136,13 +136,13 @@ class TierConfig:
     ready" on every rank, and the chunk manager hands out only ready rows (`HostTier.ready`,
     `HostTier.wait_ready`)."""
 
-    setup_context: bool = True
-    """With ``background``, register in a CUDA context of the tier's own (``PORTABLE``, so the
-    engine's context sees the memory pinned and mapped): a registration holds its context's
-    driver lock, and in the engine's context every kernel launch issued meanwhile waits for it
-    (up to ~10 ms measured).  Costs about 260 MiB of GPU memory per rank for the tier's life
-    (H200).  False (``--no-setup-context``) registers in the engine's context
-    (`offload.region.pin`)."""
+    setup_context: bool = False
+    """With ``background`` (``--setup-context``), register in a CUDA context of the tier's own
+    (``PORTABLE``, so the engine's context sees the memory pinned and mapped): a registration
+    holds its context's driver lock, and in the engine's context every kernel launch issued
+    meanwhile waits for it (up to ~10 ms measured).  Costs about 260 MiB of GPU memory per rank
+    for the tier's life (H200).  Off by default until measured inside the tier: the mechanism
+    was measured on its own (`offload.region.pin`)."""
 
     metrics_port: int | None = None
     """Serve live Prometheus metrics (``offload_*``, `offload.metrics`) on this port plus the
@@ -223,7 +223,7 @@ _FLAGS = {"cpu_bytes_per_node": "--cpu-bytes", "blocks_per_chunk": "--blocks-per
           "private_memory": "--private-memory", "integrity": "--no-integrity",
           "metrics_port": "--metrics-port", "metrics_addr": "--metrics-addr",
           "numa": "--no-numa", "staging_bytes": "--staging-bytes",
-          "background": "--background-setup", "setup_context": "--no-setup-context"}
+          "background": "--background-setup", "setup_context": "--setup-context"}
 
 
 def _describe(name: str) -> str:

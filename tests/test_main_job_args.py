@@ -84,11 +84,11 @@ def test_the_prefix_reload_refuses_a_bad_timeout_in_its_parser(value: str) -> No
 
 
 @pytest.mark.parametrize(("flags", "expected"), [
-    (["--background-setup"], True),
-    (["--background-setup", "--no-setup-context"], False),
-    ([], True),
+    (["--background-setup"], False),
+    (["--background-setup", "--setup-context"], True),
+    ([], False),
 ])
-def test_background_setup_registers_in_its_own_context_unless_told_not_to(
+def test_background_setup_registers_in_its_own_context_when_told_to(
         flags: list[str], expected: bool) -> None:
     from launch.run import build_parser, config_from_args
 
