@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "was ready")
     p.add_argument("--setup-context", action="store_true",
                    help="with --background-setup, register in a CUDA context of the tier's own, "
-                        "so the job's kernel launches never wait behind a registration (costs "
+                        "so the job's kernel launches do not wait behind registrations (costs "
                         "~260 MiB of GPU memory per rank)")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve live Prometheus metrics (offload_*) at /metrics on PORT + each "

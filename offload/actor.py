@@ -157,6 +157,10 @@ class RankActor:
                                             registrar, self.progress, self._set_up)
         except BaseException:
             compiler.join()
+            try:  # a region that failed closed it too (idempotent); one refused early did not
+                registrar.close()
+            except Exception:
+                log.exception("rank %d: closing the registrar", self.topology.rank)
             raise
         if not self.config.background:  # background: rows wait for the JIT instead
             compiler.join()

@@ -153,6 +153,9 @@ class TierConfig:
     default; ``0.0.0.0`` lets a remote Prometheus scrape them (docs/SECURITY.md)."""
 
     def __post_init__(self) -> None:
+        if self.setup_context and not self.background:
+            raise OffloadError(f"{_describe('setup_context')} applies to background set-up "
+                               f"only; add {_describe('background')} or drop it")
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
             raise OffloadError(f"{_describe('metrics_port')} = {self.metrics_port} is not a TCP "
                                "port; give one from 1 to 65535 (each rank adds its local rank)")

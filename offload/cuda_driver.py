@@ -34,16 +34,20 @@ def require_libcuda() -> ctypes.CDLL:
     return lib
 
 
-def check(result: int, what: str) -> None:
-    """Raise with the driver's own message when a driver call returned non-zero."""
-    if result == 0:
-        return
+def error_name(result: int) -> str:
+    """A driver result in words: ``CUDA error 2 (out of memory)``."""
     text = ctypes.c_char_p()
     lib = libcuda()
     if lib is not None:
         lib.cuGetErrorString(result, ctypes.byref(text))
     message = text.value.decode() if text.value else "unknown error"
-    raise RuntimeError(f"{what} failed: CUDA error {result} ({message})")
+    return f"CUDA error {result} ({message})"
+
+
+def check(result: int, what: str) -> None:
+    """Raise with the driver's own message when a driver call returned non-zero."""
+    if result != 0:
+        raise RuntimeError(f"{what} failed: {error_name(result)}")
 
 
 def bound_function(name: str, *argtypes: Any) -> Callable[..., int]:

@@ -86,48 +86,6 @@ def test_private_region_registrations_respect_the_cap_and_rows() -> None:
         assert not region.pinned and region.stats.pinned_bytes == 0  # recording pins nothing
     finally:
         region.close()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_registration_in_the_registrars_own_context_is_pinned_for_the_engines() -> None:
-    """Background set-up's registrar: its context is not the engine's, yet the engine's
-    (primary) context sees the range pinned and mapped, copies from it byte-exact, and no
-    thread's current context changes; closing it unregisters the range."""
-    import ctypes
-
-    from offload.cuda_driver import require_libcuda
-
-    cuda = require_libcuda()
-    torch.zeros(1, device="cuda")  # the primary context, current on this thread
-    current = ctypes.c_void_p()
-    cuda.cuCtxGetCurrent(ctypes.byref(current))
-    engine_context = current.value
-    registrar = CudaRegistrar(torch.device("cuda"), own_context=True)
-    assert registrar.own_context
-    cuda.cuCtxGetCurrent(ctypes.byref(current))
-    assert current.value == engine_context
-    host = torch.empty(16 * MiB, dtype=torch.uint8)
-    try:
-        worker = threading.Thread(target=registrar.register, args=(host.data_ptr(), 16 * MiB))
-        worker.start()
-        worker.join()
-        cuda.cuCtxGetCurrent(ctypes.byref(current))
-        assert current.value == engine_context
-        assert host.is_pinned()
-        flags = ctypes.c_uint()
-        assert cuda.cuMemHostGetFlags(ctypes.byref(flags), ctypes.c_void_p(host.data_ptr())) == 0
-        assert flags.value & 0x02  # mapped into the device's address space
-        data = torch.randint(0, 256, (16 * MiB,), dtype=torch.uint8, device="cuda")
-        host.copy_(data, non_blocking=True)
-        torch.cuda.synchronize()
-        assert torch.equal(host.to("cuda", non_blocking=True), data)
-    finally:
-        registrar.close()
-    assert not host.is_pinned()  # destroying the context unregistered it
-    registrar.close()  # idempotent
-    with pytest.raises(RuntimeError, match="destroyed"):
-        registrar.register(host.data_ptr(), 4096)
     assert registrar.registered == {}  # close unregistered everything
 
 
@@ -207,7 +165,12 @@ def test_closing_a_region_closes_its_registrar_after_every_unregistration(
     region = single_rank_region("private", 64 * MiB, registrar, job_id=uuid.uuid4().hex[:12],
                                 background=background)
     region.start_setup()
-    assert registrar.closed_with == []
+    setup = region.background_setup
+    deadline = time.monotonic() + 30
+    while setup is not None and setup.ready_rows < 1:  # close with rows registered
+        assert time.monotonic() < deadline, "background set-up registered no row"
+        time.sleep(0.001)
+    assert registrar.registered and registrar.closed_with == []
     region.close()
     assert registrar.closed_with == [{}]
     region.close()  # idempotent: the registrar's close is too, and the region's is one call
@@ -244,3 +207,54 @@ def test_cuda_registrar_works_from_a_non_main_thread() -> None:
         registrar.unregister(region.address)
     finally:
         region.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_registration_in_the_registrars_own_context_is_pinned_for_the_engines() -> None:
+    """Background set-up's registrar (``own_context``): its context is not the engine's, yet
+    the engine's (primary) context sees the range pinned and mapped and copies from it
+    byte-exact; a registration leaves the calling thread's context stack as it was (no
+    context current on a fresh thread after it), and closing the registrar unregisters the
+    range."""
+    import ctypes
+
+    from offload.cuda_driver import require_libcuda
+
+    cuda = require_libcuda()
+    torch.zeros(1, device="cuda")  # the primary context, current on this thread
+    current = ctypes.c_void_p()
+    cuda.cuCtxGetCurrent(ctypes.byref(current))
+    engine_context = current.value
+    registrar = CudaRegistrar(torch.device("cuda"), own_context=True)
+    assert registrar.own_context
+    cuda.cuCtxGetCurrent(ctypes.byref(current))
+    assert current.value == engine_context  # creating it left this thread's context alone
+    host = torch.empty(16 * MiB, dtype=torch.uint8)
+    left_current: list[int | None] = []
+
+    def register_in_thread() -> None:
+        registrar.register(host.data_ptr(), 16 * MiB)
+        seen = ctypes.c_void_p()
+        cuda.cuCtxGetCurrent(ctypes.byref(seen))
+        left_current.append(seen.value)
+
+    try:
+        worker = threading.Thread(target=register_in_thread)
+        worker.start()
+        worker.join()
+        assert left_current == [None]  # pushed and popped, not left current
+        assert host.is_pinned()
+        flags = ctypes.c_uint()
+        assert cuda.cuMemHostGetFlags(ctypes.byref(flags), ctypes.c_void_p(host.data_ptr())) == 0
+        assert flags.value & 0x02  # mapped into the device's address space
+        data = torch.randint(0, 256, (16 * MiB,), dtype=torch.uint8, device="cuda")
+        host.copy_(data, non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(host.to("cuda", non_blocking=True), data)
+    finally:
+        registrar.close()
+    assert not host.is_pinned()  # destroying the context unregistered it
+    registrar.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        registrar.register(host.data_ptr(), 4096)

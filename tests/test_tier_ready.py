@@ -589,3 +589,44 @@ def test_a_blocking_private_region_is_set_up_after_the_jit_and_a_node_region_bes
             assert o.value >= 0  # registered after the JIT ended
         else:
             assert o.value < -0.5  # registered while the JIT still ran
+
+
+@pytest.mark.parametrize(("background", "setup_context"), [(True, True), (True, False),
+                                                            (False, False)])
+def test_the_tier_asks_for_a_registrar_context_of_its_own_only_for_background_setup(
+        background: bool, setup_context: bool) -> None:
+    """With no registrar factory the tier picks `choose_registrar`, which makes the CUDA
+    registrar's own context for background set-up with ``setup_context`` and for nothing
+    else; the region closes the registrar it was given when the tier closes."""
+
+    def body(rank: int) -> tuple[list[bool], bool]:
+        import offload.actor as actor
+        from offload import HostTier
+
+        asked: list[bool] = []
+        made: list[RecordingRegistrar] = []
+
+        class Closing(RecordingRegistrar):
+            closed = False
+
+            def close(self) -> None:
+                self.closed = True
+
+        def spy(device: object, own_context: bool = False) -> RecordingRegistrar:
+            asked.append(own_context)
+            made.append(Closing())
+            return made[-1]
+
+        actor.choose_registrar = spy  # type: ignore[assignment]
+        config = TierConfig(cpu_bytes_per_node=64 * MiB, layout="private", blocks_per_chunk=1,
+                            tp=2, timeout_s=20, background=background,
+                            setup_context=setup_context)
+        tier = HostTier.create(_kv(rank), config)
+        tier.wait_ready(20)
+        tier.close()
+        return asked, all(r.closed for r in made)
+
+    out = run_group(body, 2)
+    assert all(o.ok for o in out), [o.error for o in out]
+    for asked, closed in (o.value for o in out):
+        assert asked == [background and setup_context] and closed

@@ -26,12 +26,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import threading
 from collections.abc import Iterator
 from typing import Protocol
 
 import torch
 
-from offload.cuda_driver import bound_function, check, require_libcuda
+from offload.cuda_driver import bound_function, check, error_name, require_libcuda
 from offload.geometry import ByteRange
 from offload.sizes import format_size
 
@@ -108,6 +109,10 @@ class CudaRegistrar:
         self._register = bound_function("cuMemHostRegister_v2", ctypes.c_void_p,
                                         ctypes.c_size_t, ctypes.c_uint)
         self._unregister = bound_function("cuMemHostUnregister", ctypes.c_void_p)
+        # held across every call in the context and across `close`: a closer on another
+        # thread (the file tier's late closer, an exit handler) must never destroy the
+        # context while a call is inside it
+        self._lock = threading.Lock()
         self._context = ctypes.c_void_p()
         self.own_context = own_context and self._create_context(dev, index)
         if not self.own_context:
@@ -116,21 +121,25 @@ class CudaRegistrar:
                   "cuDevicePrimaryCtxRetain")
 
     def _create_context(self, dev: ctypes.c_int, index: int) -> bool:
-        """Make the registrar's own context (and leave the calling thread's current one as
-        it was); False, logged, where the device refuses a second context."""
+        """Make the registrar's own context and leave the calling thread's current one as it
+        was; False, logged, where the device refuses a second context or its limits."""
         cuda = require_libcuda()
-        result = cuda.cuCtxCreate_v2(ctypes.byref(self._context), 0, dev)
+        context = ctypes.c_void_p()
+        result = cuda.cuCtxCreate_v2(ctypes.byref(context), 0, dev)
+        if result == 0:  # cuCtxCreate made it current: set its limits, then pop it
+            try:
+                for limit in _UNUSED_LIMITS:
+                    result = result or cuda.cuCtxSetLimit(limit, ctypes.c_size_t(0))
+            finally:
+                self._pop_checked(context)
+            if result != 0:
+                cuda.cuCtxDestroy_v2(context)
         if result != 0:
             log.warning("background set-up registers in the engine's own CUDA context, whose "
-                        "launches then wait behind each registration: device %d refused a "
-                        "second context (CUDA error %d; exclusive-process mode?)", index, result)
-            self._context = ctypes.c_void_p()
+                        "launches then wait behind each registration: a context of its own on "
+                        "device %d failed (%s)", index, error_name(result))
             return False
-        try:  # cuCtxCreate made it current: set its limits, then pop it off this thread
-            for limit in _UNUSED_LIMITS:
-                check(cuda.cuCtxSetLimit(limit, ctypes.c_size_t(0)), "cuCtxSetLimit")
-        finally:
-            self._pop(ctypes.byref(ctypes.c_void_p()))
+        self._context = context
         return True
 
     def register(self, address: int, length: int) -> None:
@@ -146,19 +155,32 @@ class CudaRegistrar:
     def close(self) -> None:
         """Destroy the registrar's own context, if it made one (idempotent).  Call it once
         every range is unregistered: destroying the context unregisters what is left."""
-        if self.own_context and self._context.value:
+        with self._lock:
+            if not (self.own_context and self._context.value):
+                return
             context, self._context = self._context, ctypes.c_void_p()
             check(require_libcuda().cuCtxDestroy_v2(context), "cuCtxDestroy")
 
     @contextlib.contextmanager
     def _bound(self) -> Iterator[None]:
-        if not self._context.value:
-            raise RuntimeError("the registrar's CUDA context was destroyed (closed)")
-        check(self._push(self._context), "cuCtxPushCurrent")
-        try:
-            yield
-        finally:
-            self._pop(ctypes.byref(ctypes.c_void_p()))
+        """The registrar's context, current on the calling thread inside (pushed, then
+        popped: the thread's own context stack is as it was after)."""
+        with self._lock:
+            if not self._context.value:
+                raise RuntimeError("the registrar was closed (its CUDA context destroyed)")
+            check(self._push(self._context), "cuCtxPushCurrent")
+            try:
+                yield
+            finally:
+                self._pop_checked(self._context)
+
+    def _pop_checked(self, expected: ctypes.c_void_p) -> None:
+        """Pop the calling thread's current context, which must be ``expected``."""
+        popped = ctypes.c_void_p()
+        check(self._pop(ctypes.byref(popped)), "cuCtxPopCurrent")
+        if popped.value != expected.value:
+            raise RuntimeError(f"popped CUDA context {popped.value:#x}, expected "
+                               f"{expected.value or 0:#x}")
 
 
 class Pinner:

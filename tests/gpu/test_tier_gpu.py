@@ -131,12 +131,15 @@ def test_submit_returns_the_copy_event_the_compute_stream_waits_on() -> None:
     assert [o.value for o in out] == [(True, True)] * 2
 
 
-@pytest.mark.parametrize("layout", ["private", "shared", "replicated"])
+@pytest.mark.parametrize(("layout", "setup_context"), [
+    ("private", True), ("shared", True), ("replicated", True), ("shared", False)])
 def test_background_set_up_serves_ready_rows_on_cuda_while_the_rest_is_registered(
-        layout: str) -> None:
+        layout: str, setup_context: bool) -> None:
     """Real CUDA registration behind `create`: jobs on ready rows run on the real engine and
     round-trip byte-exact while set-up continues, a job past the ready rows is failed on every
-    rank, and once every row is ready every rank has registered exactly its blocking bytes."""
+    rank, and once every row is ready every rank has registered exactly its blocking bytes --
+    in a registrar context of the tier's own (``setup_context``, the tier's default
+    `choose_registrar` wrapped to slow it) or in the engine's."""
 
     def body(rank: int) -> object:
         import time
@@ -165,10 +168,12 @@ def test_background_set_up_serves_ready_rows_on_cuda_while_the_rest_is_registere
                     time.sleep(0.05)
                 super().register(address, length)
 
+        import offload.actor
+
+        offload.actor.choose_registrar = Unhurried  # type: ignore[assignment]
         tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=2048 * MiB, layout=layout,
                                               blocks_per_chunk=8, tp=2, timeout_s=60,
-                                              background=True),
-                               registrar_factory=lambda device: Unhurried(device, True))
+                                              background=True, setup_context=setup_context))
         created = tier.ready
         while tier.ready.rows < 8:
             time.sleep(0.001)
@@ -195,7 +200,7 @@ def test_background_set_up_serves_ready_rows_on_cuda_while_the_rest_is_registere
         same = all(torch.equal(a, b) for a, b in zip(kv, original, strict=True))
         tier.wait_ready(120)
         row = tier.actor.report()
-        # set-up registered in a context of its own, which the engine's copies never used
+        # set-up registered in a context of its own exactly when asked to
         own = tier.actor.region.registrar.own_context
         tier.close()
         return (created.rows < created.total, seen.rows < seen.total, refused, outcome,
@@ -206,7 +211,7 @@ def test_background_set_up_serves_ready_rows_on_cuda_while_the_rest_is_registere
     assert all(o.ok for o in out), [o.error for o in out]
     for (early, partial, refused, outcome, same, pinned, pinned_bytes, plan_bytes, error,
          longest, own) in (o.value for o in out):
-        assert own
+        assert own is setup_context
         assert early and partial  # create returned, and the jobs ran, before set-up finished
         assert refused  # every rank refuses a row it has not registered yet
         assert "job 99" in outcome and "not ready" in outcome  # decided failed everywhere
