@@ -476,7 +476,7 @@ def warm(nbytes: int) -> float:
 def warm_jit(args: argparse.Namespace) -> float | None:
     """On a GPU, create and close a small blocking tier of the same shape once, untimed, so
     the copy kernel's compiled form is in Triton's on-disk cache before any variant: the first
-    variant of a run otherwise compiles it cold (4-5 s against 0.6-0.8 s), and a blocking
+    variant of a run otherwise compiles it cold (4-5 s against 0.6-1.1 s), and a blocking
     private create waits for its JIT where background set-up does not.  Returns its seconds."""
     if not torch.cuda.is_available():
         return None
