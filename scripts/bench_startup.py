@@ -170,6 +170,18 @@ def timed_job(tier: Any, job: Any, nbytes: int) -> float:
 JOB_IDS = itertools.count(1_000_000)
 
 
+def store_and_load(tier: Any, blocks: int, payload: int, rates: dict[str, list[float]]) -> None:
+    """One store, then one load, of ``blocks`` blocks in whole chunks from chunk 0; each
+    one's GB/s appended to ``rates[direction]``."""
+    for direction in ("store", "load"):
+        job = whole_chunk_job(tier, blocks, next(JOB_IDS), direction)
+        rates.setdefault(direction, []).append(timed_job(tier, job, blocks * payload))
+
+
+def medians(rates: dict[str, list[float]]) -> dict[str, float]:
+    return {f"{d}_GBps": statistics.median(r) for d, r in rates.items()}
+
+
 def jobs_when_ready(tier: Any, blocks: int, payload: int, reps: int = 5
                     ) -> dict[str, float] | None:
     """Once every row is ready: the median GB/s of ``reps`` stores and loads of ``blocks``
@@ -178,12 +190,10 @@ def jobs_when_ready(tier: Any, blocks: int, payload: int, reps: int = 5
     n = job_blocks(tier, blocks)
     if n == 0:
         return None
-    rates: dict[str, list[float]] = {"store": [], "load": []}
+    rates: dict[str, list[float]] = {}
     for _ in range(reps):
-        for direction in ("store", "load"):
-            job = whole_chunk_job(tier, n, next(JOB_IDS), direction)
-            rates[direction].append(timed_job(tier, job, n * payload))
-    return {f"{d}_GBps": statistics.median(r) for d, r in rates.items()}
+        store_and_load(tier, n, payload, rates)
+    return medians(rates)
 
 
 def every_rank(flag: bool) -> bool:
@@ -203,15 +213,12 @@ def jobs_during_setup(tier: Any, blocks: int, payload: int) -> dict[str, float] 
     rows = n // tier.plan.blocks_per_chunk
     while tier.ready.rows < rows:
         time.sleep(0.001)
-    rates: dict[str, list[float]] = {"store": [], "load": []}
+    rates: dict[str, list[float]] = {}
     while not every_rank(tier.ready.full):  # every rank runs as many jobs
-        for direction in ("store", "load"):
-            job = whole_chunk_job(tier, n, next(JOB_IDS), direction)
-            rates[direction].append(timed_job(tier, job, n * payload))
-    if not rates["store"]:
+        store_and_load(tier, n, payload, rates)
+    if not rates:
         return None
-    return {f"{d}_GBps": statistics.median(r) for d, r in rates.items()} | {
-        "jobs": len(rates["store"]) + len(rates["load"])}
+    return medians(rates) | {"jobs": sum(len(r) for r in rates.values())}
 
 
 class LaunchProbe:
