@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -70,7 +71,7 @@ class SlotLayout:
                 "row; the slot must lie inside its row (rebuild the plan)"
             )
         inside = (0, *self.cuts, self.row_stride)
-        if any(a >= b for a, b in zip(inside, inside[1:], strict=False)):
+        if any(a >= b for a, b in pairwise(inside)):
             raise OffloadError(
                 f"registration cuts {list(self.cuts)} are not increasing offsets inside a "
                 f"{self.row_stride}-byte row; take them from the region (`HostRegion.cuts`)")
