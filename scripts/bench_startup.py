@@ -35,6 +35,7 @@ import itertools
 import json
 import mmap
 import os
+import queue as queue_module
 import statistics
 import sys
 import time
@@ -91,7 +92,7 @@ def ours(rank: int, world: int, args: argparse.Namespace, layout: str) -> dict[s
     config = TierConfig(cpu_bytes_per_node=args.cpu_bytes, layout=layout.split(":")[-1],
                         blocks_per_chunk=args.blocks_per_chunk, tp=tp, pp=args.pp,
                         prefault_threads=args.threads, timeout_s=600, shm_dir=args.shm_dir,
-                        background=background, setup_context=args.setup_context)
+                        background=background, setup_context=background and args.setup_context)
     start, baseline = begin(rank)
     sampler = StackSampler().start() if args.stack_samples else None
     tier = HostTier.create(kv, config)
@@ -390,7 +391,23 @@ def run_variant(world: int, fn: Callable[..., dict[str, Any]], *extra: Any) -> d
              for r in range(world)]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=1800) for _ in range(world))
+    results: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + 1800
+    while len(results) < world:
+        # a rank that dies before reporting leaves its peers in a collective: stop them all
+        # rather than wait out the deadline
+        failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+        if failed or time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+                p.join()
+            raise SystemExit(f"a rank of {fn.__name__} exited with {failed[0]}" if failed
+                             else f"{fn.__name__} did not finish within 1800 s")
+        try:
+            rank, result = queue.get(timeout=1)
+        except queue_module.Empty:
+            continue
+        results[rank] = result
     for p in procs:
         p.join()
         if p.exitcode != 0:
