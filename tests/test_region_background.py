@@ -592,6 +592,36 @@ def test_a_batch_cut_short_gives_populating_a_turn(monkeypatch) -> None:
         backlog = seen[1]  # populated when the first (late) registration returned
         registered_in_backlog = seen[1:backlog]
         assert max(registered_in_backlog) >= backlog + 4  # populating went on meanwhile
+        assert setup.turns >= 1
+    finally:
+        setup.stop()
+        pinner.unpin_all()
+        mapping.close()
+
+
+def test_once_populating_is_over_the_backlog_is_registered_without_turns(monkeypatch) -> None:
+    """A turn for populating only helps while a pre-fault thread has work: once every unit is
+    populated, a pause after each batch would only leave the pin thread idle (half the time,
+    with batches cut short back to back)."""
+    monkeypatch.setattr(background, "REGISTER_BATCH_S", 0.05)
+    rows = 60
+    geometry = _private_geometry(rows, 4 * PAGE)
+    units = setup_units(geometry, TierConfig(cpu_bytes_per_node=1 << 30), 4 * PAGE)
+    mapping = Mapping.anonymous(geometry.total_bytes)
+
+    class Late(RecordingRegistrar):
+        def register(self, address: int, length: int) -> None:
+            # the first call holds populating back for 0.3 s: the turn after it populates the
+            # rest (tiny units); then a backlog of 0.6 s, a dozen batches cut short
+            time.sleep(0.3 if not self.calls else 0.01)
+            super().register(address, length)
+
+    registrar = Late()
+    pinner = Pinner(registrar, mapping.address)
+    setup = BackgroundSetup(mapping.address, units, pinner, 2, _Recorder().on_ready)
+    try:
+        assert setup.start().wait(60) and setup.error is None and setup.ready_rows == rows
+        assert setup.turns <= 2  # the first batch's turn (a second one on a busy host)
     finally:
         setup.stop()
         pinner.unpin_all()

@@ -71,7 +71,10 @@ UNIT_BYTES = 8 << 20
 MADVISE_BYTES = UNIT_BYTES
 # NOTE: registrations and populating take turns (`BackgroundSetup._populate_held`): the pin
 # thread holds the pre-fault threads back while it registers the units populated so far, for
-# this long at most, and a batch cut short by it is followed by as long a turn for populating.
+# this long at most, and a batch cut short by it is followed by as long a turn for populating
+# while any pre-fault thread is still at work (once none is, the backlog is registered at once:
+# 48 GiB private over 2 ranks, every row ready 3.66-3.93 s against 4.40-4.43 s with turns to
+# the end, same call; docs/BENCHMARKS.md, "The last turns").
 # A registration beside populating threads of the same process took up to 30-100 ms for a
 # 40 MiB row, against 3-4 ms once populating was over, and an engine launch waits for the one
 # in progress.  Measured in one run (48 GiB over 2 ranks, H200 host): the longest registration
@@ -172,6 +175,7 @@ class BackgroundSetup:
         self.busy_s = 0.0  # inside registration calls
         self._registered_bytes = 0  # of the units registered so far (progress)
         self.undrained = 0  # registration batches that began beside madvise calls in flight
+        self.turns = 0  # batches cut short that gave populating its turn
         self.longest_call_s = 0.0  # the longest single registration call
         # every registration call: (perf_counter when it began, seconds it took); what a
         # benchmark lines the engine's launch waits up against
@@ -303,6 +307,10 @@ class BackgroundSetup:
                 self._state[i] = -1
                 self._halt_workers()  # later units are moot: set-up stops at this one
 
+    def _populating_left(self) -> bool:
+        """Some pre-fault thread is still at work: a unit is left to take or in hand."""
+        return any(worker.is_alive() for worker in self._workers)
+
     def _wait_populated(self, i: int) -> bool:
         """Wait until unit ``i`` has a state; False once `stop` was called.  Polls, backing
         off to 2 ms: the pre-fault threads may be in C, where no Python event can be set."""
@@ -390,7 +398,10 @@ class BackgroundSetup:
                     return
                 self._populated(i)
                 i, cut_short = self._register_batch(i)
-                if cut_short:  # the pre-fault threads' turn (they look every 100 us)
+                if cut_short and self._populating_left():
+                    # the pre-fault threads' turn (they look every 100 us); once they are
+                    # done, the backlog is registered without pauses
+                    self.turns += 1
                     self._stopping.wait(REGISTER_BATCH_S)
                 now = time.perf_counter()
                 if self._progress is not None and now - last_log >= PROGRESS_INTERVAL_S:

@@ -117,6 +117,7 @@ class RegionStats:
     background: bool = False  # pre-fault and registration ran behind `create` (section 3.9)
     longest_registration_s: float | None = None  # background: the longest registration call
     undrained_batches: int | None = None  # background: registration batches beside populating
+    populate_turns: int | None = None  # background: registration batches that gave way to it
     timings_s: dict[str, float] = field(default_factory=dict)
 
 
@@ -299,6 +300,7 @@ class HostRegion:
             self.stats.timings_s["reserve"] = reservation.finished_s
         self.stats.longest_registration_s = setup.longest_call_s
         self.stats.undrained_batches = setup.undrained
+        self.stats.populate_turns = setup.turns
         self.stats.registrations = len(pinner.registered)
         self.stats.pinned_bytes = pinner.pinned_bytes
         self.stats.pin_error = setup.error
