@@ -81,6 +81,14 @@ MADVISE_BYTES = UNIT_BYTES
 # 31-51 -> 6-12 ms, the probe's launch p99 12-19 -> 4-6 ms, every row ready 1.0-1.1x later
 # (docs/BENCHMARKS.md, "Set-up after the JIT").
 REGISTER_BATCH_S = 0.05
+# NOTE: the pin thread lets this many populated bytes pile up (or waits `BACKLOG_WAIT_S` at
+# most) before it holds populating back to register them: every hold stops each pre-fault
+# thread until the calls in flight drain, so holding for every unit as it came (8 MiB, ~0.5 ms
+# to register) left the threads idle a good part of the time (CPU, 2 ranks x 4 GiB, 2 threads:
+# 89-122 holds per rank -> 21-34, every row ready 2.07-6.5 -> 1.89-3.19 s).  Rows after the
+# first then come online 256 MiB at a time, a few tens of ms apart.
+REGISTER_MIN_BYTES = 256 << 20
+BACKLOG_WAIT_S = 0.05
 # How long the pin thread waits for the madvise calls in flight before it registers beside
 # them: a worker preempted at idle priority inside its call may take long to finish it (up to
 # 2 s measured on 2 busy vCPUs), and the rows already populated should not wait for it.  As
@@ -176,6 +184,7 @@ class BackgroundSetup:
         self._registered_bytes = 0  # of the units registered so far (progress)
         self.undrained = 0  # registration batches that began beside madvise calls in flight
         self.turns = 0  # batches cut short that gave populating its turn
+        self.holds = 0  # registration batches, each holding populating back
         self.longest_call_s = 0.0  # the longest single registration call
         # every registration call: (perf_counter when it began, seconds it took); what a
         # benchmark lines the engine's launch waits up against
@@ -311,6 +320,28 @@ class BackgroundSetup:
         """Some pre-fault thread is still at work: a unit is left to take or in hand."""
         return any(worker.is_alive() for worker in self._workers)
 
+    def _wait_backlog(self, first: int) -> None:
+        """Wait until the units populated from ``first`` on (``first`` is) come to
+        `REGISTER_MIN_BYTES`, or reach the last unit or a failed one, or populating is over,
+        for `BACKLOG_WAIT_S` at most (the NOTE above `REGISTER_MIN_BYTES`).  Not before the
+        first row: the engine's first job waits for it."""
+        if self.ready_rows == 0:
+            return
+        deadline = time.perf_counter() + BACKLOG_WAIT_S
+        delay = 50e-6
+        while not self._stopping.is_set():
+            pending, piled = first, 0
+            while pending < len(self._units) and self._state[pending] == 1:
+                piled += self._units[pending].length
+                if piled >= REGISTER_MIN_BYTES:
+                    return
+                pending += 1
+            if (pending == len(self._units) or self._state[pending] < 0
+                    or not self._populating_left() or time.perf_counter() >= deadline):
+                return
+            time.sleep(delay)
+            delay = min(2 * delay, 0.002)
+
     def _wait_populated(self, i: int) -> bool:
         """Wait until unit ``i`` has a state; False once `stop` was called.  Polls, backing
         off to 2 ms: the pre-fault threads may be in C, where no Python event can be set."""
@@ -348,6 +379,7 @@ class BackgroundSetup:
                 self._paused = True
                 drained = self._gate.wait_for(lambda: not self._populating, DRAIN_WAIT_S)
         self.undrained += not drained
+        self.holds += 1
         try:
             yield
         finally:
@@ -397,6 +429,7 @@ class BackgroundSetup:
                 if not self._wait_populated(i):
                     return
                 self._populated(i)
+                self._wait_backlog(i)
                 i, cut_short = self._register_batch(i)
                 if cut_short and self._populating_left():
                     # the pre-fault threads' turn (they look every 100 us); once they are
