@@ -379,6 +379,19 @@ def _rank_main(rank: int, world: int, port: int, fn: Callable[..., dict[str, Any
     cleanup.exit_now(0)  # no interpreter finalization to race gloo's threads
 
 
+def _stop_ranks(procs: list[Any]) -> None:
+    """SIGTERM first, so each rank's cleanup unlinks what it named (``--shm-dir``); SIGKILL
+    what is still there after 10 s."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
 def run_variant(world: int, fn: Callable[..., dict[str, Any]], *extra: Any) -> dict[str, Any]:
     import socket
 
@@ -398,9 +411,7 @@ def run_variant(world: int, fn: Callable[..., dict[str, Any]], *extra: Any) -> d
         # rather than wait out the deadline
         failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
         if failed or time.monotonic() > deadline:
-            for p in procs:
-                p.kill()
-                p.join()
+            _stop_ranks(procs)
             raise SystemExit(f"a rank of {fn.__name__} exited with {failed[0]}" if failed
                              else f"{fn.__name__} did not finish within 1800 s")
         try:
@@ -409,8 +420,9 @@ def run_variant(world: int, fn: Callable[..., dict[str, Any]], *extra: Any) -> d
             continue
         results[rank] = result
     for p in procs:
-        p.join()
+        p.join(120)  # past its result a rank only leaves the group
         if p.exitcode != 0:
+            _stop_ranks(procs)
             raise SystemExit(f"a rank of {fn.__name__} exited with {p.exitcode}")
     began = min(r["start"] for r in results.values())
     seconds = max(r["ready"] for r in results.values()) - began
@@ -593,7 +605,7 @@ def main() -> None:
     report = {"date": datetime.date.today().isoformat(), "nproc": args.nproc,
               "cpu_bytes": args.cpu_bytes, "cuda": torch.cuda.is_available(),
               "gpus": torch.cuda.device_count(), "warm_s": warm_s, "jit_warm_s": jit_warm_s,
-              "variants": rows}
+              "setup_context": args.setup_context, "variants": rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -86,7 +86,8 @@ REGISTER_BATCH_S = 0.05
 # thread until the calls in flight drain, so holding for every unit as it came (8 MiB, ~0.5 ms
 # to register) left the threads idle a good part of the time (CPU, 2 ranks x 4 GiB, 2 threads:
 # 89-122 holds per rank -> 21-34, every row ready 2.07-6.5 -> 1.89-3.19 s).  Rows after the
-# first then come online 256 MiB at a time, a few tens of ms apart.
+# first then come online 256 MiB at a time: tens of ms apart, up to ~100 ms where populating
+# is slow (a turn, then this wait).
 REGISTER_MIN_BYTES = 256 << 20
 BACKLOG_WAIT_S = 0.05
 # How long the pin thread waits for the madvise calls in flight before it registers beside
@@ -316,9 +317,12 @@ class BackgroundSetup:
                 self._state[i] = -1
                 self._halt_workers()  # later units are moot: set-up stops at this one
 
-    def _populating_left(self) -> bool:
-        """Some pre-fault thread is still at work: a unit is left to take or in hand."""
-        return any(worker.is_alive() for worker in self._workers)
+    def _populating_left(self, first: int) -> bool:
+        """Some unit from ``first`` on is still to be populated: none has failed (which stops
+        the pre-fault threads) and one has no state yet.  Read from the units, not from the
+        threads: an idle-priority thread done with its last unit may take long to exit on a
+        busy host."""
+        return not self._stop_flag[0] and bool((self._state[first:] == 0).any())
 
     def _wait_backlog(self, first: int) -> None:
         """Wait until the units populated from ``first`` on (``first`` is) come to
@@ -337,7 +341,7 @@ class BackgroundSetup:
                     return
                 pending += 1
             if (pending == len(self._units) or self._state[pending] < 0
-                    or not self._populating_left() or time.perf_counter() >= deadline):
+                    or not self._populating_left(pending) or time.perf_counter() >= deadline):
                 return
             time.sleep(delay)
             delay = min(2 * delay, 0.002)
@@ -430,8 +434,10 @@ class BackgroundSetup:
                     return
                 self._populated(i)
                 self._wait_backlog(i)
+                if self._stopping.is_set():
+                    return
                 i, cut_short = self._register_batch(i)
-                if cut_short and self._populating_left():
+                if cut_short and self._populating_left(i):
                     # the pre-fault threads' turn (they look every 100 us); once they are
                     # done, the backlog is registered without pauses
                     self.turns += 1
