@@ -141,9 +141,9 @@ class TierConfig:
     (``PORTABLE``, so the engine's context sees the memory pinned and mapped): a registration
     holds its context's driver lock, and in the engine's context every kernel launch issued
     meanwhile waits for it.  Measured inside the tier (48 GiB over 2 ranks, H200): the launch
-    p99 during set-up 0.4-1.0 ms against 1.0-2.0 ms, the worst wait 2.1-4.5 against 3.0-5.6 ms.
-    Off by default: it costs about 260 MiB of GPU memory per rank for the tier's life and
-    0.1-0.2 s of ``create``, and the worst waits left are not registrations."""
+    p99 during set-up 0.4-1.0 ms against 1.0-2.0 ms, the worst wait 2.1-4.7 against 3.0-5.6 ms.
+    Off by default: it costs about 260 MiB of GPU memory per rank for the tier's life and a
+    context creation in ``create``, and it bounds no wait (the worst stay 2-5 ms)."""
 
     metrics_port: int | None = None
     """Serve live Prometheus metrics (``offload_*``, `offload.metrics`) on this port plus the

@@ -72,7 +72,7 @@ MADVISE_BYTES = UNIT_BYTES
 # NOTE: registrations and populating take turns (`BackgroundSetup._populate_held`): the pin
 # thread holds the pre-fault threads back while it registers the units populated so far, for
 # this long at most, and a batch cut short by it is followed by as long a turn for populating
-# while any pre-fault thread is still at work (once none is, the backlog is registered at once:
+# while some unit is still to be populated (after that the backlog is registered at once:
 # 48 GiB private over 2 ranks, every row ready 3.66-3.93 s against 4.40-4.43 s with turns to
 # the end, same call; docs/BENCHMARKS.md, "The last turns").
 # A registration beside populating threads of the same process took up to 30-100 ms for a
