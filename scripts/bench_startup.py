@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import collections
 import datetime
 import itertools
 import json
@@ -48,6 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from stack_sampler import StackSampler
+from wait_sampler import WaitSampler
 
 from offload import cleanup
 from offload.config import TierConfig
@@ -98,7 +100,8 @@ def ours(rank: int, world: int, args: argparse.Namespace, layout: str) -> dict[s
     tier = HostTier.create(kv, config)
     created = time.time()
     # what set-up costs the engine's own launches once create returned
-    probe = LaunchProbe(device) if background and device.type == "cuda" else None
+    probe = (LaunchProbe(device, args.probe_waits) if background and device.type == "cuda"
+             else None)
     first, first_ready = first_job(tier, args.blocks_per_chunk)
     during = (jobs_during_setup(tier, args.job_blocks, payload)
               if background and args.jobs_during_setup else None)
@@ -116,7 +119,7 @@ def ours(rank: int, world: int, args: argparse.Namespace, layout: str) -> dict[s
         waits = probe.stop(setup.calls, setup.started)
         # the same probe with nothing else going on: the wait a launch from a Python thread
         # of this process sees anyway, the baseline of set-up's
-        idle = LaunchProbe(device)
+        idle = LaunchProbe(device, args.probe_waits)
         time.sleep(args.idle_probe_s)
         waits["idle"] = idle.stop([])
     jobs = jobs_when_ready(tier, args.job_blocks, payload)
@@ -222,16 +225,25 @@ def jobs_during_setup(tier: Any, blocks: int, payload: int) -> dict[str, float] 
     return medians(rates) | {"jobs": sum(len(r) for r in rates.values())}
 
 
+LAUNCH, SYNC, MAP = 1, 2, 3  # the probe's timed steps, as `WaitSampler` phases
+
+
 class LaunchProbe:
     """Launches a one-element kernel on its own stream and waits for it, every millisecond,
-    on a thread, until `stop`: the longest wait says how long set-up held the driver."""
+    on a thread, until `stop`: the longest wait says how long set-up held the driver.  With
+    ``sample_waits``, a `WaitSampler` reads where in the kernel the thread waits whenever a
+    launch, its synchronisation or the 4 KiB mapping runs past 0.5 ms."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, sample_waits: bool = False) -> None:
         self._device = device
         self._stop = False
+        self._sample_waits = sample_waits
+        self.sampler: WaitSampler | None = None
         self.waits: list[float] = []
         self.maps: list[float] = []  # a 4 KiB mmap and munmap after each launch
         self.began: list[float] = []  # perf_counter when each launch began
+        self.steps: list[tuple[float, float]] = []  # the sampler's keys: launch, sync
+        self.launch_s: list[float] = []  # of each wait, the launch's part (the rest: sync)
         import threading
 
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -244,15 +256,26 @@ class LaunchProbe:
         with torch.cuda.stream(stream):  # the kernel's first launch loads its module: not timed
             x.add_(1)
         stream.synchronize()
+        sampler = self.sampler = WaitSampler() if self._sample_waits else None
         while not self._stop:
             began = time.perf_counter()
+            launched = sampler.begin(LAUNCH) if sampler else 0.0
             with torch.cuda.stream(stream):
                 x.add_(1)
+            self.launch_s.append(time.perf_counter() - began)
+            synced = sampler.begin(SYNC) if sampler else 0.0
             stream.synchronize()
+            if sampler:
+                sampler.end()
             self.waits.append(time.perf_counter() - began)
             self.began.append(began)
+            self.steps.append((launched, synced))
             began = time.perf_counter()  # the mmap lock: held for reading by a populate
+            if sampler:
+                sampler.begin(MAP)
             mmap.mmap(-1, 4096).close()
+            if sampler:
+                sampler.end()
             self.maps.append(time.perf_counter() - began)
             time.sleep(0.001)
 
@@ -264,6 +287,7 @@ class LaunchProbe:
         process's own stalls), ``overlapped`` how many of the 10 worst overlapped one."""
         self._stop = True
         self._thread.join()
+        where = self._where(since) if self.sampler is not None else None
         launches = list(zip(self.began, self.waits, strict=True))
         before = [w for b, w in launches if b < since]
         began = [b for b, _ in launches if b >= since]
@@ -291,7 +315,33 @@ class LaunchProbe:
                 "worst_call_ms": 1e3 * overlapping(by_wait[0]),
                 "beside_max_ms": 1e3 * max(free, default=0.0),
                 "before_max_ms": 1e3 * max(before, default=0.0),
-                "mmap_max_ms": 1e3 * max(self.maps, default=0.0)}
+                "mmap_max_ms": 1e3 * max(self.maps, default=0.0),
+                **({"where": where} if where is not None else {})}
+
+    def _where(self, since: float) -> dict[str, Any]:
+        """What the probe thread waited for in the kernel: its 10 worst launches from
+        ``since`` on, in words (each step that ran past 0.5 ms), and over every long step, how
+        often each phase, state and wait channel was seen."""
+        sampler = self.sampler
+        assert sampler is not None
+        steps = sampler.stop()
+        names = {LAUNCH: "launch", SYNC: "sync", MAP: "mmap"}
+        seen: collections.Counter[str] = collections.Counter()
+        for step in steps.values():
+            for _, state, wchan, _ in step["samples"]:
+                seen[f"{names.get(step['phase'], '?')} {state} {wchan}"] += 1
+        counted = [i for i, b in enumerate(self.began) if b >= since]
+        worst = sorted(counted, key=self.waits.__getitem__, reverse=True)[:10]
+
+        def words(i: int) -> str:
+            launch = self.launch_s[i]
+            sampled = "; ".join(f"{names[phase]} {sampler.where(key)}"
+                                for phase, key in zip((LAUNCH, SYNC), self.steps[i], strict=True)
+                                if key in steps)
+            return (f"{1e3 * self.waits[i]:.1f} ms (launch {1e3 * launch:.1f}, sync "
+                    f"{1e3 * (self.waits[i] - launch):.1f}): {sampled or 'no sample'}")
+
+        return {"worst": [words(i) for i in worst], "seen": dict(seen.most_common(12))}
 
 
 def stage_payloads(args: argparse.Namespace) -> list[int]:
@@ -426,7 +476,7 @@ def run_variant(world: int, fn: Callable[..., dict[str, Any]], *extra: Any) -> d
             raise SystemExit(f"a rank of {fn.__name__} exited with {p.exitcode}")
     began = min(r["start"] for r in results.values())
     seconds = max(r["ready"] for r in results.values()) - began
-    stages = {key: max(r[key] for r in results.values()) - began
+    stages: dict[str, Any] = {key: max(r[key] for r in results.values()) - began
               for key in ("created", "first", "first_ready") if key in results[0]}
     jit = _most_over_ranks(results, lambda row: row["timings_s"].get("jit"))
     if jit is not None:
@@ -446,6 +496,9 @@ def run_variant(world: int, fn: Callable[..., dict[str, Any]], *extra: Any) -> d
         if idle:
             stages["idle_max_ms"] = max(p["max_ms"] for p in idle)
             stages["idle_p99_ms"] = max(p["p99_ms"] for p in idle)
+        where = [(p["where"], p["idle"].get("where")) for p in probes if "where" in p]
+        if where:  # per rank: during set-up, and once every row was ready
+            stages["where"] = where
     rated = [r["jobs"] for r in results.values() if r.get("jobs")]
     if rated:  # the slowest rank's
         stages["store_GBps"] = min(j["store_GBps"] for j in rated)
@@ -552,6 +605,12 @@ def main() -> None:
     p.add_argument("--idle-probe-s", type=float, default=2.0,
                    help="background on a GPU: run the launch probe this long once every row "
                         "is ready, as the baseline of its waits during set-up")
+    p.add_argument("--probe-waits", action="store_true",
+                   help="background on a GPU: whenever a launch of the probe, its "
+                        "synchronisation or its 4 KiB mmap runs past 0.5 ms, read what its "
+                        "thread waits for in the kernel (state, wait channel, kernel stack; "
+                        "scripts/wait_sampler.py) and print the worst launches' and the most "
+                        "frequent")
     p.add_argument("--layouts", default="private,shared,replicated")
     p.add_argument("--variants", default="floor,ours,naive,pin_memory",
                    help="any of floor, ours, background, naive, pin_memory")
@@ -690,6 +749,17 @@ def print_table(report: dict[str, Any]) -> None:
                 f"{r['idle_p99_ms']:.2f}" if "idle_p99_ms" in r else "-",
                 f"{r['during_store_GBps']:.1f}/{r['during_load_GBps']:.1f}" if during else "-",
                 r.get("during_jobs", "-"), ratio))
+    for name, r in staged.items():
+        for rank, (during, idle) in enumerate(r.get("where", [])):
+            print(f"\n{name}, rank {rank}: what the probe's thread waited for in the kernel "
+                  "(steps past 0.5 ms; R: for a CPU)")
+            print("  most seen during set-up: " + "; ".join(
+                f"{what} x{count}" for what, count in list(during["seen"].items())[:5]))
+            if idle is not None:
+                print("  most seen once ready:    " + "; ".join(
+                    f"{what} x{count}" for what, count in list(idle["seen"].items())[:3]))
+            for line in during["worst"][:3]:
+                print("  worst: " + line)
 
 
 if __name__ == "__main__":

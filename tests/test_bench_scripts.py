@@ -104,3 +104,33 @@ def test_the_stack_sampler_sees_a_thread_that_holds_the_gil() -> None:
         sampler.stop()
     assert sampler.late and max(gap for _, gap, _ in sampler.late) > 0.1
     assert "wake-ups later than 50 ms" in sampler.report()
+
+
+def test_the_wait_sampler_says_what_a_long_step_waits_for_in_the_kernel() -> None:
+    """A step that sleeps and one that waits for a lock another thread holds, each 20 ms,
+    read from the child process: a sleep, a futex; a short step is not sampled."""
+    import threading
+    import time
+
+    import wait_sampler
+
+    sampler = wait_sampler.WaitSampler(after_s=0.002)
+    try:
+        short = sampler.begin(1)
+        sampler.end()
+        sleeping = sampler.begin(1)
+        time.sleep(0.02)
+        sampler.end()
+        lock = threading.Lock()
+        lock.acquire()
+        threading.Timer(0.02, lock.release).start()
+        locked = sampler.begin(2)
+        with lock:
+            sampler.end()
+    finally:
+        steps = sampler.stop()
+    assert short not in steps
+    assert steps[sleeping]["phase"] == 1 and steps[locked]["phase"] == 2
+    assert "sleep" in sampler.where(sleeping) and sampler.where(sleeping).startswith("S ")
+    assert "futex" in sampler.where(locked)
+    assert sampler.where(short) == "no sample"

@@ -1,0 +1,137 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What a thread is waiting for in the kernel while one of its timed steps runs long.
+
+`WaitSampler` watches one thread of this process from a small child process (this file run as
+a script: the standard library only, so it starts in milliseconds and takes no CPU from what it
+watches beyond its reads), so that neither the GIL nor this process's scheduling hides what it
+sees.  The watched thread marks each step it times (`begin` with a phase number, `end`) in a
+shared page; while a step has run longer than ``after_s``, the child reads the thread's
+``/proc/<pid>/task/<tid>/stat`` state, ``wchan`` and, where readable (root), the top of its
+kernel ``stack`` every ``interval_s``.  State ``R`` is a thread waiting for a CPU (or running);
+``S``/``D`` with a wait channel says for what: ``rwsem_down_*`` a lock such as the mmap lock,
+``futex_*`` a user-space lock (a driver's mutex, or the GIL), ``*nanosleep`` a sleep.
+
+Used by ``bench_startup.py --probe-waits`` on the launch probe's thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import mmap
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+STACK_FRAMES = 4  # innermost kernel frames kept per sample
+BEGAN, PHASE, STOP, READY = range(4)  # the shared page's doubles
+
+
+def _now() -> float:
+    return time.clock_gettime(time.CLOCK_MONOTONIC)  # the same clock in both processes
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _sample(task: str) -> tuple[str, str, str]:
+    """(state, wait channel, innermost kernel frames) of one thread."""
+    stat = _read(f"{task}/stat")
+    state = stat.rsplit(")", 1)[-1].split()[0] if ")" in stat else "?"
+    wchan = _read(f"{task}/wchan").strip() or "-"
+    frames = [line.split("] ", 1)[-1].split("+", 1)[0]
+              for line in _read(f"{task}/stack").splitlines()[:STACK_FRAMES]]
+    return state, wchan, " < ".join(frames)
+
+
+def _watch(pid: int, tid: int, fd: int, after_s: float, interval_s: float) -> None:
+    """The child: sample the thread while its current step has run past ``after_s``; print
+    every long step's samples as JSON once told to stop."""
+    page = mmap.mmap(fd, mmap.PAGESIZE)
+    marker = memoryview(page).cast("d")
+    task = f"/proc/{pid}/task/{tid}"
+    steps: dict[str, dict[str, Any]] = {}
+    marker[READY] = 1.0
+    while not marker[STOP] and os.path.exists(task):
+        began, phase = marker[BEGAN], marker[PHASE]
+        if began > 0 and _now() - began >= after_s:
+            state, wchan, stack = _sample(task)
+            if marker[BEGAN] == began:  # the step had not ended while we read
+                step = steps.setdefault(repr(began), {"phase": int(phase), "samples": []})
+                step["samples"].append((round(_now() - began, 6), state, wchan, stack))
+        time.sleep(interval_s)
+    json.dump(steps, sys.stdout)
+
+
+class WaitSampler:
+    """Create it in the watched thread (it records that thread's id); call `begin`/`end`
+    around each timed step there, `stop` from anywhere.  ``steps`` maps each long step's start
+    (`time.CLOCK_MONOTONIC`, as `begin` returned it) to its phase and samples."""
+
+    def __init__(self, after_s: float = 0.0005, interval_s: float = 0.0002) -> None:
+        fd = os.memfd_create("wait-sampler")
+        try:
+            os.ftruncate(fd, mmap.PAGESIZE)
+            self._page = mmap.mmap(fd, mmap.PAGESIZE)
+            self._child = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), str(os.getpid()),
+                 str(threading.get_native_id()), str(fd), repr(after_s), repr(interval_s)],
+                pass_fds=[fd], stdout=subprocess.PIPE, text=True)
+        finally:
+            os.close(fd)
+        self._marker = memoryview(self._page).cast("d")
+        self.steps: dict[float, dict[str, Any]] = {}
+        deadline = time.monotonic() + 30  # the child's interpreter start: steps before it
+        while not self._marker[READY] and self._child.poll() is None:  # would go unseen
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.001)
+
+    def begin(self, phase: int) -> float:
+        """Mark a step of ``phase`` as running; returns its start (`CLOCK_MONOTONIC`)."""
+        began = _now()
+        self._marker[PHASE] = phase
+        self._marker[BEGAN] = began
+        return began
+
+    def end(self) -> None:
+        self._marker[BEGAN] = 0.0
+
+    def stop(self) -> dict[float, dict[str, Any]]:
+        self._marker[STOP] = 1.0
+        try:
+            out, _ = self._child.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._child.kill()
+            out, _ = self._child.communicate()
+        self.steps = {float(k): v for k, v in json.loads(out or "{}").items()}
+        self._marker.release()
+        self._page.close()
+        return self.steps
+
+    def where(self, began: float) -> str:
+        """The step begun at ``began``, in words: its most frequent state and wait channel,
+        how often of its samples, and the kernel stack seen with them ("no sample" when the
+        sampler never saw it run long)."""
+        step = self.steps.get(began)
+        if step is None or not step["samples"]:
+            return "no sample"
+        seen = collections.Counter((state, wchan) for _, state, wchan, _ in step["samples"])
+        (state, wchan), count = seen.most_common(1)[0]
+        stacks = collections.Counter(stack for _, s, w, stack in step["samples"]
+                                     if (s, w) == (state, wchan) and stack)
+        top = f" [{stacks.most_common(1)[0][0]}]" if stacks else ""
+        return f"{state} {wchan} ({count} of {len(step['samples'])}){top}"
+
+
+if __name__ == "__main__":
+    _watch(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]),
+           float(sys.argv[5]))
