@@ -324,38 +324,44 @@ class BackgroundSetup:
         busy host."""
         return not self._stop_flag[0] and bool((self._state[first:] == 0).any())
 
-    def _wait_backlog(self, first: int) -> None:
-        """Wait until the units populated from ``first`` on (``first`` is) come to
-        `REGISTER_MIN_BYTES`, or reach the last unit or a failed one, or populating is over,
-        for `BACKLOG_WAIT_S` at most (the NOTE above `REGISTER_MIN_BYTES`).  Not before the
-        first row: the engine's first job waits for it."""
-        if self.ready_rows == 0:
-            return
-        deadline = time.perf_counter() + BACKLOG_WAIT_S
+    def _poll(self, done: Callable[[], bool], deadline: float | None = None) -> bool:
+        """Wait until ``done()``, or `stop` was called, or ``deadline`` (perf_counter) passed;
+        whether it is done and `stop` was not called.  Polls, backing off to 2 ms: the
+        pre-fault threads may be in C, where no Python event can be set."""
         delay = 50e-6
-        while not self._stopping.is_set():
-            pending, piled = first, 0
-            while pending < len(self._units) and self._state[pending] == 1:
-                piled += self._units[pending].length
-                if piled >= REGISTER_MIN_BYTES:
-                    return
-                pending += 1
-            if (pending == len(self._units) or self._state[pending] < 0
-                    or not self._populating_left(pending) or time.perf_counter() >= deadline):
-                return
+        while not (finished := done()):
+            if self._stopping.is_set() or (deadline is not None
+                                           and time.perf_counter() >= deadline):
+                break
             time.sleep(delay)
             delay = min(2 * delay, 0.002)
+        return finished and not self._stopping.is_set()
+
+    def _backlog_done(self, first: int) -> bool:
+        """The units populated from ``first`` on come to `REGISTER_MIN_BYTES`, or reach the
+        last unit or a failed one, or the pre-fault threads were stopped."""
+        pending, piled = first, 0
+        while pending < len(self._units) and self._state[pending] == 1:
+            piled += self._units[pending].length
+            if piled >= REGISTER_MIN_BYTES:
+                return True
+            pending += 1
+        # unit `pending` has no state yet unless it failed: it comes unless workers stopped
+        return (pending == len(self._units) or self._state[pending] < 0
+                or bool(self._stop_flag[0]))
+
+    def _wait_backlog(self, first: int) -> None:
+        """Wait until the units populated from ``first`` on (``first`` is) make a backlog
+        (`_backlog_done`), for `BACKLOG_WAIT_S` at most (the NOTE above
+        `REGISTER_MIN_BYTES`).  Not before the first row: the engine's first job waits for
+        it."""
+        if self.ready_rows > 0:
+            self._poll(lambda: self._backlog_done(first),
+                       time.perf_counter() + BACKLOG_WAIT_S)
 
     def _wait_populated(self, i: int) -> bool:
-        """Wait until unit ``i`` has a state; False once `stop` was called.  Polls, backing
-        off to 2 ms: the pre-fault threads may be in C, where no Python event can be set."""
-        delay = 50e-6
-        while self._state[i] == 0:
-            if self._stopping.is_set():
-                return False
-            time.sleep(delay)
-            delay = min(2 * delay, 0.002)
-        return not self._stopping.is_set()
+        """Wait until unit ``i`` has a state; False once `stop` was called."""
+        return self._poll(lambda: self._state[i] != 0)
 
     def _populated(self, i: int) -> None:
         """Raise unit ``i``'s failure, if it had one (from the C loop: its errno, worded as

@@ -11,11 +11,13 @@ Background set-up registers while the engine serves, and a registration holds it
 driver lock for the whole call: a kernel launch of the engine waits behind it.  With
 ``own_context`` (`TierConfig.setup_context`) the registrar registers in a context of its own,
 with ``PORTABLE``: the memory is pinned and mapped for the engine's (primary) context all the
-same, and the engine's launches do not wait for it.  Measured on its own on an H200 host, beside
-populating threads and a thread mapping memory every millisecond (8 MiB registrations of up to
-15 ms): the engine's longest launch took 0.58 ms, against 6.9 ms with the registrations in the
-engine's context, and copies from the memory ran at 54.8 GB/s (docs/BENCHMARKS.md, "What the
-engine's launches wait for during set-up").  The context costs GPU memory (about 260 MiB with
+same, and the engine's launches need not wait for it.  Measured on its own on an H200 host,
+beside populating threads and a thread mapping memory every millisecond (8 MiB registrations of
+up to 15 ms): the engine's longest launch took 0.58 ms, against 6.9 ms with the registrations in
+the engine's context, and copies from the memory ran at 54.8 GB/s (docs/BENCHMARKS.md, "What
+the engine's launches wait for during set-up").  Inside the tier it halved the launch p99 during
+set-up, but the worst waits still overlapped registrations ("The own-context registrar inside
+the tier"), so it is off by default.  The context costs GPU memory (about 260 MiB with
 its stack, printf and heap limits at 0) and lives as long as the registrations: destroying it
 unregisters them.  Where a second context cannot be made (a GPU in exclusive-process mode) the
 registrar falls back to the primary context and says so.
