@@ -60,22 +60,44 @@ def tail(proc: subprocess.CompletedProcess[str], chars: int = 3000) -> str:
 
 
 def free_port() -> int:
+    """A port free at this instant.  Another process may take it before the caller binds it, so
+    a caller retries on EADDRINUSE (`run_on_free_port`) or binds port 0 itself (`run_group`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
+def _rendezvous(rank: int, world: int, ports: Any, timeout: datetime.timedelta) -> Any:
+    """Rank 0 hosts the group's store, as under torchrun's env:// rendezvous (tests kill it to
+    see the others notice), but binds port 0 and hands the port it got to the other ranks: a
+    port picked in advance can be taken by a parallel test before rank 0 binds it, and a rank
+    could then even join that test's store."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world, True, timeout, wait_for_workers=False)
+        for _ in range(world - 1):
+            ports.put(store.port)
+    else:
+        try:
+            port = ports.get(timeout=timeout.total_seconds())
+        except queue.Empty:
+            raise TimeoutError("rank 0 never published its store's port") from None
+        store = dist.TCPStore("127.0.0.1", port, world, False, timeout)
+    os.environ["MASTER_PORT"] = str(store.port)  # what torchrun would have exported
+    return store
+
+
 def _child(payload: bytes, rank: int, env: dict[str, str], results: Any, pg_timeout: float,
-           released: Any, linger_s: float) -> None:
+           released: Any, linger_s: float, ports: Any) -> None:
     os.environ.update(env)
     import torch.distributed as dist
 
     fn, args = cloudpickle.loads(payload)
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=int(env["WORLD_SIZE"]),
-            timeout=datetime.timedelta(seconds=pg_timeout),
-        )
+        world, timeout = int(env["WORLD_SIZE"]), datetime.timedelta(seconds=pg_timeout)
+        dist.init_process_group("gloo", store=_rendezvous(rank, world, ports, timeout),
+                                rank=rank, world_size=world, timeout=timeout)
         value = fn(rank, *args)
         results.put((rank, cloudpickle.dumps(value), None, None))
     except BaseException as exc:  # report every failure, including SystemExit
@@ -101,22 +123,22 @@ def run_group(fn: Callable[..., Any], world: int, *, args: Sequence[Any] = (),
               ) -> list[Outcome]:
     """Run ``fn(rank, *args)`` on ``world`` gloo ranks; ``nodes[r]`` is rank r's node id."""
     ctx = mp.get_context("spawn")
-    results, released = ctx.Queue(), ctx.Event()
-    port = free_port()
+    results, released, ports = ctx.Queue(), ctx.Event(), ctx.Queue()
     payload = cloudpickle.dumps((fn, tuple(args)))
     node_of = list(nodes) if nodes is not None else ["node0"] * world
     procs = []
     for rank in range(world):
         same = [r for r in range(world) if node_of[r] == node_of[rank]]
         env = {
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "MASTER_ADDR": "127.0.0.1",
             "RANK": str(rank), "WORLD_SIZE": str(world),
             "LOCAL_RANK": str(same.index(rank)), "LOCAL_WORLD_SIZE": str(len(same)),
             "OFFLOAD_NODE_ID": node_of[rank],
             **(extra_env or {}),
         }
         p = ctx.Process(target=_child,
-                        args=(payload, rank, env, results, pg_timeout, released, timeout))
+                        args=(payload, rank, env, results, pg_timeout, released, timeout,
+                              ports))
         p.start()
         procs.append(p)
     outcomes = {r: Outcome(r, None) for r in range(world)}

@@ -282,10 +282,9 @@ def test_two_simulated_nodes_elect_two_leaders_and_size_rows_per_node(
     """Two torchrun "nodes" (as scripts/two_nodes.sh starts them, NPROC0 / NPROC1), equal or
     not: each node sizes its rows from its own ranks, the chunk count fits the fuller one."""
     report_path = tmp_path / "r.json"
-    port = str(free_port())
     grid = ("--tp", "2", "--pp", "2") if nprocs == (2, 2) else ("--tp", str(sum(nprocs)))
 
-    def node(rank: int) -> subprocess.Popen[str]:
+    def node(rank: int, port: str) -> subprocess.Popen[str]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
                str(rank), "--nproc-per-node", str(nprocs[rank]), "--master-addr", "127.0.0.1",
                "--master-port", port, str(ROOT / "launch" / "run.py"), "--device", "cpu",
@@ -295,8 +294,16 @@ def test_two_simulated_nodes_elect_two_leaders_and_size_rows_per_node(
         return subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT)
 
-    procs = [node(0), node(1)]
-    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    for attempt in range(3):  # node 0's agent binds a port picked in advance: it can be taken
+        port = str(free_port())  # by a parallel test first, and then node 1 must not wait on it
+        procs = [node(0, port), node(1, port)]
+        first_out = procs[0].communicate(timeout=120)[0]
+        if "EADDRINUSE" in first_out and attempt < 2:
+            procs[1].kill()
+            procs[1].communicate()
+            continue
+        outputs = [first_out, procs[1].communicate(timeout=120)[0]]
+        break
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     report = json.loads(report_path.read_text())
     first = list(range(nprocs[0]))
@@ -326,8 +333,7 @@ def test_a_killed_rank_fails_the_job_quickly_and_leaves_nothing(layout: str,
     import signal
     import time
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
-           "3", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
            str(ROOT / "launch" / "run.py"), "--device", "cpu", "--layout", layout,
            "--cpu-bytes", "48MiB", "--rounds", "100000", "--timeout", "20",
            "--shm-dir", shm_dir]

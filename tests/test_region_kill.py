@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from offload.region.space import meminfo
-from tests.harness import free_port, has_our_traceback
+from tests.harness import has_our_traceback
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET = 1 << 30
@@ -98,8 +98,7 @@ def kill_job_during_setup(shm_dir: str | None, where: str, log: Path,
     the region then and let torchrun stop the rest); return the tier id and how much memory the
     region held by then."""
     start = shmem()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
-           "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(ROOT / "launch" / "run.py"), "--device", "cpu", "--layout", "shared",
            "--cpu-bytes", str(BUDGET), "--segment-bytes", "256MiB", "--prefault-threads", "1",
            "--rounds", "100000", "--timeout", "60",
