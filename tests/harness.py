@@ -10,10 +10,12 @@ is killed or hangs shows up as such instead of blocking the test.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
 import queue
+import random
 import socket
 import subprocess
 import traceback
@@ -65,6 +67,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_port_range(count: int) -> int:
+    """The first of ``count`` consecutive ports free at this instant, below Linux's ephemeral
+    range (32768 on): ports picked by `free_port` and every outgoing connection's local port
+    come from that range, so a parallel test cannot take these between the pick and the bind
+    (only another pick here could, 1 in thousands)."""
+    rng = random.Random()
+    for _ in range(100):
+        base = rng.randrange(20000, 32768 - count)
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(base, base + count):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise AssertionError(f"no {count} consecutive free ports in 20000-32767")
 
 
 def _rendezvous(rank: int, world: int, ports: Any, timeout: datetime.timedelta) -> Any:

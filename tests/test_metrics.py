@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from offload.config import TierConfig
-from tests.harness import free_port, run_group
+from tests.harness import free_port_range, run_group
 
 pytest.importorskip("prometheus_client")
 
@@ -80,7 +80,7 @@ def _serve_and_scrape(rank: int, port: int) -> object:
 
 
 def test_every_rank_serves_metrics_that_move_with_its_jobs() -> None:
-    port = free_port()
+    port = free_port_range(2)
     out = run_group(_serve_and_scrape, 2, args=(port,), timeout=120)
     assert all(o.ok for o in out), [o.error for o in out]
     before, after, results, closed = out[0].value
@@ -153,7 +153,7 @@ def _taken_port(rank: int, port: int) -> object:
 
 
 def test_a_taken_metrics_port_fails_every_rank_with_one_line() -> None:
-    port = free_port()
+    port = free_port_range(2)
     out = run_group(_taken_port, 2, args=(port,), timeout=90)
     for o in out:
         assert o.ok and o.value is not None, o.error
@@ -232,7 +232,7 @@ def _rows_come_online(rank: int, port: int, gate: str) -> object:
 
 
 def test_rows_ready_and_not_ready_jobs_move_while_set_up_runs_behind(tmp_path) -> None:
-    port = free_port()
+    port = free_port_range(2)
     outcomes = run_group(_rows_come_online, 2, args=(port, str(tmp_path / "gate")),
                          timeout=90)
     assert all(o.ok for o in outcomes), [o.error for o in outcomes]
