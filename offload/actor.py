@@ -89,6 +89,7 @@ class RankActor:
     config: TierConfig
     kv_tensors: list[torch.Tensor]
     tier_id: str
+    handoff_key: str  # names the node's hand-off sockets (`offload.region.nameless`)
     quorum: Quorum
     progress: Callable[[int, int, float], None] | None = None
     backend: str = "auto"
@@ -154,7 +155,8 @@ class RankActor:
             compiler.join()
         try:
             self.region = HostRegion.create(plan, self.topology, self.config, self.tier_id,
-                                            registrar, self.progress, self._set_up)
+                                            self.handoff_key, registrar, self.progress,
+                                            self._set_up)
         except BaseException:
             compiler.join()
             try:  # a region that failed closed it too (idempotent); one refused early did not

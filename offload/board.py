@@ -108,7 +108,7 @@ class Board:
         self.slot = slot
 
     @classmethod
-    def open(cls, topology: Topology, tier_id: str, timeout_s: float,
+    def open(cls, topology: Topology, tier_id: str, handoff_key: str, timeout_s: float,
              leader_pid: int | None = None) -> Board:
         """Node-collective: the leader creates the zeroed board and hands it to the node's
         other ranks; each maps it and closes its descriptor (the mapping keeps it alive).
@@ -122,7 +122,7 @@ class Board:
             PeerError: the leader offered nothing in time, or what was served is not its board.
         """
         ranks, slot = topology.local_world_size, topology.local_rank
-        name = socket_name(tier_id, f"board-{topology.node_id}")
+        name = socket_name(tier_id, f"board-{topology.node_id}", handoff_key)
         if topology.is_leader:
             fd = create_memfd("board", ranks * LINE_BYTES)
             try:

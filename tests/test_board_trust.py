@@ -25,7 +25,7 @@ from offload.errors import PeerError
 from offload.region.nameless import socket_name
 from offload.topology import NodeInfo, Topology
 from tests.other_user import NOBODY, as_root, other_process
-from tests.test_region_nameless import _serve
+from tests.test_region_nameless import KEY, _serve
 
 NODE = "node-a"
 
@@ -35,11 +35,11 @@ def make_topology(rank: int) -> Topology:
 
 
 def board_name(tier_id: str) -> str:
-    return socket_name(tier_id, f"board-{NODE}")
+    return socket_name(tier_id, f"board-{NODE}", KEY)
 
 
 def open_peer(tier_id: str, leader_pid: int | None = None) -> Board:
-    return Board.open(make_topology(1), tier_id, timeout_s=5, leader_pid=leader_pid)
+    return Board.open(make_topology(1), tier_id, KEY, timeout_s=5, leader_pid=leader_pid)
 
 
 def in_thread(fn: Callable[[], Board]) -> tuple[threading.Thread, list[Board | BaseException]]:
@@ -58,7 +58,7 @@ def in_thread(fn: Callable[[], Board]) -> tuple[threading.Thread, list[Board | B
 
 def test_a_peer_maps_the_leaders_board() -> None:
     tier_id = uuid.uuid4().hex
-    thread, out = in_thread(lambda: Board.open(make_topology(0), tier_id, timeout_s=10))
+    thread, out = in_thread(lambda: Board.open(make_topology(0), tier_id, KEY, timeout_s=10))
     peer = open_peer(tier_id, leader_pid=os.getpid())
     thread.join(10)
     (leader,) = out

@@ -9,9 +9,10 @@ import mmap
 import multiprocessing as mp
 import os
 import socket
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -24,11 +25,15 @@ from offload.region.nameless import (
     check_sizes,
     create_memfd,
     fetch_fds,
+    handoff_key,
     memfd_mapping,
     socket_name,
 )
 from offload.region.shm import close_fds
+from tests.harness import run_group
 from tests.other_user import NOBODY, as_root, other_process
+
+KEY = handoff_key()
 
 
 def _peer(name: str, count: int, results: mp.Queue) -> None:
@@ -43,7 +48,7 @@ def _peer(name: str, count: int, results: mp.Queue) -> None:
 
 
 def test_peers_map_the_leaders_nameless_files() -> None:
-    name = socket_name(uuid.uuid4().hex, "test")
+    name = socket_name(uuid.uuid4().hex, "test", KEY)
     fds = [create_memfd("t0", 4096), create_memfd("t1", 8192)]
     os.pwrite(fds[0], b"hello", 0)
     ctx = mp.get_context("spawn")
@@ -92,14 +97,14 @@ def test_memfd_mapping_is_page_aligned_writable_and_rounded_up() -> None:
 def test_a_peer_without_a_leader_fails_within_its_timeout() -> None:
     started = time.monotonic()
     with pytest.raises(PeerError, match="offered no region descriptors"):
-        fetch_fds(socket_name(uuid.uuid4().hex, "none"), 1, timeout_s=0.3)
+        fetch_fds(socket_name(uuid.uuid4().hex, "none", KEY), 1, timeout_s=0.3)
     assert time.monotonic() - started < 5
 
 
 def test_a_leader_whose_peers_never_come_fails_within_its_timeout() -> None:
     fd = create_memfd("lonely", 4096)
     try:
-        with FdOffer(socket_name(uuid.uuid4().hex, "lonely"), peers=1) as offer, \
+        with FdOffer(socket_name(uuid.uuid4().hex, "lonely", KEY), peers=1) as offer, \
                 pytest.raises(PeerError, match="0 of 1 node peers"):
             offer.hand_out([fd], timeout_s=0.3)
     finally:
@@ -107,7 +112,7 @@ def test_a_leader_whose_peers_never_come_fails_within_its_timeout() -> None:
 
 
 def test_a_second_offer_under_the_same_name_is_refused() -> None:
-    name = socket_name(uuid.uuid4().hex, "twice")
+    name = socket_name(uuid.uuid4().hex, "twice", KEY)
     with FdOffer(name, peers=1), pytest.raises(Exception, match="already in use"):
         FdOffer(name, peers=1)
 
@@ -151,7 +156,7 @@ def test_the_leader_serves_no_process_of_another_user() -> None:
     """The leader offers one descriptor to one peer.  A process of uid 65534 connects first:
     the leader checks its credentials (SO_PEERCRED), drops it unserved and does not count it,
     so the stranger receives nothing and the real peer is still served."""
-    name = socket_name(uuid.uuid4().hex, "stranger")
+    name = socket_name(uuid.uuid4().hex, "stranger", KEY)
     fd = create_memfd("t", 4096)
     try:
         with FdOffer(name, peers=1) as offer:
@@ -170,7 +175,7 @@ def test_a_peer_refuses_a_server_of_another_user() -> None:
     """A process of uid 65534 binds the hand-off name before the leader and serves a forged
     sealed memfd: the peer checks the server's credentials and refuses, naming its uid; it
     receives no descriptor."""
-    name = socket_name(uuid.uuid4().hex, "squat")
+    name = socket_name(uuid.uuid4().hex, "squat", KEY)
     with other_process(_serve(name, 4096)) as squatter:
         assert squatter.read() == b"r"
         before = set(os.listdir("/proc/self/fd"))
@@ -182,13 +187,13 @@ def test_a_peer_refuses_a_server_of_another_user() -> None:
 def test_a_peer_refuses_a_server_other_than_the_leaders_pid() -> None:
     """Where the caller knows the leader's pid, a process of the same user serving the name is
     refused too; the real leader's process is accepted."""
-    name = socket_name(uuid.uuid4().hex, "pid")
+    name = socket_name(uuid.uuid4().hex, "pid", KEY)
     with other_process(_serve(name, 4096), uid=None) as server:
         assert server.read() == b"r"
         with pytest.raises(PeerError, match=f"served by pid {server.pid}, not by the node "
                                             f"leader \\(pid {os.getpid()}\\)"):
             fetch_fds(name, 1, timeout_s=5, leader_pid=os.getpid())
-    name = socket_name(uuid.uuid4().hex, "pid")
+    name = socket_name(uuid.uuid4().hex, "pid", KEY)
     with other_process(_serve(name, 4096), uid=None) as server:
         assert server.read() == b"r"
         fds = fetch_fds(name, 1, timeout_s=5, leader_pid=server.pid)
@@ -225,3 +230,98 @@ def test_a_received_memfd_of_another_user_is_refused() -> None:
             check_sizes([fd], [4096], "n")
     finally:
         os.close(fd)
+
+
+def test_a_hand_off_name_cannot_be_told_without_the_tiers_key() -> None:
+    """The names a tier binds are public once bound (``/proc/net/unix``); the tier id and tag
+    in them must not let anyone compute another of its names, so each carries an HMAC under
+    the tier's key."""
+    tier_id, other_key = uuid.uuid4().hex, handoff_key()
+    name = socket_name(tier_id, "L0", KEY)
+    assert name.startswith(f"offload/{tier_id}/L0/") and KEY not in name
+    assert name != socket_name(tier_id, "L0", other_key)
+    assert name.split("/")[-1] != socket_name(tier_id, "board-n", KEY).split("/")[-1]
+
+
+def _listen_without_accepting(name: str) -> Callable[[int], None]:
+    """A child action: bind ``name``, fill its backlog with one connection of its own and
+    never accept, say "r", then wait until killed."""
+    def action(pipe: int) -> None:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock, \
+                socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as filler:
+            sock.bind("\0" + name)
+            sock.listen(0)
+            filler.connect("\0" + name)  # the one connection a backlog of 0 queues
+            os.write(pipe, b"r")
+            time.sleep(60)
+    return action
+
+
+def test_a_listener_that_never_accepts_fails_the_peer_within_its_timeout() -> None:
+    """A squatter (or a wedged leader) whose backlog is full makes ``connect`` block; the
+    peer's deadline covers it and the error names the name."""
+    name = socket_name(uuid.uuid4().hex, "wedged", KEY)
+    with other_process(_listen_without_accepting(name), uid=None, timeout_s=0) as server:
+        assert server.read() == b"r"
+        outcome: list[BaseException | float] = []
+
+        def peer() -> None:
+            began = time.monotonic()
+            try:
+                close_fds(fetch_fds(name, 1, timeout_s=0.5))
+            except BaseException as exc:  # the outcome checked below
+                outcome.append(exc)
+            outcome.append(time.monotonic() - began)
+
+        thread = threading.Thread(target=peer, daemon=True)
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive(), "fetch_fds blocked in connect past its timeout"
+        error, waited = outcome
+        assert isinstance(error, PeerError) and "accepted no connection" in str(error)
+        assert isinstance(waited, float) and waited < 3
+
+
+def _squat_the_names_of(tier_id: str, tags: Sequence[str]) -> Callable[[int], None]:
+    """A child action: bind every name the tier id and tags alone determine, say "r", and
+    hold them until killed."""
+    def action(pipe: int) -> None:
+        socks = []
+        for tag in tags:
+            for name in (f"offload/{tier_id}/{tag}", f"offload/{tier_id}/{tag}/"):
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.bind("\0" + name)
+                sock.listen(0)
+                socks.append(sock)
+        os.write(pipe, b"r")
+        time.sleep(60)
+    return action
+
+
+@as_root
+def test_another_user_who_knows_the_tier_id_cannot_squat_its_hand_offs() -> None:
+    """Another user learns a shared tier's id (a bound name or a shm file shows it) and binds
+    every hand-off name it can form from it before the tier starts: the tier still starts."""
+    tier_id = uuid.uuid4().hex[:16]
+
+    def body(rank: int, tier_id: str) -> object:
+        import uuid as uuid_module
+
+        import torch
+
+        from offload import HostTier, TierConfig
+
+        uuid_module.uuid4 = lambda: uuid_module.UUID(hex=tier_id * 2)  # the id it foresaw
+        tier = HostTier.create([torch.zeros((8, 4096), dtype=torch.uint8)],
+                               TierConfig(cpu_bytes_per_node=4 << 20, blocks_per_chunk=4,
+                                          tp=2, layout="shared", timeout_s=20))
+        tier_of_rank = tier.actor.tier_id
+        tier.close()
+        return tier_of_rank
+
+    with other_process(_squat_the_names_of(tier_id, ["L0", "board-node0"]),
+                       timeout_s=0) as squatter:
+        assert squatter.read() == b"r"
+        out = run_group(body, 2, args=(tier_id,))
+    assert all(o.ok for o in out), [o.error for o in out]
+    assert [o.value for o in out] == [tier_id, tier_id]

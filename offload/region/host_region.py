@@ -198,11 +198,12 @@ class HostRegion:
 
     @classmethod
     def create(cls, plan: Plan, topology: Topology, config: TierConfig, tier_id: str,
-               registrar: Registrar, progress: ProgressFn | None = None,
+               handoff_key: str, registrar: Registrar, progress: ProgressFn | None = None,
                on_ready: ReadyFn | None = None) -> HostRegion:
         """Build, pre-fault and pin this rank's region.  Collective over the node for the
         shared and replicated layouts (every local rank must call it); on any failure the
-        region is closed and nothing is left in ``config.shm_dir``.
+        region is closed and nothing is left in ``config.shm_dir``.  ``handoff_key`` (the
+        tier's, from `offload.region.nameless.handoff_key`) names the node's hand-off socket.
 
         With ``config.background`` it returns once the region is mapped, and pre-fault and
         registration continue on their own threads; ``on_ready(rows, stopped)`` hears of
@@ -216,20 +217,20 @@ class HostRegion:
         cleanup.register(region.close)
         cleanup.register_unlinker(region.unlink_names)
         try:
-            region._build(topology, config, tier_id, progress, on_ready)
+            region._build(topology, config, tier_id, handoff_key, progress, on_ready)
         except BaseException:
             region.close()
             raise
         return region
 
-    def _build(self, topology: Topology, config: TierConfig, tier_id: str,
+    def _build(self, topology: Topology, config: TierConfig, tier_id: str, handoff_key: str,
                progress: ProgressFn | None, on_ready: ReadyFn | None) -> None:
         start = time.perf_counter()
         segments = segment_ranges(self.geometry, config)
         lengths = [s.length for s in segments]
         node_layout = self.plan.layout != "private"
         tag = f"L{topology.node.leader_rank}" if node_layout else f"r{topology.rank}"
-        files = _Files(config, tier_id, tag, lengths)
+        files = _Files(config, tier_id, handoff_key, tag, lengths)
         self._paths = files.paths()
         sync = NodeSync(topology)
         needed = self._node_bytes(topology)
@@ -487,6 +488,7 @@ class _Files:
 
     config: TierConfig
     tier_id: str
+    handoff_key: str
     tag: str
     lengths: list[int]
 
@@ -499,7 +501,7 @@ class _Files:
 
     @property
     def socket(self) -> str:
-        return socket_name(self.tier_id, self.tag)
+        return socket_name(self.tier_id, self.tag, self.handoff_key)
 
     @property
     def timeout_s(self) -> float:

@@ -9,12 +9,17 @@ also not bounded by the size of the ``/dev/shm`` mount (containers mount 64 MiB 
 
 Peers cannot open a nameless file, so the node leader hands its descriptors over a Unix domain
 socket (``SCM_RIGHTS``).  The socket lives in the abstract namespace (no file is created, nothing
-to clean up) under a name derived from the tier's random id.  Every wait is bounded by a
-deadline, so a leader that died makes its peers fail with a clear error instead of hanging, and a
-peer that died makes the leader fail likewise.
+to clean up) under a name derived from the tier's random id and its hand-off key.  Every wait,
+``connect`` included, is bounded by a deadline, so a leader that died makes its peers fail with
+a clear error instead of hanging, and a peer that died makes the leader fail likewise.
 
-Trust: an abstract name is no secret (``/proc/net/unix`` lists it) and any local user may bind or
-connect to it, so both ends check the other's credentials (``SO_PEERCRED``, set by the kernel):
+Trust: a bound abstract name is no secret (``/proc/net/unix`` lists it to every user) and any
+local user may bind or connect to a name it knows.  So a name cannot be foretold: it carries an
+HMAC of the tier id and the socket's tag under the tier's hand-off key (`handoff_key`), which
+only the job's ranks learn, through the rendezvous store.  Seeing the board's name (bound first)
+or a ``/dev/shm`` file tells another user the tier id, never the region's socket name, so it
+cannot bind that name first and fail the tier's start.  Both ends also check the other's
+credentials (``SO_PEERCRED``, set by the kernel):
 
 * the leader serves only peers that run as its own user; a stranger's connection is dropped
   unserved and does not count as a peer;
@@ -24,16 +29,19 @@ connect to it, so both ends check the other's credentials (``SO_PEERCRED``, set 
 * `check_sizes` checks what arrived: sealed memfds (``F_SEAL_SHRINK``, ``F_SEAL_SEAL``) of this
   user, of the plan's sizes.
 
-The boundary that remains is torch.distributed's: the tier id and the leader's pid come from the
-rendezvous store, which anyone who can reach it can write.
+The boundary that remains is torch.distributed's: the tier id, its hand-off key and the
+leader's pid come from the rendezvous store, which anyone who can reach it can read and write.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
+import hmac
 import mmap
 import os
+import secrets
 import socket
 import stat
 import struct
@@ -124,9 +132,17 @@ def check_sizes(fds: Sequence[int], lengths: Sequence[int], name: str) -> None:
                         f"{list(lengths)} B")
 
 
-def socket_name(tier_id: str, tag: str) -> str:
-    """The abstract socket name of one hand-off (unique per tier and node)."""
-    return f"offload/{tier_id}/{tag}"
+def handoff_key() -> str:
+    """A new tier's hand-off key: 128 random bits, as hex (rank 0 makes it with the tier id)."""
+    return secrets.token_hex(16)
+
+
+def socket_name(tier_id: str, tag: str, key: str) -> str:
+    """The abstract socket name of one hand-off (unique per tier and node): readable parts for
+    whoever lists sockets, and an HMAC under the tier's hand-off ``key`` that no one without
+    the key can compute (module docstring)."""
+    digest = hmac.new(key.encode(), f"{tier_id}/{tag}".encode(), hashlib.sha256).hexdigest()
+    return f"offload/{tier_id}/{tag}/{digest[:32]}"
 
 
 class FdOffer:
@@ -232,10 +248,17 @@ def fetch_fds(name: str, count: int, timeout_s: float, offered: bool = False,
     """
     deadline = time.monotonic() + timeout_s
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)  # a full backlog then fails at once, not blocks for ever
         while True:
             try:
                 sock.connect("\0" + name)
                 break
+            except BlockingIOError:  # the listener's backlog is full: it is not accepting
+                if time.monotonic() >= deadline:
+                    raise PeerError(f"the hand-off {name!r} accepted no connection within "
+                                    f"{timeout_s:g} s: its backlog stayed full (a server "
+                                    "that does not serve); check the leader's error") from None
+                time.sleep(_RETRY_S)
             except (ConnectionRefusedError, FileNotFoundError):
                 if offered:
                     raise PeerError(f"the node leader's offer {name!r} is gone: the leader "
