@@ -403,6 +403,24 @@ def test_the_directory_is_locked_against_a_second_process(tier_dir: str) -> None
     _tier(tier_dir).close()  # released on close
 
 
+def test_a_root_where_others_may_rename_our_folders_is_refused(tier_dir: str) -> None:
+    """In a root others can write without the sticky bit, another user could rename rank 1's
+    folder to rank 0's fingerprint, and rank 0 would delete rank 1's files as damaged: such a
+    root is refused, a sticky one (as /tmp) is used, and rank 1's files stay."""
+    other = {**GEOMETRY, "rank": 1}
+    os.chmod(tier_dir, 0o777)
+    with pytest.raises(OffloadError) as info:
+        _tier(tier_dir)
+    assert str(info.value).startswith(f"file tier directory {tier_dir} is writable by other "
+                                      "users and not sticky (mode 777)")
+    os.chmod(tier_dir, 0o1777)
+    with _tier(tier_dir, geometry=other) as tier:
+        tier.put(("k", 0), memoryview(mmap.mmap(-1, ROW))).stored.result()
+        theirs = tier.directory
+    _tier(tier_dir).close()
+    assert len(os.listdir(theirs)) == 1
+
+
 def test_bad_settings_are_one_line_errors(tier_dir: str) -> None:
     missing = os.path.join(tier_dir, "missing")
     with pytest.raises(OffloadError, match=f"{missing} does not exist; create it"):

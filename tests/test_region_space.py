@@ -12,6 +12,7 @@ from offload.config import TierConfig
 from offload.errors import OffloadError
 from offload.region import space
 from offload.region.nameless import create_memfds
+from tests.other_user import NOBODY, as_root
 
 MiB = 1 << 20
 
@@ -49,6 +50,36 @@ def test_a_read_only_shm_dir_is_refused(shm_dir: str) -> None:
             space.check_shm_dir(shm_dir)
     finally:
         os.chmod(shm_dir, 0o700)
+
+
+def test_a_shm_dir_where_others_may_rename_our_files_is_refused(shm_dir: str) -> None:
+    """Others who may rename entries could swap a region's segments before the peers open
+    them: a directory others can write must be sticky (as /dev/shm is)."""
+    os.chmod(shm_dir, 0o777)
+    try:
+        with pytest.raises(OffloadError) as info:
+            TierConfig(cpu_bytes_per_node=MiB, shm_dir=shm_dir)
+        message = str(info.value)
+        assert message.startswith(f"shm_dir (--shm-dir) {shm_dir} is writable by other users "
+                                  "and not sticky (mode 777)")
+        assert f"run chmod +t {shm_dir}" in message and "\n" not in message
+        os.chmod(shm_dir, 0o1777)
+        TierConfig(cpu_bytes_per_node=MiB, shm_dir=shm_dir)  # sticky: only owners rename
+        TierConfig(cpu_bytes_per_node=MiB, shm_dir="/dev/shm")
+    finally:
+        os.chmod(shm_dir, 0o700)
+
+
+@as_root
+def test_a_shm_dir_of_another_user_is_refused(shm_dir: str) -> None:
+    """The owner of the directory may rename anything in it, sticky or not."""
+    os.chown(shm_dir, NOBODY, -1)
+    try:
+        with pytest.raises(OffloadError, match=f"{shm_dir} belongs to uid {NOBODY}, who may "
+                                               "rename or replace the tier's files in it"):
+            TierConfig(cpu_bytes_per_node=MiB, shm_dir=shm_dir)
+    finally:
+        os.chown(shm_dir, os.geteuid(), -1)
 
 
 def test_more_than_available_memory_names_needed_available_and_the_fix() -> None:

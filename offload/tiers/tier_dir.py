@@ -10,7 +10,11 @@ NOTE: the fingerprint is predictable, so another local user can create ``fp-<fin
 before us in a shared directory (``/tmp``) and fill it with files of their choosing.  The
 subdirectory is therefore used only when this user owns it and no one else may write it
 (checked on the opened descriptor, so a swap after the check changes nothing); otherwise the
-tier refuses to start with a one-line error naming the folder.
+tier refuses to start with a one-line error naming the folder.  The user's directory itself
+must keep others from renaming our folders (`offload.paths`): in a shared directory without
+the sticky bit, another user could rename one rank's folder to another's fingerprint, and the
+tier would take that rank's files for damaged ones and delete them.  It is checked on its open
+descriptor too, and the subdirectory is made and opened relative to that descriptor.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import os
 import stat
 
 from offload.errors import OffloadError
-from offload.paths import check_writable_dir
+from offload.paths import check_entries_are_ours, check_writable_dir
 
 
 def check_directory(directory: str) -> str:
@@ -50,19 +54,30 @@ def check_fs_dir(directory: str, name: str) -> None:
 
 
 def open_locked_subdir(root: str, path: str) -> int:
-    """Create (0700) and open the fingerprint subdirectory without following a planted
-    symlink, check that it is ours and that no one else can write it, and lock it so a second
-    process with the same geometry cannot share it.  Returns the directory's descriptor."""
+    """Create (0700) and open the fingerprint subdirectory ``path`` (an entry of ``root``)
+    without following a planted symlink, check that it is ours and that no one else can write
+    it, and lock it so a second process with the same geometry cannot share it.  Returns the
+    directory's descriptor."""
     try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise OffloadError(f"file tier directory {root} cannot be opened ({exc.strerror}); "
+                           "pass another directory") from None
+    try:
+        check_entries_are_ours(os.fstat(root_fd), root, "file tier directory")
+        name = os.path.relpath(path, root)
         with contextlib.suppress(FileExistsError):
-            os.mkdir(path, 0o700)
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            os.mkdir(name, 0o700, dir_fd=root_fd)
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     dir_fd=root_fd)
     except OSError as exc:
         if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise OffloadError(f"file tier directory {root} is not writable ({exc.strerror}); "
                                "pass a writable directory") from None
         raise OffloadError(f"file tier directory {path} cannot be opened ({exc.strerror}); "
                            "remove it or pass another directory") from None
+    finally:
+        os.close(root_fd)
     try:
         check_owned(fd, path)
     except BaseException:
