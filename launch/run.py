@@ -54,6 +54,8 @@ from offload.topology import check_grid
 from offload.transfer.engine import BACKENDS
 
 log = logging.getLogger("launch.run")
+# The file tier's namespace for this job's KV: its own deterministic pattern, not a model's.
+SYNTHETIC_KV = "offload-main-job-synthetic-kv"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,10 +91,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=2, help="verified store/load rounds")
     p.add_argument("--fs-tier", default=None, metavar="DIR",
                    help="enable the file tier under DIR (an existing, writable directory on a "
-                        "local disk): chunks evicted from host memory are spilled there and "
+                        "local disk, of this user or root and sticky if others can write it): "
+                        "chunks evicted from host memory are spilled there and "
                         "read back on a disk hit; each rank keeps its files in "
                         "DIR/fp-<geometry fingerprint>/ (one per DP replica), so a restart "
                         "with the same geometry finds them")
+    p.add_argument("--fs-namespace", default=None, metavar="NAME",
+                   help="what computed the KV the file tier keeps; it enters the files' "
+                        "fingerprint, so a restart with another one never reads them. An "
+                        "engine passes its model id and revision; this job's KV is its own "
+                        f"synthetic pattern (default: {SYNTHETIC_KV})")
     p.add_argument("--fs-bytes", default=None, metavar="SIZE",
                    help="file tier budget per node (needs --fs-tier; unset: "
                         f"{FS_BYTES_FACTOR} x --cpu-bytes)")
@@ -110,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="transfer backend (auto picks by device and pinning)")
     p.add_argument("--shm-dir", default=None, metavar="DIR",
                    help="keep visible region files in DIR (an existing, writable tmpfs such as "
-                        "/dev/shm); default: nameless regions the kernel frees with the job")
+                        "/dev/shm, of this user or root and sticky if others can write it); "
+                        "default: nameless regions the kernel frees with the job")
     p.add_argument("--private-memory", default="anonymous", choices=("anonymous", "memfd"),
                    help="what a nameless private region is made of: the rank's own memory with "
                         "transparent huge pages requested (faster pre-fault and pinning) or a "
@@ -187,6 +196,8 @@ def config_from_args(args: argparse.Namespace, world: int) -> TierConfig:
         blocks_per_chunk=args.blocks_per_chunk, tp=tp, pp=args.pp, shm_dir=args.shm_dir,
         segment_threshold=2 * segment, min_segment_bytes=segment,
         prefault_threads=args.prefault_threads, timeout_s=args.timeout, fs_dir=args.fs_tier,
+        fs_namespace=(args.fs_namespace if args.fs_namespace is not None or args.fs_tier is None
+                      else SYNTHETIC_KV),
         private_memory=args.private_memory, fs_io_timeout_s=args.fs_io_timeout,
         integrity=args.integrity, metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
         numa=args.numa, staging_bytes=parse_size(args.staging_bytes, "--staging-bytes"),

@@ -95,6 +95,13 @@ class TierConfig:
     lookup that hits on disk.  It must exist and be writable (checked here).  None: no file
     tier."""
 
+    fs_namespace: str | None = None
+    """What computed the KV the file tier keeps (``--fs-namespace``; required with ``fs_dir``):
+    the model id and revision, and whatever else changes the KV of a token prefix that the
+    caller's chunk keys leave out (e.g. a quantization).  It enters the files' fingerprint, so
+    a restart with another model never reads the old one's files; engines' block hashes
+    commonly leave the model out."""
+
     fs_bytes: int | None = None
     """The file tier's budget per node in bytes (``--fs-bytes``; needs ``fs_dir``).  None means
     `FS_BYTES_FACTOR` x ``cpu_bytes_per_node`` (`fs_bytes_per_node`)."""
@@ -188,6 +195,14 @@ class TierConfig:
             from offload.region.space import check_shm_dir
 
             check_shm_dir(self.shm_dir)
+        if self.fs_dir is not None and not self.fs_namespace:
+            raise OffloadError(f"{_describe('fs_dir')} is given without "
+                               f"{_describe('fs_namespace')}; name what computes the KV (the "
+                               "model id and revision), so a restart with another model never "
+                               "reads these files")
+        if self.fs_namespace is not None and self.fs_dir is None:
+            raise OffloadError(f"{_describe('fs_namespace')} = {self.fs_namespace!r} is given "
+                               f"without {_describe('fs_dir')}; add --fs-tier DIR or drop it")
         if self.fs_bytes is not None:
             if self.fs_dir is None:
                 raise OffloadError(f"{_describe('fs_bytes')} = {self.fs_bytes} is given without "
@@ -223,6 +238,7 @@ _FLAGS = {"cpu_bytes_per_node": "--cpu-bytes", "blocks_per_chunk": "--blocks-per
           "tp": "--tp", "pp": "--pp", "prefault_threads": "--prefault-threads",
           "min_segment_bytes": "--segment-bytes", "segment_threshold": "--segment-bytes",
           "timeout_s": "--timeout", "fs_dir": "--fs-tier", "fs_bytes": "--fs-bytes",
+          "fs_namespace": "--fs-namespace",
           "fs_io_timeout_s": "--fs-io-timeout",
           "private_memory": "--private-memory", "integrity": "--no-integrity",
           "metrics_port": "--metrics-port", "metrics_addr": "--metrics-addr",

@@ -24,7 +24,8 @@ def open_files(actor: RankActor) -> None:
     """Open this rank's file tier over its region (after the region exists)."""
     config, plan, topology = actor.config, actor._installed(), actor.topology
     assert config.fs_dir is not None
-    extra: dict[str, object] = {"tp": topology.tp, "pp": topology.pp,
+    extra: dict[str, object] = {"namespace": config.fs_namespace, "tp": topology.tp,
+                                "pp": topology.pp,
                                 "dtypes": [str(t.dtype) for t in actor.kv_tensors]}
     if topology.group is not None:
         # NOTE: tiers of one node on different groups (DP replicas) have equal geometry; the

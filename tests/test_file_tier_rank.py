@@ -167,22 +167,29 @@ def test_a_restart_agrees_on_the_files_every_writer_has(fs_dir: str) -> None:
 
 def test_the_config_checks_the_directory_and_the_budget(tmp_path: Path) -> None:
     MiB = 1 << 20
-    assert TierConfig(cpu_bytes_per_node=MiB, fs_dir=str(tmp_path)).fs_bytes_per_node == 4 * MiB
+    ns = {"fs_namespace": "model-a@rev1"}
     assert TierConfig(cpu_bytes_per_node=MiB, fs_dir=str(tmp_path),
-                      fs_bytes=3 * MiB).fs_bytes_per_node == 3 * MiB
+                      **ns).fs_bytes_per_node == 4 * MiB
+    assert TierConfig(cpu_bytes_per_node=MiB, fs_dir=str(tmp_path), fs_bytes=3 * MiB,
+                      **ns).fs_bytes_per_node == 3 * MiB
     assert TierConfig(cpu_bytes_per_node=MiB).fs_bytes_per_node == 0
     (tmp_path / "f").write_text("")
-    cases = [({"fs_dir": str(tmp_path / "nope")}, "fs_dir (--fs-tier) .*nope does not exist"),
-             ({"fs_dir": str(tmp_path / "f")}, "fs_dir (--fs-tier) .*/f is not a directory"),
+    cases = [({"fs_dir": str(tmp_path / "nope"), **ns},
+              "fs_dir (--fs-tier) .*nope does not exist"),
+             ({"fs_dir": str(tmp_path / "f"), **ns}, "fs_dir (--fs-tier) .*/f is not a directory"),
              ({"fs_bytes": MiB}, r"fs_bytes \(--fs-bytes\) = 1048576 is given without fs_dir"),
-             ({"fs_dir": str(tmp_path), "fs_bytes": 0}, "= 0 is below its minimum 1"),
-             ({"fs_dir": str(tmp_path), "fs_io_timeout_s": 0},
+             ({"fs_dir": str(tmp_path), "fs_bytes": 0, **ns}, "= 0 is below its minimum 1"),
+             ({"fs_dir": str(tmp_path), "fs_io_timeout_s": 0, **ns},
               r"fs_io_timeout_s \(--fs-io-timeout\) = 0 must be positive"),
-             ({"fs_io_timeout_s": float("nan")}, "= nan must be positive")]
+             ({"fs_io_timeout_s": float("nan")}, "= nan must be positive"),
+             ({"fs_dir": str(tmp_path)}, r"fs_dir \(--fs-tier\) is given without fs_namespace "
+                                         r"\(--fs-namespace\); name what computes the KV"),
+             ({"fs_dir": str(tmp_path), "fs_namespace": ""}, "is given without fs_namespace"),
+             (ns, r"fs_namespace \(--fs-namespace\) = 'model-a@rev1' is given without fs_dir")]
     if os.geteuid() != 0:  # root may write into a 0500 directory
         ro = tmp_path / "ro"
         ro.mkdir(0o500)
-        cases.append(({"fs_dir": str(ro)}, "is not writable by uid"))
+        cases.append(({"fs_dir": str(ro), **ns}, "is not writable by uid"))
     for kw, needle in cases:
         with pytest.raises(OffloadError, match=needle.replace("(--fs-tier)", r"\(--fs-tier\)")):
             TierConfig(cpu_bytes_per_node=MiB, **kw)  # type: ignore[arg-type]

@@ -60,7 +60,8 @@ def _close_while_a_read_stalls(rank: int, fs_dir: str) -> object:
     kv = [torch.randint(0, 256, (3 * BPC, PAGE), dtype=torch.uint8)]
     tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=2 * BPC * PAGE + 2 * 4096,
                                           blocks_per_chunk=BPC, timeout_s=10, fs_dir=fs_dir,
-                                          fs_bytes=1 << 20, fs_io_timeout_s=IO_TIMEOUT))
+                                          fs_namespace="test-model", fs_bytes=1 << 20,
+                                          fs_io_timeout_s=IO_TIMEOUT))
     manager = tier.manager
     _store_three(tier)  # two host chunks: the third store spills key 0 to disk
     _stall_reads(gate)
@@ -113,7 +114,8 @@ def _close_during_set_up_while_a_read_stalls(rank: int, fs_dir: str) -> object:
     kv = [torch.randint(0, 256, (3 * BPC, PAGE), dtype=torch.uint8)]
     tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=16 * (BPC * PAGE + 4096),
                                           blocks_per_chunk=BPC, timeout_s=10, fs_dir=fs_dir,
-                                          fs_bytes=1 << 20, fs_io_timeout_s=IO_TIMEOUT,
+                                          fs_namespace="test-model", fs_bytes=1 << 20,
+                                          fs_io_timeout_s=IO_TIMEOUT,
                                           background=True),
                            registrar_factory=lambda device: registrar)
     tier.wait_ready(10, rows=2)

@@ -82,7 +82,8 @@ def faulty_body(rank: int, fs_dir: str, fault: str) -> object:
     original = kv[0].clone()
     tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=2 * ROW, layout="private",
                                           blocks_per_chunk=BPC, tp=2, timeout_s=10,
-                                          fs_dir=fs_dir, fs_bytes=8 * ROW,
+                                          fs_dir=fs_dir, fs_namespace="test-model",
+                                          fs_bytes=8 * ROW,
                                           fs_io_timeout_s=IO_TIMEOUT))
     manager: Any = tier.manager
 

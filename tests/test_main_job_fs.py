@@ -81,6 +81,15 @@ def test_spill_restart_corruption_and_geometry_isolation(fs_dir: Path, tmp_path:
     assert (fs["hits"], fs["read_bytes"], fs["corrupt"]) == (0, 0, 0)
     assert before <= {p.name for p in _chunk_files(fs_dir)}  # the other geometry's files stay
 
+    # the same geometry and keys, computed by another model: no file of the first is found
+    # (every round-0 chunk is stored from the GPU) and they stay, in folders of their own
+    folders = {p.parent for p in _chunk_files(fs_dir)}
+    model, _ = _run(fs_dir, tmp_path, "--fs-namespace", "another-model@rev2", name="5.json")
+    assert model["transfer"]["verified"] and model["fs_tier"]["corrupt"] == 0
+    assert model["transfer"]["per_round"][0]["stored_chunks"] == 16
+    assert len({p.parent for p in _chunk_files(fs_dir)} - folders) == 2
+    assert before <= {p.name for p in _chunk_files(fs_dir)}
+
 
 def _flip_a_byte_of_the_newest_round0_file(fs_dir: Path) -> None:
     """Damage one payload byte of the most recently written file of a round-0 key (the one

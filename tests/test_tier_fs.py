@@ -41,7 +41,8 @@ def spmd_promote_body(rank: int, layout: str, fs_dir: str, damage: bool,
     row = 2 * BPC * PAGE  # both ranks' slots (private: one region each, same total)
     tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=2 * row, layout=layout,
                                           blocks_per_chunk=BPC, tp=2, timeout_s=30,
-                                          fs_dir=fs_dir, fs_bytes=8 * row))
+                                          fs_dir=fs_dir, fs_namespace="test-model",
+                                          fs_bytes=8 * row))
     manager = tier.manager
 
     def decided(make: object) -> object:  # rank 0 decides, everyone gets the decision
