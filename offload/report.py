@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Sequence
@@ -14,11 +15,20 @@ _PHASES = (*(name for name, _ in PHASES), "total")
 
 
 def count_shm_files(shm_dir: str, tier_id: str) -> int:
-    """Files of this job still present in the shm directory (0 after a clean close)."""
+    """Files of this job still present in the shm directory (0 after a clean close): this
+    user's entries named as the tier names its segments (`offload.region.shm.segment_paths`).
+    Another user can see the tier id and plant a name holding it; that is not ours to count."""
+    prefix, uid = f"offload-{tier_id}-", os.geteuid()
     try:
-        return sum(1 for name in os.listdir(shm_dir) if tier_id in name)
+        entries = list(os.scandir(shm_dir))
     except FileNotFoundError:
         return 0
+    left = 0
+    for entry in entries:
+        if entry.name.startswith(prefix):
+            with contextlib.suppress(FileNotFoundError):  # removed meanwhile
+                left += entry.stat(follow_symlinks=False).st_uid == uid
+    return left
 
 
 def render_table(report: dict[str, Any]) -> str:

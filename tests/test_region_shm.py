@@ -12,7 +12,10 @@ import torch
 
 from offload.errors import OffloadError
 from offload.region import shm
+from offload.region.shm import segment_paths
+from offload.report import count_shm_files
 from tests.harness import shm_entries
+from tests.other_user import NOBODY
 
 MiB = 1 << 20
 SHM = "/dev/shm"
@@ -121,3 +124,22 @@ def test_tier_id_must_be_a_plain_name() -> None:
         shm.segment_paths(SHM, "../etc", "t", 1)
     assert shm.segment_paths(SHM, "j1", "r0", 2) == [f"{SHM}/offload-j1-r0-s0",
                                                       f"{SHM}/offload-j1-r0-s1"]
+
+
+def test_files_left_count_only_this_users_segments_of_the_tier(shm_dir: str) -> None:
+    """The main job fails when its tier left files; a name another user planted with the tier
+    id in it (the id is no secret) must not make it fail."""
+    tier_id = "0123456789abcdef"
+    ours = segment_paths(shm_dir, tier_id, "L0", 1)[0]
+    planted = [os.path.join(shm_dir, f"x-{tier_id}"), os.path.join(shm_dir, f"offload-{tier_id}")]
+    try:
+        for path in [ours, *planted]:
+            open(path, "w").close()
+        assert count_shm_files(shm_dir, tier_id) == 1
+        if os.geteuid() == 0:  # a segment name, but another user's file
+            os.chown(ours, NOBODY, -1)
+            assert count_shm_files(shm_dir, tier_id) == 0
+    finally:
+        for path in [ours, *planted]:
+            os.unlink(path)
+    assert count_shm_files(shm_dir, tier_id) == 0
