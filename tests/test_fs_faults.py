@@ -327,6 +327,36 @@ def test_a_stalled_spill_is_abandoned_and_never_published(fs_dir: str) -> None:
     _wait_threads_gone()
 
 
+def test_a_stalled_disk_delays_neither_opening_nor_the_report_past_the_deadline(fs_dir: str
+                                                                               ) -> None:
+    """Opening reads every file's header, and the report waits for the spills in flight:
+    with the disk stalled, each gives up after one I/O deadline without progress.  The file
+    whose header never came is a miss at this start, left on disk for the next."""
+    with _tier(fs_dir) as first:
+        first.put("k", memoryview(_row(3))).stored.result(30)
+    io = FaultyIO()
+    gate = threading.Event()
+    io.stall["preadv"] = gate
+    try:
+        began = time.monotonic()
+        tier = _tier(fs_dir, io)
+        assert time.monotonic() - began < TIMEOUT + 1.0
+        assert tier.stored_names() == frozenset() and tier.stats().timeouts == 1
+        io.stall = {"pwritev": gate}
+        tier.put("j", memoryview(_row(4)))
+        assert io.stalled.wait(10)
+        began = time.monotonic()
+        assert tier.flush() is False
+        assert TIMEOUT - 0.1 < time.monotonic() - began < TIMEOUT + 1.0
+    finally:
+        gate.set()
+    assert tier.flush() is True
+    tier.close()
+    with _tier(fs_dir) as again:  # the stalled header's file was kept
+        assert file_name(key_bytes("k")) in again.stored_names()
+    _wait_threads_gone()
+
+
 def test_the_manager_keeps_busy_rows_quarantined_until_no_rank_reports_them() -> None:
     """A failed promotion whose row some rank's late read may still fill: the chunk stays out
     of use (counted quarantined) until a later promotion's report no longer lists it."""

@@ -414,9 +414,15 @@ class FileTier:
             doomed = [self._drop(n) for n in list(self._lru) if n not in names]
         return all_done(doomed)
 
-    def flush(self) -> None:
-        """Wait until every operation scheduled so far has finished."""
-        self._pool.drain()
+    def flush(self) -> bool:
+        """Wait until every operation scheduled so far has finished, or until none finished
+        for one I/O deadline (a stalled file system: False, with a warning)."""
+        if self._pool.drain(stall_s=self.io_timeout_s):
+            return True
+        log.warning("file tier %s: %d file operations made no progress for %g s "
+                    "(fs_io_timeout_s); going on without them", self.directory,
+                    self._pool.pending(), self.io_timeout_s)
+        return False
 
     def stats(self) -> FileTierStats:
         with self._lock:
@@ -703,8 +709,12 @@ class FileTier:
             if name.endswith(_TMP_SUFFIX) or name.startswith(PROBE_PREFIX):
                 self._unlink(name)  # a write or probe interrupted by a crash
         chunk_files = [n for n in names if n.endswith(SUFFIX)]
-        headers = self._pool.map(self._header_of, chunk_files)
-        for name, (header, problem) in zip(chunk_files, headers, strict=True):
+        headers = self._pool.map(self._header_of, chunk_files, self.io_timeout_s)
+        for name, read in zip(chunk_files, headers, strict=True):
+            if read is None:  # stalled past the deadline: a miss, its file left alone
+                self._counts["timeouts"] += 1
+                continue
+            header, problem = read
             if problem:
                 self._corrupt(name, problem)
             elif header is not None:  # (None: unreadable, counted in read_errors, kept)

@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -65,9 +65,11 @@ class KeyedPool:
             previous.add_done_callback(start)  # runs at once if it is already done
         return result
 
-    def drain(self, timeout_s: float | None = None) -> bool:
+    def drain(self, timeout_s: float | None = None, stall_s: float | None = None) -> bool:
         """Wait until every task submitted so far (and any chained behind them) has run, or
-        ``timeout_s`` passed (None: no limit).  Returns True when nothing is left."""
+        ``timeout_s`` passed, or ``stall_s`` passed without a task finishing (None: no such
+        limit; a long queue of healthy I/O keeps finishing tasks, a stalled file system does
+        not).  Returns True when nothing is left."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             with self._lock:
@@ -77,17 +79,28 @@ class KeyedPool:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return False
-            wait(pending, timeout=left)
+            stalls = stall_s is not None and (left is None or stall_s <= left)
+            finished, _ = wait(pending, timeout=stall_s if stalls else left,
+                               return_when=FIRST_COMPLETED)
+            if stalls and not finished:  # a whole stall_s without a task finishing
+                return False
 
     def pending(self) -> int:
         """Keys with a task queued or running."""
         with self._lock:
             return len(self._tails)
 
-    def map(self, fn: Callable[[Any], T], items: list[Any]) -> list[T]:
-        """``fn`` over ``items`` in parallel, ignoring keys (start-up work)."""
+    def map(self, fn: Callable[[Any], T], items: list[Any], stall_s: float) -> list[T | None]:
+        """``fn`` over ``items`` in parallel, ignoring keys (start-up work); None for the items
+        still running once ``stall_s`` passed without one finishing (a stalled file system:
+        their threads are left to end with them)."""
         futures = [self.submit(object(), functools.partial(fn, item)) for item in items]
-        return [f.result() for f in futures]
+        pending = set(futures)
+        while pending:
+            finished, pending = wait(pending, timeout=stall_s, return_when=FIRST_COMPLETED)
+            if not finished:
+                break
+        return [f.result() if f.done() else None for f in futures]
 
     def shutdown(self, timeout_s: float | None = None) -> bool:
         """Finish the tasks (waiting at most ``timeout_s``) and stop the threads; a thread

@@ -205,8 +205,11 @@ class RankFiles:
         return None if self.tier is None else self.tier.stored_names()
 
     def keep_only(self, names: Collection[str]) -> None:
+        """Keep only the agreed files: the others are forgotten at once and removed by the
+        pool, waited for while removals make progress (`FileTier.flush`)."""
         if self.tier is not None:
-            self.tier.keep_only(names).result()
+            self.tier.keep_only(names)
+            self.tier.flush()
 
     def ordered_names(self) -> list[str] | None:
         """Held file names, least recently used first; None for a rank without files."""
