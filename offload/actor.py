@@ -89,7 +89,6 @@ class RankActor:
     config: TierConfig
     kv_tensors: list[torch.Tensor]
     tier_id: str
-    handoff_key: str  # names the node's hand-off sockets (`offload.region.nameless`)
     quorum: Quorum
     progress: Callable[[int, int, float], None] | None = None
     backend: str = "auto"
@@ -155,8 +154,7 @@ class RankActor:
             compiler.join()
         try:
             self.region = HostRegion.create(plan, self.topology, self.config, self.tier_id,
-                                            self.handoff_key, registrar, self.progress,
-                                            self._set_up)
+                                            registrar, self.progress, self._set_up)
         except BaseException:
             compiler.join()
             try:  # a region that failed closed it too (idempotent); one refused early did not

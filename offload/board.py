@@ -68,7 +68,14 @@ import os
 
 import numpy as np
 
-from offload.region.nameless import FdOffer, check_sizes, create_memfd, fetch_fds, socket_name
+from offload.region.nameless import (
+    FdOffer,
+    check_sizes,
+    create_memfd,
+    fetch_fds,
+    new_socket_name,
+)
+from offload.region.sync import NodeSync
 from offload.topology import Topology
 
 LINE_BYTES = 128
@@ -108,31 +115,58 @@ class Board:
         self.slot = slot
 
     @classmethod
-    def open(cls, topology: Topology, tier_id: str, handoff_key: str, timeout_s: float,
+    def open(cls, topology: Topology, tier_id: str, timeout_s: float,
              leader_pid: int | None = None) -> Board:
-        """Node-collective: the leader creates the zeroed board and hands it to the node's
-        other ranks; each maps it and closes its descriptor (the mapping keeps it alive).
+        """Node-collective: the leader creates the zeroed board, binds a fresh hand-off name
+        and tells the node's ranks (`NodeSync.step` with ``share``), then hands the board to
+        them; each maps it and closes its descriptor (the mapping keeps it alive).
 
-        A peer maps only a board its own user's process served (that very process where
-        ``leader_pid``, learnt through the store, is given): a sealed memfd of this user of
-        exactly ``ranks * LINE_BYTES`` (`offload.region.nameless.check_sizes`), so no other
-        local user can forge or shrink the watermarks the decider trusts.
+        A peer maps only a board its own user's process served (`fetch`).
+
+        Raises:
+            PeerError: the leader failed, or what was served is not its board.
+        """
+        ranks, slot = topology.local_world_size, topology.local_rank
+        fds: list[int] = []
+        offers: list[FdOffer] = []
+
+        def create() -> str | None:
+            if not topology.is_leader:
+                return None
+            fds.append(create_memfd("board", ranks * LINE_BYTES))
+            if ranks == 1:
+                return None
+            offers.append(FdOffer(new_socket_name(tier_id, f"board-{topology.node_id}"),
+                                  ranks - 1))
+            return offers[0].name
+
+        try:
+            name = NodeSync(topology).step("creating the node's board", create, share=True)
+            if topology.is_leader:
+                if offers:
+                    offers[0].hand_out(fds, timeout_s)
+                return cls(fds[0], ranks, slot)
+            assert name is not None
+            return cls.fetch(name, ranks, slot, timeout_s, leader_pid)
+        finally:
+            for offer in offers:
+                offer.close()
+            for fd in fds:
+                os.close(fd)
+
+    @classmethod
+    def fetch(cls, name: str, ranks: int, slot: int, timeout_s: float,
+              leader_pid: int | None = None) -> Board:
+        """A peer's side of `open`: fetch the board offered under ``name`` and map it, only
+        when its own user's process served it (that very process where ``leader_pid``, learnt
+        through the store, is given) and it is a sealed memfd of this user of exactly
+        ``ranks * LINE_BYTES`` (`offload.region.nameless.check_sizes`), so no other local user
+        can forge or shrink the watermarks the decider trusts.
 
         Raises:
             PeerError: the leader offered nothing in time, or what was served is not its board.
         """
-        ranks, slot = topology.local_world_size, topology.local_rank
-        name = socket_name(tier_id, f"board-{topology.node_id}", handoff_key)
-        if topology.is_leader:
-            fd = create_memfd("board", ranks * LINE_BYTES)
-            try:
-                if ranks > 1:
-                    with FdOffer(name, ranks - 1) as offer:
-                        offer.hand_out([fd], timeout_s)
-                return cls(fd, ranks, slot)
-            finally:
-                os.close(fd)
-        (fd,) = fetch_fds(name, 1, timeout_s, leader_pid=leader_pid)
+        (fd,) = fetch_fds(name, 1, timeout_s, offered=True, leader_pid=leader_pid)
         try:
             check_sizes([fd], [ranks * LINE_BYTES], name)
             return cls(fd, ranks, slot)

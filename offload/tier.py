@@ -49,7 +49,6 @@ from offload.manager import ChunkManager, PromoteJob
 from offload.metrics import JobTally, MetricsServer, serve_metrics
 from offload.plan import Plan, RankDescriptor, compute_plan
 from offload.quorum import Quorum, Words, default_store
-from offload.region.nameless import handoff_key
 from offload.region.pin import Registrar
 from offload.region.prefault import progress_logger
 from offload.rpc import CollectiveRPC
@@ -181,17 +180,15 @@ class HostTier:
                                f"-rank job; give the scheduling rank, 0 to "
                                f"{topology.world_size - 1}")
         config = dataclasses.replace(config, tp=topology.tp)  # None meant world // pp
-        tier_id, handoff_key, store = _tier_store(topology, config, store)
-        board = Board.open(topology, tier_id, handoff_key, config.timeout_s,
-                           topology.leader_pid())
+        tier_id, store = _tier_store(topology, config, store)
+        board = Board.open(topology, tier_id, config.timeout_s, topology.leader_pid())
         rpc = CollectiveRPC(dist.PrefixStore("rpc", store), topology.rank,
                             topology.world_size, config.timeout_s,
                             doorbell=board if 0 in topology.node.ranks else None)
         quorum = Quorum(dist.PrefixStore("quorum", store), topology, board)
         progress = (progress_logger(log, f"pre-fault ({config.layout})")
                     if topology.rank == 0 else None)
-        actor = RankActor(topology, config, list(kv_tensors), tier_id, handoff_key, quorum,
-                          progress, backend,
+        actor = RankActor(topology, config, list(kv_tensors), tier_id, quorum, progress, backend,
                           auditor=Auditor() if audit else None,
                           registrar_factory=registrar_factory, created_at=started)
         served: MetricsServer | None = None
@@ -697,10 +694,10 @@ def _unverified(job: PromoteJob, verified: Sequence[Sequence[bool]]) -> list[Has
 
 
 def _tier_store(topology: Topology, config: TierConfig, store: dist.Store | None
-                ) -> tuple[str, str, dist.Store]:
-    """A fresh tier id and hand-off key (rank 0's, shared through the store in one value) and
-    this tier's store.  The id's key lives under the group's namespace (its global ranks) and
-    counts that group's tiers, so tiers on disjoint groups never read each other's ids."""
+                ) -> tuple[str, dist.Store]:
+    """A fresh tier id (rank 0's uuid, shared through the store) and this tier's store.  The
+    id's key lives under the group's namespace (its global ranks) and counts that group's
+    tiers, so tiers on disjoint groups never read each other's ids."""
     namespace = "offload"
     if topology.group is not None:
         ranks = ",".join(map(str, dist.get_process_group_ranks(topology.group)))
@@ -709,8 +706,8 @@ def _tier_store(topology: Topology, config: TierConfig, store: dist.Store | None
             else dist.PrefixStore(namespace, store))
     key = f"tier{next(_tier_seq[namespace])}/tier_id"
     if topology.rank == 0:
-        tier_id, handoff = uuid.uuid4().hex[:16], handoff_key()
-        base.set(key, f"{tier_id} {handoff}")
+        tier_id = uuid.uuid4().hex[:16]
+        base.set(key, tier_id)
     else:
         try:  # bounded by the tier's timeout without touching the store's own setting
             base.wait([key], datetime.timedelta(seconds=config.timeout_s))
@@ -720,8 +717,8 @@ def _tier_store(topology: Topology, config: TierConfig, store: dist.Store | None
         except dist.DistError:
             raise PeerError(f"rank {topology.rank} got no tier id from rank 0 within "
                             f"{config.timeout_s:g} s; rank 0 is not creating the tier") from None
-        tier_id, handoff = base.get(key).decode().split()
-    return tier_id, handoff, dist.PrefixStore(tier_id, base)
+        tier_id = base.get(key).decode()
+    return tier_id, dist.PrefixStore(tier_id, base)
 
 
 def _describe(actor: RankActor) -> RankDescriptor | str:

@@ -2,11 +2,13 @@
 """What a node peer trusts when it maps the progress board (offload/board.py).
 
 The board's words decide when jobs are complete, so a forged board would let another process
-decide for the node.  A peer (local rank 1 of a two-rank node) opens the board:
+decide for the node.  The leader binds a fresh random name before the node learns it, so no
+one can bind it first; should a squatter serve the name anyway, a peer (local rank 1 of a
+two-rank node) still checks what it fetches (`Board.fetch`):
 
-* from the real leader (a thread of this process, pid given): mapped, and the words are shared;
-* from a squatter of another user (uid 65534) that bound the name first and serves a board
-  claiming every job done: refused with the squatter's uid, nothing mapped (root only);
+* from the real leader (its pid given): mapped, and the words are shared;
+* from a process of another user (uid 65534) serving a board claiming every job done:
+  refused with its uid, nothing mapped (root only);
 * from a process of this user that is not the leader (pid given): refused;
 * a board of the wrong size, or unsealed: refused.
 """
@@ -14,78 +16,58 @@ decide for the node.  A peer (local rank 1 of a two-rank node) opens the board:
 from __future__ import annotations
 
 import os
-import threading
 import uuid
-from collections.abc import Callable
 
 import pytest
 
 from offload.board import LINE_BYTES, Board, pack
 from offload.errors import PeerError
-from offload.region.nameless import socket_name
-from offload.topology import NodeInfo, Topology
+from offload.region.nameless import new_socket_name
 from tests.other_user import NOBODY, as_root, other_process
-from tests.test_region_nameless import KEY, _serve
+from tests.test_region_nameless import _serve
 
 NODE = "node-a"
 
 
-def make_topology(rank: int) -> Topology:
-    return Topology(rank=rank, world_size=2, tp=2, pp=1, nodes=(NodeInfo(NODE, (0, 1)),))
-
-
 def board_name(tier_id: str) -> str:
-    return socket_name(tier_id, f"board-{NODE}", KEY)
+    return new_socket_name(tier_id, f"board-{NODE}")
 
 
-def open_peer(tier_id: str, leader_pid: int | None = None) -> Board:
-    return Board.open(make_topology(1), tier_id, KEY, timeout_s=5, leader_pid=leader_pid)
+def open_peer(name: str, leader_pid: int | None = None) -> Board:
+    """Local rank 1 of a two-rank node fetches the board offered under ``name``."""
+    return Board.fetch(name, 2, 1, timeout_s=5, leader_pid=leader_pid)
 
 
-def in_thread(fn: Callable[[], Board]) -> tuple[threading.Thread, list[Board | BaseException]]:
-    out: list[Board | BaseException] = []
-
-    def run() -> None:
-        try:
-            out.append(fn())
-        except BaseException as exc:
-            out.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, out
-
-
-def test_a_peer_maps_the_leaders_board() -> None:
-    tier_id = uuid.uuid4().hex
-    thread, out = in_thread(lambda: Board.open(make_topology(0), tier_id, KEY, timeout_s=10))
-    peer = open_peer(tier_id, leader_pid=os.getpid())
-    thread.join(10)
-    (leader,) = out
-    assert isinstance(leader, Board)
+def test_a_peer_maps_the_board_its_leader_serves() -> None:
+    """The leader's process (pid given) serves a sealed board of the node's size: mapped,
+    the leader's words are there, and the peer's own word lands in the shared memory."""
+    name = board_name(uuid.uuid4().hex)
+    with other_process(_serve(name, 2 * LINE_BYTES), uid=None) as leader:
+        assert leader.read() == b"r"
+        peer = open_peer(name, leader_pid=leader.pid)
     try:
+        assert peer.words()[0] == int.from_bytes(b"\xff\xff\xff\x7f" * 2, "little")
         peer.publish(5, 1)
-        assert leader.words() == [0, pack(5, 1)]
+        assert peer.words()[1] == pack(5, 1)
     finally:
         peer.close()
-        leader.close()
 
 
 @as_root
 def test_a_board_served_by_another_user_is_refused() -> None:
-    tier_id = uuid.uuid4().hex
-    with other_process(_serve(board_name(tier_id), 2 * LINE_BYTES)) as squatter:
+    name = board_name(uuid.uuid4().hex)
+    with other_process(_serve(name, 2 * LINE_BYTES)) as squatter:
         assert squatter.read() == b"r"
         with pytest.raises(PeerError, match=f"served by uid {NOBODY}"):
-            open_peer(tier_id)
+            open_peer(name)
 
 
 def test_a_board_served_by_a_process_other_than_the_leader_is_refused() -> None:
-    tier_id = uuid.uuid4().hex
-    with other_process(_serve(board_name(tier_id), 2 * LINE_BYTES), uid=None) as server:
+    name = board_name(uuid.uuid4().hex)
+    with other_process(_serve(name, 2 * LINE_BYTES), uid=None) as server:
         assert server.read() == b"r"
         with pytest.raises(PeerError, match=f"served by pid {server.pid}"):
-            open_peer(tier_id, leader_pid=server.pid + 1)
+            open_peer(name, leader_pid=server.pid + 1)
 
 
 @pytest.mark.parametrize(("length", "sealed", "why"), [
@@ -94,11 +76,11 @@ def test_a_board_served_by_a_process_other_than_the_leader_is_refused() -> None:
     (2 * LINE_BYTES, False, "not sealed against shrinking")], ids=["short", "long", "unsealed"])
 def test_a_board_of_the_wrong_size_or_unsealed_is_refused(length: int, sealed: bool,
                                                           why: str) -> None:
-    tier_id = uuid.uuid4().hex
-    with other_process(_serve(board_name(tier_id), length, sealed), uid=None) as server:
+    name = board_name(uuid.uuid4().hex)
+    with other_process(_serve(name, length, sealed), uid=None) as server:
         assert server.read() == b"r"
         with pytest.raises(PeerError, match=why):
-            open_peer(tier_id)
+            open_peer(name)
 
 
 def _leader_pids_in_use(rank: int) -> object:

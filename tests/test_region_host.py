@@ -32,7 +32,6 @@ from tests.harness import Outcome, run_group, shm_entries
 from tests.test_region_prefault import all_pages_mapped, resident_bytes
 
 KiB, MiB = 1 << 10, 1 << 20
-KEY = "test-handoff-key"  # names the node's hand-off sockets (a tier's is random)
 PAGES = (4 * KiB, 8 * KiB)  # two KV tensors per rank
 SLOW_PAGES = (12 * KiB, 4 * KiB)
 
@@ -53,8 +52,7 @@ def single_rank_region(layout: str, cpu_bytes: int, registrar: Registrar | None 
     config = tier_config(layout, cpu_bytes, **overrides)
     plan = compute_plan([RankDescriptor(0, "n0", 0, 1, 0, 0, PAGES, config)])
     topology = Topology(0, 1, 1, 1, (NodeInfo("n0", (0,)),))
-    return HostRegion.create(plan, topology, config, job_id, KEY,
-                             registrar or RecordingRegistrar())
+    return HostRegion.create(plan, topology, config, job_id, registrar or RecordingRegistrar())
 
 
 def group_region(rank: int, job_id: str, layout: str, cpu_bytes: int,
@@ -76,7 +74,7 @@ def group_region(rank: int, job_id: str, layout: str, cpu_bytes: int,
     dist.all_gather_object(everyone, mine)
     plan = compute_plan(everyone)
     registrar = registrar or RecordingRegistrar()
-    return HostRegion.create(plan, topology, config, job_id, KEY, registrar), plan, registrar
+    return HostRegion.create(plan, topology, config, job_id, registrar), plan, registrar
 
 
 def pattern(rank: int, t: int, chunk: int, block: int) -> int:

@@ -25,15 +25,12 @@ from offload.region.nameless import (
     check_sizes,
     create_memfd,
     fetch_fds,
-    handoff_key,
     memfd_mapping,
-    socket_name,
+    new_socket_name,
 )
 from offload.region.shm import close_fds
 from tests.harness import run_group
 from tests.other_user import NOBODY, as_root, other_process
-
-KEY = handoff_key()
 
 
 def _peer(name: str, count: int, results: mp.Queue) -> None:
@@ -48,7 +45,7 @@ def _peer(name: str, count: int, results: mp.Queue) -> None:
 
 
 def test_peers_map_the_leaders_nameless_files() -> None:
-    name = socket_name(uuid.uuid4().hex, "test", KEY)
+    name = new_socket_name(uuid.uuid4().hex, "test")
     fds = [create_memfd("t0", 4096), create_memfd("t1", 8192)]
     os.pwrite(fds[0], b"hello", 0)
     ctx = mp.get_context("spawn")
@@ -97,14 +94,14 @@ def test_memfd_mapping_is_page_aligned_writable_and_rounded_up() -> None:
 def test_a_peer_without_a_leader_fails_within_its_timeout() -> None:
     started = time.monotonic()
     with pytest.raises(PeerError, match="offered no region descriptors"):
-        fetch_fds(socket_name(uuid.uuid4().hex, "none", KEY), 1, timeout_s=0.3)
+        fetch_fds(new_socket_name(uuid.uuid4().hex, "none"), 1, timeout_s=0.3)
     assert time.monotonic() - started < 5
 
 
 def test_a_leader_whose_peers_never_come_fails_within_its_timeout() -> None:
     fd = create_memfd("lonely", 4096)
     try:
-        with FdOffer(socket_name(uuid.uuid4().hex, "lonely", KEY), peers=1) as offer, \
+        with FdOffer(new_socket_name(uuid.uuid4().hex, "lonely"), peers=1) as offer, \
                 pytest.raises(PeerError, match="0 of 1 node peers"):
             offer.hand_out([fd], timeout_s=0.3)
     finally:
@@ -112,7 +109,7 @@ def test_a_leader_whose_peers_never_come_fails_within_its_timeout() -> None:
 
 
 def test_a_second_offer_under_the_same_name_is_refused() -> None:
-    name = socket_name(uuid.uuid4().hex, "twice", KEY)
+    name = new_socket_name(uuid.uuid4().hex, "twice")
     with FdOffer(name, peers=1), pytest.raises(Exception, match="already in use"):
         FdOffer(name, peers=1)
 
@@ -156,7 +153,7 @@ def test_the_leader_serves_no_process_of_another_user() -> None:
     """The leader offers one descriptor to one peer.  A process of uid 65534 connects first:
     the leader checks its credentials (SO_PEERCRED), drops it unserved and does not count it,
     so the stranger receives nothing and the real peer is still served."""
-    name = socket_name(uuid.uuid4().hex, "stranger", KEY)
+    name = new_socket_name(uuid.uuid4().hex, "stranger")
     fd = create_memfd("t", 4096)
     try:
         with FdOffer(name, peers=1) as offer:
@@ -175,7 +172,7 @@ def test_a_peer_refuses_a_server_of_another_user() -> None:
     """A process of uid 65534 binds the hand-off name before the leader and serves a forged
     sealed memfd: the peer checks the server's credentials and refuses, naming its uid; it
     receives no descriptor."""
-    name = socket_name(uuid.uuid4().hex, "squat", KEY)
+    name = new_socket_name(uuid.uuid4().hex, "squat")
     with other_process(_serve(name, 4096)) as squatter:
         assert squatter.read() == b"r"
         before = set(os.listdir("/proc/self/fd"))
@@ -187,13 +184,13 @@ def test_a_peer_refuses_a_server_of_another_user() -> None:
 def test_a_peer_refuses_a_server_other_than_the_leaders_pid() -> None:
     """Where the caller knows the leader's pid, a process of the same user serving the name is
     refused too; the real leader's process is accepted."""
-    name = socket_name(uuid.uuid4().hex, "pid", KEY)
+    name = new_socket_name(uuid.uuid4().hex, "pid")
     with other_process(_serve(name, 4096), uid=None) as server:
         assert server.read() == b"r"
         with pytest.raises(PeerError, match=f"served by pid {server.pid}, not by the node "
                                             f"leader \\(pid {os.getpid()}\\)"):
             fetch_fds(name, 1, timeout_s=5, leader_pid=os.getpid())
-    name = socket_name(uuid.uuid4().hex, "pid", KEY)
+    name = new_socket_name(uuid.uuid4().hex, "pid")
     with other_process(_serve(name, 4096), uid=None) as server:
         assert server.read() == b"r"
         fds = fetch_fds(name, 1, timeout_s=5, leader_pid=server.pid)
@@ -232,15 +229,15 @@ def test_a_received_memfd_of_another_user_is_refused() -> None:
         os.close(fd)
 
 
-def test_a_hand_off_name_cannot_be_told_without_the_tiers_key() -> None:
-    """The names a tier binds are public once bound (``/proc/net/unix``); the tier id and tag
-    in them must not let anyone compute another of its names, so each carries an HMAC under
-    the tier's key."""
-    tier_id, other_key = uuid.uuid4().hex, handoff_key()
-    name = socket_name(tier_id, "L0", KEY)
-    assert name.startswith(f"offload/{tier_id}/L0/") and KEY not in name
-    assert name != socket_name(tier_id, "L0", other_key)
-    assert name.split("/")[-1] != socket_name(tier_id, "board-n", KEY).split("/")[-1]
+def test_every_hand_off_gets_a_fresh_name_the_tier_id_does_not_tell() -> None:
+    """A bound name is public (``/proc/net/unix``) and shows the tier id and tag; the rest
+    is random per offer, so no one can form a name before the leader binds it."""
+    tier_id = uuid.uuid4().hex
+    names = {new_socket_name(tier_id, "L0") for _ in range(3)}
+    assert len(names) == 3
+    for name in names:
+        prefix, _, token = name.rpartition("/")
+        assert prefix == f"offload/{tier_id}/L0" and len(bytes.fromhex(token)) == 16
 
 
 def _listen_without_accepting(name: str) -> Callable[[int], None]:
@@ -260,7 +257,7 @@ def _listen_without_accepting(name: str) -> Callable[[int], None]:
 def test_a_listener_that_never_accepts_fails_the_peer_within_its_timeout() -> None:
     """A squatter (or a wedged leader) whose backlog is full makes ``connect`` block; the
     peer's deadline covers it and the error names the name."""
-    name = socket_name(uuid.uuid4().hex, "wedged", KEY)
+    name = new_socket_name(uuid.uuid4().hex, "wedged")
     with other_process(_listen_without_accepting(name), uid=None, timeout_s=0) as server:
         assert server.read() == b"r"
         outcome: list[BaseException | float] = []
@@ -300,28 +297,48 @@ def _squat_the_names_of(tier_id: str, tags: Sequence[str]) -> Callable[[int], No
 
 @as_root
 def test_another_user_who_knows_the_tier_id_cannot_squat_its_hand_offs() -> None:
-    """Another user learns a shared tier's id (a bound name or a shm file shows it) and binds
-    every hand-off name it can form from it before the tier starts: the tier still starts."""
+    """Another user learns a shared tier's id (a bound name or a shm file shows it), binds
+    every hand-off name it can form from it before the tier starts, and reads the rendezvous
+    store (anyone local can): the tier still starts, and no name it binds ever passed through
+    the store."""
     tier_id = uuid.uuid4().hex[:16]
 
     def body(rank: int, tier_id: str) -> object:
         import uuid as uuid_module
 
         import torch
+        import torch.distributed as dist
 
+        import offload.region.nameless as nameless
         from offload import HostTier, TierConfig
 
         uuid_module.uuid4 = lambda: uuid_module.UUID(hex=tier_id * 2)  # the id it foresaw
+        stored: list[bytes] = []
+        for cls in (dist.PrefixStore, dist.TCPStore):
+            def spy(self: object, key: str, value: object, _real=cls.set) -> None:
+                stored.append(value.encode() if isinstance(value, str) else bytes(value))
+                _real(self, key, value)
+            cls.set = spy  # type: ignore[method-assign]
+        bound: list[str] = []
+        real_offer = nameless.FdOffer.__init__
+
+        def offer(self: nameless.FdOffer, name: str, peers: int) -> None:
+            bound.append(name)
+            real_offer(self, name, peers)
+        nameless.FdOffer.__init__ = offer  # type: ignore[method-assign]
         tier = HostTier.create([torch.zeros((8, 4096), dtype=torch.uint8)],
                                TierConfig(cpu_bytes_per_node=4 << 20, blocks_per_chunk=4,
                                           tp=2, layout="shared", timeout_s=20))
         tier_of_rank = tier.actor.tier_id
         tier.close()
-        return tier_of_rank
+        leaked = [n for n in bound if any(n.rpartition("/")[2].encode() in v for v in stored)]
+        return tier_of_rank, len(bound), len(stored), leaked
 
     with other_process(_squat_the_names_of(tier_id, ["L0", "board-node0"]),
                        timeout_s=0) as squatter:
         assert squatter.read() == b"r"
         out = run_group(body, 2, args=(tier_id,))
     assert all(o.ok for o in out), [o.error for o in out]
-    assert [o.value for o in out] == [tier_id, tier_id]
+    (tier0, bound, stored, leaked), (tier1, *_) = (o.value for o in out)
+    assert tier0 == tier1 == tier_id
+    assert bound == 2 and stored > 0 and leaked == []  # the board's and the region's

@@ -10,8 +10,9 @@ check must precede all of them), the first step of the protocol below for node r
 * ``private`` -- the rank's own memory: anonymous by default (transparent huge pages requested,
   kept out of forked children; `TierConfig.private_memory`), else its own files, nameless or
   unlinked right after creation; no hand-off, nothing to leak even on SIGKILL.
-* ``shared`` / ``replicated``, nameless -- the leader binds its hand-off socket, creates and
-  reserves the memfds; node exchange; the leader hands the descriptors to each peer over the
+* ``shared`` / ``replicated``, nameless -- the leader binds its hand-off socket under a fresh
+  random name, creates and reserves the memfds; node exchange, which carries that name to the
+  peers; the leader hands the descriptors to each peer over the
   socket while the peers fetch them, and every rank maps them; node exchange.  Every rank then
   closes its descriptors: only the mappings hold the memory.
 * ``shared`` / ``replicated``, named -- the leader creates the files; node exchange; the others
@@ -71,7 +72,13 @@ from offload.region.background import (
     ReadyFn,
 )
 from offload.region.hugepages import shmem_huge_mode, small_page_hint
-from offload.region.nameless import FdOffer, check_sizes, create_memfds, fetch_fds, socket_name
+from offload.region.nameless import (
+    FdOffer,
+    check_sizes,
+    create_memfds,
+    fetch_fds,
+    new_socket_name,
+)
 from offload.region.numa import Placement, bytes_on_node
 from offload.region.pin import Pinner, Registrar
 from offload.region.pipeline import PinPipeline
@@ -198,12 +205,11 @@ class HostRegion:
 
     @classmethod
     def create(cls, plan: Plan, topology: Topology, config: TierConfig, tier_id: str,
-               handoff_key: str, registrar: Registrar, progress: ProgressFn | None = None,
+               registrar: Registrar, progress: ProgressFn | None = None,
                on_ready: ReadyFn | None = None) -> HostRegion:
         """Build, pre-fault and pin this rank's region.  Collective over the node for the
         shared and replicated layouts (every local rank must call it); on any failure the
-        region is closed and nothing is left in ``config.shm_dir``.  ``handoff_key`` (the
-        tier's, from `offload.region.nameless.handoff_key`) names the node's hand-off socket.
+        region is closed and nothing is left in ``config.shm_dir``.
 
         With ``config.background`` it returns once the region is mapped, and pre-fault and
         registration continue on their own threads; ``on_ready(rows, stopped)`` hears of
@@ -217,20 +223,20 @@ class HostRegion:
         cleanup.register(region.close)
         cleanup.register_unlinker(region.unlink_names)
         try:
-            region._build(topology, config, tier_id, handoff_key, progress, on_ready)
+            region._build(topology, config, tier_id, progress, on_ready)
         except BaseException:
             region.close()
             raise
         return region
 
-    def _build(self, topology: Topology, config: TierConfig, tier_id: str, handoff_key: str,
+    def _build(self, topology: Topology, config: TierConfig, tier_id: str,
                progress: ProgressFn | None, on_ready: ReadyFn | None) -> None:
         start = time.perf_counter()
         segments = segment_ranges(self.geometry, config)
         lengths = [s.length for s in segments]
         node_layout = self.plan.layout != "private"
         tag = f"L{topology.node.leader_rank}" if node_layout else f"r{topology.rank}"
-        files = _Files(config, tier_id, handoff_key, tag, lengths)
+        files = _Files(config, tier_id, tag, lengths)
         self._paths = files.paths()
         sync = NodeSync(topology)
         needed = self._node_bytes(topology)
@@ -343,29 +349,32 @@ class HostRegion:
         # a SIGBUS)
         deferred = files.config.background and files.nameless and populate_supported()
 
-        def create() -> None:
+        def create() -> str | None:
             check()
-            if files.nameless:  # bound before the exchange that tells peers to connect
-                offer.append(FdOffer(files.socket, peers))
+            if files.nameless:  # bound before the exchange that tells peers its name
+                offer.append(FdOffer(new_socket_name(files.tier_id, files.tag), peers))
             fds.extend(files.create(self._paths, reserved=not deferred))
             if deferred:
                 self._reservation = BackgroundReservation(_duplicates(fds), files.lengths,
                                                           files.config.prefault_threads)
+            return offer[0].name if offer else None
 
         def hand_over_and_map() -> None:
             if files.nameless and leader:
                 offer[0].start(fds, files.timeout_s)  # served while we map and exchange
             elif files.nameless:
-                fds.extend(fetch_fds(files.socket, len(files.lengths), files.timeout_s,
+                assert name is not None  # the leader's step shared it
+                fds.extend(fetch_fds(name, len(files.lengths), files.timeout_s,
                                      offered=True, leader_pid=sync.topology.leader_pid()))
-                check_sizes(fds, files.lengths, files.socket)
+                check_sizes(fds, files.lengths, name)
             elif not leader:
                 fds.extend(open_segment(p, n) for p, n in zip(self._paths, files.lengths,
                                                               strict=True))
             self._attach(fds, files)
 
         try:
-            sync.step("creating the node's region", create if leader else None)
+            name = sync.step("creating the node's region", create if leader else None,
+                             share=True)
             sync.step("handing the node's region over and mapping it", hand_over_and_map)
         finally:
             for o in offer:
@@ -488,7 +497,6 @@ class _Files:
 
     config: TierConfig
     tier_id: str
-    handoff_key: str
     tag: str
     lengths: list[int]
 
@@ -498,10 +506,6 @@ class _Files:
     @property
     def nameless(self) -> bool:
         return self.config.shm_dir is None
-
-    @property
-    def socket(self) -> str:
-        return socket_name(self.tier_id, self.tag, self.handoff_key)
 
     @property
     def timeout_s(self) -> float:

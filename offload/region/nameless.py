@@ -9,17 +9,18 @@ also not bounded by the size of the ``/dev/shm`` mount (containers mount 64 MiB 
 
 Peers cannot open a nameless file, so the node leader hands its descriptors over a Unix domain
 socket (``SCM_RIGHTS``).  The socket lives in the abstract namespace (no file is created, nothing
-to clean up) under a name derived from the tier's random id and its hand-off key.  Every wait,
-``connect`` included, is bounded by a deadline, so a leader that died makes its peers fail with
-a clear error instead of hanging, and a peer that died makes the leader fail likewise.
+to clean up).  Every wait, ``connect`` included, is bounded by a deadline, so a leader that
+died makes its peers fail with a clear error instead of hanging, and a peer that died makes the
+leader fail likewise.
 
-Trust: a bound abstract name is no secret (``/proc/net/unix`` lists it to every user) and any
-local user may bind or connect to a name it knows.  So a name cannot be foretold: it carries an
-HMAC of the tier id and the socket's tag under the tier's hand-off key (`handoff_key`), which
-only the job's ranks learn, through the rendezvous store.  Seeing the board's name (bound first)
-or a ``/dev/shm`` file tells another user the tier id, never the region's socket name, so it
-cannot bind that name first and fail the tier's start.  Both ends also check the other's
-credentials (``SO_PEERCRED``, set by the kernel):
+Trust: any local user may bind or connect to an abstract name it knows, and a bound name is no
+secret (``/proc/net/unix`` lists it to every user).  So no name is known before it is bound:
+the leader binds a name ending in 128 random bits (`new_socket_name`) and only then tells the
+node's ranks, over the process group (`offload.region.sync.NodeSync.step` with ``share``) --
+not through the rendezvous store, which every local user can read.  A user who learnt the tier
+id (from a bound name or a ``/dev/shm`` file) cannot bind a hand-off's name first and fail the
+tier's start.  Both ends also check the other's credentials (``SO_PEERCRED``, set by the
+kernel):
 
 * the leader serves only peers that run as its own user; a stranger's connection is dropped
   unserved and does not count as a peer;
@@ -29,16 +30,14 @@ credentials (``SO_PEERCRED``, set by the kernel):
 * `check_sizes` checks what arrived: sealed memfds (``F_SEAL_SHRINK``, ``F_SEAL_SEAL``) of this
   user, of the plan's sizes.
 
-The boundary that remains is torch.distributed's: the tier id, its hand-off key and the
-leader's pid come from the rendezvous store, which anyone who can reach it can read and write.
+The boundary that remains is torch.distributed's: the tier id and the leader's pid come from
+the rendezvous store, which anyone who can reach it can read and write.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
-import hmac
 import mmap
 import os
 import secrets
@@ -132,17 +131,11 @@ def check_sizes(fds: Sequence[int], lengths: Sequence[int], name: str) -> None:
                         f"{list(lengths)} B")
 
 
-def handoff_key() -> str:
-    """A new tier's hand-off key: 128 random bits, as hex (rank 0 makes it with the tier id)."""
-    return secrets.token_hex(16)
-
-
-def socket_name(tier_id: str, tag: str, key: str) -> str:
-    """The abstract socket name of one hand-off (unique per tier and node): readable parts for
-    whoever lists sockets, and an HMAC under the tier's hand-off ``key`` that no one without
-    the key can compute (module docstring)."""
-    digest = hmac.new(key.encode(), f"{tier_id}/{tag}".encode(), hashlib.sha256).hexdigest()
-    return f"offload/{tier_id}/{tag}/{digest[:32]}"
+def new_socket_name(tier_id: str, tag: str) -> str:
+    """A fresh abstract socket name for one hand-off: readable parts for whoever lists sockets
+    (the tier and the creator's tag), then 128 random bits, so no one can bind it before the
+    leader does (module docstring)."""
+    return f"offload/{tier_id}/{tag}/{secrets.token_hex(16)}"
 
 
 class FdOffer:
@@ -167,8 +160,9 @@ class FdOffer:
         except OSError as exc:
             self.close()
             if exc.errno == errno.EADDRINUSE:
-                raise OffloadError(f"hand-off socket {name!r} is already in use on this host; "
-                                   "another tier uses the same id: start with a new one") from None
+                raise OffloadError(f"hand-off socket {name!r} is already in use on this host, "
+                                   "though its name ends in 128 random bits: another process "
+                                   "bound it (find it with `ss -xlp`); start again") from None
             raise
 
     def hand_out(self, fds: Sequence[int], timeout_s: float) -> None:

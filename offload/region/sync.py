@@ -30,9 +30,14 @@ class NodeSync:
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
 
-    def step(self, what: str, action: Callable[[], T] | None = None) -> T | None:
+    def step(self, what: str, action: Callable[[], T] | None = None, share: bool = False
+             ) -> T | None:
         """Run ``action`` (None: nothing to do on this rank), then agree on the outcome.  A
-        rank alone on its node has no one to agree with: it just runs the action."""
+        rank alone on its node has no one to agree with: it just runs the action.  With
+        ``share``, every rank of the node returns what the node leader's action returned (a
+        small picklable value, e.g. the name of a socket it bound), carried by the same
+        exchange: over the process group, never through the rendezvous store, which every
+        local user can read."""
         t = self.topology
         group, mine = ((t.node_group, range(t.local_world_size)) if t.node_group is not None
                        else (t.group, t.node.ranks))
@@ -45,10 +50,10 @@ class NodeSync:
             result = action() if action is not None else None
         except Exception as exc:
             error = exc
-        statuses: list[Any] = [None] * size
+        outcomes: list[Any] = [None] * size
         try:
-            dist.all_gather_object(statuses, None if error is None else one_line(error),
-                                   group=group)
+            dist.all_gather_object(outcomes, (None, result if share else None)
+                                   if error is None else (one_line(error), None), group=group)
         except Exception as exc:
             if error is not None:
                 raise error from None
@@ -60,10 +65,13 @@ class NodeSync:
             ) from exc
         if error is not None:
             raise error
-        failed = [(r, statuses[i]) for i, r in zip(mine, t.node.ranks, strict=True)
-                  if statuses[i]]
+        failed = [(r, outcomes[i][0]) for i, r in zip(mine, t.node.ranks, strict=True)
+                  if outcomes[i][0]]
         if failed:
             rank, msg = failed[0]
             others = f" (ranks {[r for r, _ in failed[1:]]} failed too)" if failed[1:] else ""
             raise PeerError(f"rank {rank} failed while {what}: {msg}{others}")
+        if share:
+            return next(outcomes[i][1] for i, r in zip(mine, t.node.ranks, strict=True)
+                        if r == t.node.leader_rank)
         return result
