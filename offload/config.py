@@ -196,10 +196,11 @@ class TierConfig:
 
             check_shm_dir(self.shm_dir)
         if self.fs_dir is not None and not self.fs_namespace:
-            raise OffloadError(f"{_describe('fs_dir')} is given without "
-                               f"{_describe('fs_namespace')}; name what computes the KV (the "
-                               "model id and revision), so a restart with another model never "
-                               "reads these files")
+            given = "is empty" if self.fs_namespace == "" else "is not given"
+            raise OffloadError(f"{_describe('fs_dir')} is given but {_describe('fs_namespace')} "
+                               f"{given}; name what computes the KV (the model id and "
+                               "revision), so a restart with another model never reads these "
+                               "files")
         if self.fs_namespace is not None and self.fs_dir is None:
             raise OffloadError(f"{_describe('fs_namespace')} = {self.fs_namespace!r} is given "
                                f"without {_describe('fs_dir')}; add --fs-tier DIR or drop it")

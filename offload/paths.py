@@ -42,5 +42,6 @@ def check_entries_are_ours(st: os.stat_result, path: str, name: str) -> None:
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
         raise OffloadError(f"{name} {path} is writable by other users and not sticky (mode "
                            f"{stat.S_IMODE(st.st_mode):o}), so they may rename or replace the "
-                           f"tier's files in it; run chmod +t {path}, or pass a directory "
-                           "only this user can write")
+                           f"tier's files in it; run chmod +t {path}, or pass a directory of "
+                           f"your own inside it (mkdir -m 700 {os.path.join(path, 'offload')}: "
+                           "a Kubernetes emptyDir is mode 777 and not sticky)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -44,3 +45,24 @@ def test_done_helpers() -> None:
     assert all_done([]).done()
     pending = [done(None), done(None)]
     assert all_done(pending).done()
+
+
+def test_drain_gives_up_on_a_stall_but_not_on_a_long_queue_of_one_key() -> None:
+    """``stall_s`` bounds the time without a task finishing, not the whole wait: six chained
+    tasks of one key taking 0.15 s each drain (0.9 s > stall_s), a blocked task does not."""
+    pool = KeyedPool(2, "test-pool")
+    try:
+        for _ in range(6):
+            pool.submit("one key", lambda: time.sleep(0.15))
+        began = time.monotonic()
+        assert pool.drain(stall_s=0.6) is True
+        assert time.monotonic() - began > 0.6
+        gate = threading.Event()
+        pool.submit("stuck", lambda: gate.wait(30))
+        began = time.monotonic()
+        assert pool.drain(stall_s=0.3) is False
+        assert 0.25 < time.monotonic() - began < 5
+        gate.set()
+        assert pool.drain(stall_s=5) is True
+    finally:
+        pool.shutdown(5)

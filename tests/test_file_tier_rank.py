@@ -182,9 +182,10 @@ def test_the_config_checks_the_directory_and_the_budget(tmp_path: Path) -> None:
              ({"fs_dir": str(tmp_path), "fs_io_timeout_s": 0, **ns},
               r"fs_io_timeout_s \(--fs-io-timeout\) = 0 must be positive"),
              ({"fs_io_timeout_s": float("nan")}, "= nan must be positive"),
-             ({"fs_dir": str(tmp_path)}, r"fs_dir \(--fs-tier\) is given without fs_namespace "
-                                         r"\(--fs-namespace\); name what computes the KV"),
-             ({"fs_dir": str(tmp_path), "fs_namespace": ""}, "is given without fs_namespace"),
+             ({"fs_dir": str(tmp_path)}, r"fs_dir \(--fs-tier\) is given but fs_namespace "
+                                         r"\(--fs-namespace\) is not given; name what computes "
+                                         "the KV"),
+             ({"fs_dir": str(tmp_path), "fs_namespace": ""}, "fs_namespace .* is empty"),
              (ns, r"fs_namespace \(--fs-namespace\) = 'model-a@rev1' is given without fs_dir")]
     if os.geteuid() != 0:  # root may write into a 0500 directory
         ro = tmp_path / "ro"

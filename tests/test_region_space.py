@@ -63,6 +63,11 @@ def test_a_shm_dir_where_others_may_rename_our_files_is_refused(shm_dir: str) ->
         assert message.startswith(f"shm_dir (--shm-dir) {shm_dir} is writable by other users "
                                   "and not sticky (mode 777)")
         assert f"run chmod +t {shm_dir}" in message and "\n" not in message
+        mine = os.path.join(shm_dir, "offload")
+        assert f"mkdir -m 700 {mine}" in message
+        os.mkdir(mine, 0o700)  # the fix it names, where chmod is not allowed
+        TierConfig(cpu_bytes_per_node=MiB, shm_dir=mine)
+        os.rmdir(mine)
         os.chmod(shm_dir, 0o1777)
         TierConfig(cpu_bytes_per_node=MiB, shm_dir=shm_dir)  # sticky: only owners rename
         TierConfig(cpu_bytes_per_node=MiB, shm_dir="/dev/shm")

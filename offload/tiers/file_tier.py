@@ -21,7 +21,9 @@ What it guarantees (DESIGN.md section 6, "File tier"):
   ``read_errors``, never an exception.  Every read and write has a deadline (``io_timeout_s``):
   a caller that waits past it (`wait_read`, `release`) takes the key as a miss and goes on; the
   host row of a read that timed out stays busy until the read returns (the caller's
-  quarantine), a spill that timed out is never made visible.
+  quarantine), a spill that timed out is never made visible.  Opening (the header reads),
+  `flush` and the restart's `keep_only` wait while operations keep finishing and give up once
+  none finished for one deadline.
 * **Trust.**  The fingerprint subdirectory is used only when this user owns it and no one else
   can write it (`tier_dir`); every open is ``O_NOFOLLOW`` relative to its descriptor; a file is
   written unnamed (``O_TMPFILE``, or a random ``O_EXCL`` temporary name where the filesystem
@@ -55,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import itertools
 import logging
 import mmap
@@ -129,7 +132,9 @@ class FileTierStats:
     (at open or on read), each removed.  ``evicted``: files removed by the LRU budget.
     ``write_errors``: writes that failed (disk full...).  ``read_errors``: reads that failed
     with an I/O error (EIO, EACCES, EMFILE...; a miss, the file is kept until discarded).
-    ``timeouts``: reads and spills a caller stopped waiting for at the deadline (each a miss).
+    ``timeouts``: reads and spills a caller stopped waiting for at the deadline, and header
+    reads at open that made no progress for one deadline (each a miss; such a file is removed
+    once the disk answers).
     ``write_s``/``read_s``: wall time
     during which at least one write/read was in flight, so the GB/s figures are the tier's
     aggregate throughput, not one thread's.
@@ -711,8 +716,9 @@ class FileTier:
         chunk_files = [n for n in names if n.endswith(SUFFIX)]
         headers = self._pool.map(self._header_of, chunk_files, self.io_timeout_s)
         for name, read in zip(chunk_files, headers, strict=True):
-            if read is None:  # stalled past the deadline: a miss, its file left alone
-                self._counts["timeouts"] += 1
+            if read is None:  # stalled past the deadline: a miss; the other ranks drop the key
+                self._counts["timeouts"] += 1  # too (restart agreement), and its file goes
+                self._pool.submit(name, functools.partial(self._unlink, name))  # (budget)
                 continue
             header, problem = read
             if problem:

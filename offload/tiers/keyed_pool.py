@@ -35,6 +35,8 @@ class KeyedPool:
             thread.start()
         self._lock = threading.Lock()
         self._tails: dict[Hashable, Future[Any]] = {}  # the last task submitted per key
+        self._finished = 0  # tasks run so far: `drain` tells a long queue from a stall
+        self._progress = threading.Condition(self._lock)
 
     def submit(self, key: Hashable, fn: Callable[[], T]) -> Future[T]:
         """Run ``fn`` after every task submitted earlier for ``key``; its future carries the
@@ -46,6 +48,9 @@ class KeyedPool:
                 result.set_result(fn())
             except BaseException as exc:
                 result.set_exception(exc)
+            with self._progress:
+                self._finished += 1
+                self._progress.notify_all()
 
         def start(_: object = None) -> None:
             self._queue.put(run)
@@ -71,19 +76,17 @@ class KeyedPool:
         limit; a long queue of healthy I/O keeps finishing tasks, a stalled file system does
         not).  Returns True when nothing is left."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            with self._lock:
-                pending = list(self._tails.values())
-            if not pending:
-                return True
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return False
-            stalls = stall_s is not None and (left is None or stall_s <= left)
-            finished, _ = wait(pending, timeout=stall_s if stalls else left,
-                               return_when=FIRST_COMPLETED)
-            if stalls and not finished:  # a whole stall_s without a task finishing
-                return False
+        with self._progress:
+            while self._tails:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                stalls = stall_s is not None and (left is None or stall_s <= left)
+                finished = self._finished
+                self._progress.wait(stall_s if stalls else left)
+                if stalls and self._finished == finished:  # stall_s without a task finishing
+                    return False
+            return True
 
     def pending(self) -> int:
         """Keys with a task queued or running."""
