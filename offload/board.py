@@ -55,19 +55,23 @@ A rank that dies leaves its word where it stopped; the decider sees the minimum 
 names that rank once the tier's timeout passes (`offload.quorum`).  The board needs no cleanup: the
 kernel frees a nameless file when its last mapping goes.
 
-Trust: a peer maps the board only from a server of its own user (the leader's pid where known)
-and only a sealed memfd of this user of the board's exact size (`Board.open`); a forged board
-would let another user decide jobs complete.  The rendezvous store, which names the tier, stays
-the trust boundary (torch.distributed's own).
+Trust: the board's hand-off name is drawn at random and published only once bound, so no one
+can bind it first; a peer maps the board only from a server of its own user (the leader's pid
+where known) and only a sealed memfd of this user of the board's exact size (`Board.fetch`); a
+forged board would let another user decide jobs complete.  The rendezvous store, which names
+the tier, stays the trust boundary (torch.distributed's own).
 """
 
 from __future__ import annotations
 
+import datetime
 import mmap
 import os
 
 import numpy as np
+import torch.distributed as dist
 
+from offload.errors import PeerError, one_line
 from offload.region.nameless import (
     FdOffer,
     check_sizes,
@@ -75,7 +79,6 @@ from offload.region.nameless import (
     fetch_fds,
     new_socket_name,
 )
-from offload.region.sync import NodeSync
 from offload.topology import Topology
 
 LINE_BYTES = 128
@@ -115,44 +118,43 @@ class Board:
         self.slot = slot
 
     @classmethod
-    def open(cls, topology: Topology, tier_id: str, timeout_s: float,
+    def open(cls, topology: Topology, tier_id: str, store: dist.Store, timeout_s: float,
              leader_pid: int | None = None) -> Board:
-        """Node-collective: the leader creates the zeroed board, binds a fresh hand-off name
-        and tells the node's ranks (`NodeSync.step` with ``share``), then hands the board to
-        them; each maps it and closes its descriptor (the mapping keeps it alive).
+        """Node-collective: the leader creates the zeroed board, binds a fresh hand-off name,
+        and only then publishes that name in the tier's ``store`` and hands the board to the
+        node's ranks; each maps it and closes its descriptor (the mapping keeps it alive).
 
-        A peer maps only a board its own user's process served (`fetch`).
+        The name ends in 128 random bits and reaches the store only once it is bound, so no
+        one who reads the store (any local user can) can bind it first.  A peer maps only a
+        board its own user's process served (`fetch`).  Every wait is bounded by
+        ``timeout_s``.
 
         Raises:
-            PeerError: the leader failed, or what was served is not its board.
+            PeerError: the leader offered nothing in time, or what was served is not its board.
         """
         ranks, slot = topology.local_world_size, topology.local_rank
-        fds: list[int] = []
-        offers: list[FdOffer] = []
-
-        def create() -> str | None:
-            if not topology.is_leader:
-                return None
-            fds.append(create_memfd("board", ranks * LINE_BYTES))
-            if ranks == 1:
-                return None
-            offers.append(FdOffer(new_socket_name(tier_id, f"board-{topology.node_id}"),
-                                  ranks - 1))
-            return offers[0].name
-
-        try:
-            name = NodeSync(topology).step("creating the node's board", create, share=True)
-            if topology.is_leader:
-                if offers:
-                    offers[0].hand_out(fds, timeout_s)
-                return cls(fds[0], ranks, slot)
-            assert name is not None
-            return cls.fetch(name, ranks, slot, timeout_s, leader_pid)
-        finally:
-            for offer in offers:
-                offer.close()
-            for fd in fds:
+        key = f"board/{topology.node_id}"
+        if topology.is_leader:
+            fd = create_memfd("board", ranks * LINE_BYTES)
+            try:
+                if ranks > 1:
+                    with FdOffer(new_socket_name(tier_id, f"board-{topology.node_id}"),
+                                 ranks - 1) as offer:
+                        store.set(key, offer.name)
+                        offer.hand_out([fd], timeout_s)
+                return cls(fd, ranks, slot)
+            finally:
                 os.close(fd)
+        try:
+            store.wait([key], datetime.timedelta(seconds=timeout_s))
+        except dist.DistNetworkError as exc:  # the store's host (rank 0's process) went away
+            raise PeerError(f"rank {topology.rank} lost the store while waiting for node "
+                            f"{topology.node_id}'s board ({one_line(exc)}); rank 0 died or "
+                            "closed") from None
+        except dist.DistError:
+            raise PeerError(f"the node leader (rank {topology.node.leader_rank}) offered no "
+                            f"board within {timeout_s:g} s; check its error") from None
+        return cls.fetch(store.get(key).decode(), ranks, slot, timeout_s, leader_pid)
 
     @classmethod
     def fetch(cls, name: str, ranks: int, slot: int, timeout_s: float,

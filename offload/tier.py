@@ -181,7 +181,7 @@ class HostTier:
                                f"{topology.world_size - 1}")
         config = dataclasses.replace(config, tp=topology.tp)  # None meant world // pp
         tier_id, store = _tier_store(topology, config, store)
-        board = Board.open(topology, tier_id, config.timeout_s, topology.leader_pid())
+        board = Board.open(topology, tier_id, store, config.timeout_s, topology.leader_pid())
         rpc = CollectiveRPC(dist.PrefixStore("rpc", store), topology.rank,
                             topology.world_size, config.timeout_s,
                             doorbell=board if 0 in topology.node.ranks else None)

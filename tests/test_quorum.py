@@ -121,7 +121,7 @@ def _watermarks(rank: int, tier_id: str) -> dict[str, object]:
     from offload.topology import discover
 
     topology = discover(None, 1, 20)
-    board = Board.open(topology, tier_id, 20)
+    board = Board.open(topology, tier_id, default_store(f"board-{tier_id}"), 20)
     q = Quorum(default_store("quorum-test"), topology, board)
     dist.barrier()  # every leader has set its node key
     seen: dict[str, object] = {"through_before": q.through(q.words())}

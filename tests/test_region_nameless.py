@@ -279,66 +279,74 @@ def test_a_listener_that_never_accepts_fails_the_peer_within_its_timeout() -> No
         assert isinstance(waited, float) and waited < 3
 
 
-def _squat_the_names_of(tier_id: str, tags: Sequence[str]) -> Callable[[int], None]:
-    """A child action: bind every name the tier id and tags alone determine, say "r", and
-    hold them until killed."""
+def _squat(names: Sequence[str]) -> Callable[[int], None]:
+    """A child action: bind every one of ``names``, say "r", and hold them until killed."""
     def action(pipe: int) -> None:
         socks = []
-        for tag in tags:
-            for name in (f"offload/{tier_id}/{tag}", f"offload/{tier_id}/{tag}/"):
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.bind("\0" + name)
-                sock.listen(0)
-                socks.append(sock)
+        for name in names:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind("\0" + name)
+            sock.listen(0)
+            socks.append(sock)
         os.write(pipe, b"r")
         time.sleep(60)
     return action
 
 
+def _shared_tier_binding(rank: int, tier_id: str) -> object:
+    """Create and close a 2-rank shared tier whose id is ``tier_id`` (as if foreseen); return
+    the hand-off names this rank bound, and whether each was bound before the store heard of
+    it (read from /proc/net/unix at the moment the store was told)."""
+    import uuid as uuid_module
+
+    import torch
+    import torch.distributed as dist
+
+    import offload.region.nameless as nameless
+    from offload import HostTier, TierConfig
+
+    uuid_module.uuid4 = lambda: uuid_module.UUID(hex=tier_id * 2)
+    bound: list[str] = []
+    told: list[tuple[str, bool]] = []  # (name, listed in /proc/net/unix when the store got it)
+    for cls in (dist.PrefixStore, dist.TCPStore):
+        def spy(self: object, key: str, value: object, _real=cls.set) -> None:
+            text = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+            for name in bound:
+                if name in text:
+                    with open("/proc/net/unix") as f:
+                        told.append((name, "@" + name in f.read()))
+            _real(self, key, value)
+        cls.set = spy  # type: ignore[method-assign]
+    real_offer = nameless.FdOffer.__init__
+
+    def offer(self: nameless.FdOffer, name: str, peers: int) -> None:
+        bound.append(name)
+        real_offer(self, name, peers)
+    nameless.FdOffer.__init__ = offer  # type: ignore[method-assign]
+    tier = HostTier.create([torch.zeros((8, 4096), dtype=torch.uint8)],
+                           TierConfig(cpu_bytes_per_node=4 << 20, blocks_per_chunk=4, tp=2,
+                                      layout="shared", timeout_s=20))
+    assert tier.actor.tier_id == tier_id
+    tier.close()
+    return bound, told
+
+
 @as_root
 def test_another_user_who_knows_the_tier_id_cannot_squat_its_hand_offs() -> None:
-    """Another user learns a shared tier's id (a bound name or a shm file shows it), binds
-    every hand-off name it can form from it before the tier starts, and reads the rendezvous
-    store (anyone local can): the tier still starts, and no name it binds ever passed through
-    the store."""
+    """Another user learns a shared tier's id (a bound name or a shm file shows it) and binds,
+    before the tier starts, every hand-off name it can form from the id -- even every name a
+    first tier of that very id bound: the second tier still starts.  A name reaches the store
+    (which any local user can read) only once it is bound."""
     tier_id = uuid.uuid4().hex[:16]
-
-    def body(rank: int, tier_id: str) -> object:
-        import uuid as uuid_module
-
-        import torch
-        import torch.distributed as dist
-
-        import offload.region.nameless as nameless
-        from offload import HostTier, TierConfig
-
-        uuid_module.uuid4 = lambda: uuid_module.UUID(hex=tier_id * 2)  # the id it foresaw
-        stored: list[bytes] = []
-        for cls in (dist.PrefixStore, dist.TCPStore):
-            def spy(self: object, key: str, value: object, _real=cls.set) -> None:
-                stored.append(value.encode() if isinstance(value, str) else bytes(value))
-                _real(self, key, value)
-            cls.set = spy  # type: ignore[method-assign]
-        bound: list[str] = []
-        real_offer = nameless.FdOffer.__init__
-
-        def offer(self: nameless.FdOffer, name: str, peers: int) -> None:
-            bound.append(name)
-            real_offer(self, name, peers)
-        nameless.FdOffer.__init__ = offer  # type: ignore[method-assign]
-        tier = HostTier.create([torch.zeros((8, 4096), dtype=torch.uint8)],
-                               TierConfig(cpu_bytes_per_node=4 << 20, blocks_per_chunk=4,
-                                          tp=2, layout="shared", timeout_s=20))
-        tier_of_rank = tier.actor.tier_id
-        tier.close()
-        leaked = [n for n in bound if any(n.rpartition("/")[2].encode() in v for v in stored)]
-        return tier_of_rank, len(bound), len(stored), leaked
-
-    with other_process(_squat_the_names_of(tier_id, ["L0", "board-node0"]),
-                       timeout_s=0) as squatter:
+    first = run_group(_shared_tier_binding, 2, args=(tier_id,))
+    assert all(o.ok for o in first), [o.error for o in first]
+    (bound, told), _ = (o.value for o in first)
+    assert len(bound) == 2  # the board's and the region's, on the node leader
+    assert told and all(listed for _, listed in told)  # the board's name, once it was bound
+    guesses = [*bound, *(f"offload/{tier_id}/{tag}{end}" for tag in ("L0", "board-node0")
+                         for end in ("", "/"))]
+    with other_process(_squat(guesses), timeout_s=0) as squatter:
         assert squatter.read() == b"r"
-        out = run_group(body, 2, args=(tier_id,))
-    assert all(o.ok for o in out), [o.error for o in out]
-    (tier0, bound, stored, leaked), (tier1, *_) = (o.value for o in out)
-    assert tier0 == tier1 == tier_id
-    assert bound == 2 and stored > 0 and leaked == []  # the board's and the region's
+        second = run_group(_shared_tier_binding, 2, args=(tier_id,))
+    assert all(o.ok for o in second), [o.error for o in second]
+    assert not set(second[0].value[0]) & set(bound)

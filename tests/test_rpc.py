@@ -197,7 +197,8 @@ def test_workers_on_rank_zeros_node_take_commands_from_the_doorbell() -> None:
         from offload.board import Board
         from offload.topology import discover
 
-        board = Board.open(discover(None, 1, 20), tier_id, 20)
+        board = Board.open(discover(None, 1, 20), tier_id, default_store(f"board-{tier_id}"),
+                           20)
         rpc = CollectiveRPC(default_store("rpc-bell"), rank, 3, 10.0, doorbell=board)
         actor = {"rank": rank}
         if rank == 0:
