@@ -15,14 +15,18 @@ two-rank node) still checks what it fetches (`Board.fetch`):
 
 from __future__ import annotations
 
+import datetime
 import os
+import threading
 import uuid
 
 import pytest
+import torch.distributed as dist
 
 from offload.board import LINE_BYTES, Board, pack
 from offload.errors import PeerError
 from offload.region.nameless import new_socket_name
+from offload.topology import NodeInfo, Topology
 from tests.other_user import NOBODY, as_root, other_process
 from tests.test_region_nameless import _serve
 
@@ -51,6 +55,32 @@ def test_a_peer_maps_the_board_its_leader_serves() -> None:
         assert peer.words()[1] == pack(5, 1)
     finally:
         peer.close()
+
+
+def test_a_peer_maps_the_board_its_leader_opens() -> None:
+    """Both sides of `Board.open` (two threads as the two ranks of a node, one store): the
+    leader publishes its bound name, the peer fetches and maps the same memory."""
+    timeout = datetime.timedelta(seconds=10)
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", store.port, None, False, timeout)  # (one per rank)
+    node = (NodeInfo(NODE, (0, 1)),)
+    tier_id = uuid.uuid4().hex
+    boards: dict[int, Board] = {}
+
+    def leader() -> None:
+        boards[0] = Board.open(Topology(0, 2, 2, 1, node), tier_id, store, timeout_s=10)
+
+    thread = threading.Thread(target=leader)
+    thread.start()
+    peer = Board.open(Topology(1, 2, 2, 1, node), tier_id, client, timeout_s=10,
+                      leader_pid=os.getpid())
+    thread.join(10)
+    try:
+        peer.publish(5, 1)
+        assert boards[0].words() == [0, pack(5, 1)]
+    finally:
+        peer.close()
+        boards[0].close()
 
 
 @as_root
