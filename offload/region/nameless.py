@@ -16,11 +16,11 @@ leader fail likewise.
 Trust: any local user may bind or connect to an abstract name it knows, and a bound name is no
 secret (``/proc/net/unix`` lists it to every user).  So no name is known before it is bound:
 the leader binds a name ending in 128 random bits (`new_socket_name`) and only then tells the
-node's ranks, over the process group (`offload.region.sync.NodeSync.step` with ``share``) --
-not through the rendezvous store, which every local user can read.  A user who learnt the tier
-id (from a bound name or a ``/dev/shm`` file) cannot bind a hand-off's name first and fail the
-tier's start.  Both ends also check the other's credentials (``SO_PEERCRED``, set by the
-kernel):
+node's ranks (the region's in the node exchange, `offload.region.sync.NodeSync.step` with
+``share``; the board's through the tier's store, `offload.board.Board.open`).  A user who
+learnt the tier id (from a bound name or a ``/dev/shm`` file), or who reads the store, cannot
+bind a hand-off's name first and fail the tier's start.  Both ends also check the other's
+credentials (``SO_PEERCRED``, set by the kernel):
 
 * the leader serves only peers that run as its own user; a stranger's connection is dropped
   unserved and does not count as a peer;

@@ -36,8 +36,7 @@ class NodeSync:
         rank alone on its node has no one to agree with: it just runs the action.  With
         ``share``, every rank of the node returns what the node leader's action returned (a
         small picklable value, e.g. the name of a socket it bound), carried by the same
-        exchange: over the process group, never through the rendezvous store, which every
-        local user can read."""
+        exchange over the process group."""
         t = self.topology
         group, mine = ((t.node_group, range(t.local_world_size)) if t.node_group is not None
                        else (t.group, t.node.ranks))
