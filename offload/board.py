@@ -64,14 +64,12 @@ the tier, stays the trust boundary (torch.distributed's own).
 
 from __future__ import annotations
 
-import datetime
 import mmap
 import os
 
 import numpy as np
 import torch.distributed as dist
 
-from offload.errors import PeerError, one_line
 from offload.region.nameless import (
     FdOffer,
     check_sizes,
@@ -79,6 +77,7 @@ from offload.region.nameless import (
     fetch_fds,
     new_socket_name,
 )
+from offload.stores import await_key
 from offload.topology import Topology
 
 LINE_BYTES = 128
@@ -145,16 +144,11 @@ class Board:
                 return cls(fd, ranks, slot)
             finally:
                 os.close(fd)
-        try:
-            store.wait([key], datetime.timedelta(seconds=timeout_s))
-        except dist.DistNetworkError as exc:  # the store's host (rank 0's process) went away
-            raise PeerError(f"rank {topology.rank} lost the store while waiting for node "
-                            f"{topology.node_id}'s board ({one_line(exc)}); rank 0 died or "
-                            "closed") from None
-        except dist.DistError:
-            raise PeerError(f"the node leader (rank {topology.node.leader_rank}) offered no "
-                            f"board within {timeout_s:g} s; check its error") from None
-        return cls.fetch(store.get(key).decode(), ranks, slot, timeout_s, leader_pid)
+        name = await_key(store, key, timeout_s, topology.rank,
+                         f"node {topology.node_id}'s board",
+                         f"the node leader (rank {topology.node.leader_rank}) offered no board "
+                         f"within {timeout_s:g} s; check its error").decode()
+        return cls.fetch(name, ranks, slot, timeout_s, leader_pid)
 
     @classmethod
     def fetch(cls, name: str, ranks: int, slot: int, timeout_s: float,

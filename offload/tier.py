@@ -52,6 +52,7 @@ from offload.quorum import Quorum, Words, default_store
 from offload.region.pin import Registrar
 from offload.region.prefault import progress_logger
 from offload.rpc import CollectiveRPC
+from offload.stores import await_key
 from offload.tiers.rank_files import disk_capacity
 from offload.topology import NODE_GROUP_MIN_TIMEOUT_S, Topology, discover
 from offload.transfer.base import After
@@ -709,15 +710,9 @@ def _tier_store(topology: Topology, config: TierConfig, store: dist.Store | None
         tier_id = uuid.uuid4().hex[:16]
         base.set(key, tier_id)
     else:
-        try:  # bounded by the tier's timeout without touching the store's own setting
-            base.wait([key], datetime.timedelta(seconds=config.timeout_s))
-        except dist.DistNetworkError as exc:  # the store's host (rank 0's process) went away
-            raise PeerError(f"rank {topology.rank} lost the store while waiting for rank 0's "
-                            f"tier id ({one_line(exc)}); rank 0 died or closed") from None
-        except dist.DistError:
-            raise PeerError(f"rank {topology.rank} got no tier id from rank 0 within "
-                            f"{config.timeout_s:g} s; rank 0 is not creating the tier") from None
-        tier_id = base.get(key).decode()
+        tier_id = await_key(base, key, config.timeout_s, topology.rank, "rank 0's tier id",
+                            f"rank {topology.rank} got no tier id from rank 0 within "
+                            f"{config.timeout_s:g} s; rank 0 is not creating the tier").decode()
     return tier_id, dist.PrefixStore(tier_id, base)
 
 
