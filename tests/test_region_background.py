@@ -631,43 +631,6 @@ def test_once_populating_is_over_the_backlog_is_registered_without_turns(monkeyp
         mapping.close()
 
 
-def test_registration_waits_for_a_backlog_before_holding_populating_back(monkeypatch) -> None:
-    """Each hold stops every pre-fault thread until its calls drain, so the pin thread lets
-    `REGISTER_MIN_BYTES` of populated units pile up first -- except for the first row, which
-    the engine's first job waits for."""
-    rows = 48
-    geometry = _private_geometry(rows, 4 * PAGE)
-    units = setup_units(geometry, TierConfig(cpu_bytes_per_node=1 << 30), 4 * PAGE)
-    monkeypatch.setattr(background, "REGISTER_MIN_BYTES", 8 * units[0].length)
-    monkeypatch.setattr(background, "BACKLOG_WAIT_S", 30.0)  # the bytes decide, never the limit
-    mapping = Mapping.anonymous(geometry.total_bytes)
-
-    def populate(address: int, length: int) -> int:
-        time.sleep(0.04)  # the pin thread would otherwise catch every unit as it comes
-        return madvise_populate(address, length)
-
-    ready: list[tuple[float, int]] = []
-    recorder = _Recorder()
-
-    def on_ready(rows_ready: int, stopped: bool) -> None:
-        ready.append((time.perf_counter(), rows_ready))
-        recorder.on_ready(rows_ready, stopped)
-
-    pinner = Pinner(RecordingRegistrar(), mapping.address)
-    setup = BackgroundSetup(mapping.address, units, pinner, 1, on_ready, populate=populate)
-    try:
-        began = time.perf_counter()
-        assert setup.start().wait(60) and setup.error is None and setup.ready_rows == rows
-        # the first row at once (a backlog of 8 would take 0.32 s)
-        assert ready[0][1] == 1 and ready[0][0] - began < 0.2
-        # then batches of 8 units or more: the first row's hold, 47 units in 8s, the rest
-        assert setup.holds <= 1 + rows // 8 + 1
-    finally:
-        setup.stop()
-        pinner.unpin_all()
-        mapping.close()
-
-
 def test_the_python_loop_populates_nothing_while_a_unit_is_registered(monkeypatch) -> None:
     """The same turn-taking in the Python loop (no compiler, a test's stand-in)."""
     monkeypatch.setattr(background, "DRAIN_WAIT_S", 30.0)  # the gate itself, never its limit

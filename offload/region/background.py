@@ -80,16 +80,10 @@ MADVISE_BYTES = UNIT_BYTES
 # in progress.  Measured in one run (48 GiB over 2 ranks, H200 host): the longest registration
 # 31-51 -> 6-12 ms, the probe's launch p99 12-19 -> 4-6 ms, every row ready 1.0-1.1x later
 # (docs/BENCHMARKS.md, "Set-up after the JIT").
+# The pin thread holds populating back as soon as a unit is populated: waiting for 256 MiB to
+# pile up first cut the holds 4x yet made every row ready 1.07-1.33x later on an H200 host
+# (docs/BENCHMARKS.md, "Registration batches after a backlog: slower on the GPU").
 REGISTER_BATCH_S = 0.05
-# NOTE: the pin thread lets this many populated bytes pile up (or waits `BACKLOG_WAIT_S` at
-# most) before it holds populating back to register them: every hold stops each pre-fault
-# thread until the calls in flight drain, so holding for every unit as it came (8 MiB, ~0.5 ms
-# to register) left the threads idle a good part of the time (CPU, 2 ranks x 4 GiB, 2 threads:
-# 89-122 holds per rank -> 21-34, every row ready 2.07-6.5 -> 1.89-3.19 s).  Rows after the
-# first then come online 256 MiB at a time: tens of ms apart, up to ~100 ms where populating
-# is slow (a turn, then this wait).
-REGISTER_MIN_BYTES = 256 << 20
-BACKLOG_WAIT_S = 0.05
 # How long the pin thread waits for the madvise calls in flight before it registers beside
 # them: a worker preempted at idle priority inside its call may take long to finish it (up to
 # 2 s measured on 2 busy vCPUs), and the rows already populated should not wait for it.  As
@@ -337,28 +331,6 @@ class BackgroundSetup:
             delay = min(2 * delay, 0.002)
         return finished and not self._stopping.is_set()
 
-    def _backlog_done(self, first: int) -> bool:
-        """The units populated from ``first`` on come to `REGISTER_MIN_BYTES`, or reach the
-        last unit or a failed one, or the pre-fault threads were stopped."""
-        pending, piled = first, 0
-        while pending < len(self._units) and self._state[pending] == 1:
-            piled += self._units[pending].length
-            if piled >= REGISTER_MIN_BYTES:
-                return True
-            pending += 1
-        # unit `pending` has no state yet unless it failed: it comes unless workers stopped
-        return (pending == len(self._units) or self._state[pending] < 0
-                or bool(self._stop_flag[0]))
-
-    def _wait_backlog(self, first: int) -> None:
-        """Wait until the units populated from ``first`` on (``first`` is) make a backlog
-        (`_backlog_done`), for `BACKLOG_WAIT_S` at most (the NOTE above
-        `REGISTER_MIN_BYTES`).  Not before the first row: the engine's first job waits for
-        it."""
-        if self.ready_rows > 0:
-            self._poll(lambda: self._backlog_done(first),
-                       time.perf_counter() + BACKLOG_WAIT_S)
-
     def _wait_populated(self, i: int) -> bool:
         """Wait until unit ``i`` has a state; False once `stop` was called."""
         return self._poll(lambda: self._state[i] != 0)
@@ -439,7 +411,6 @@ class BackgroundSetup:
                 if not self._wait_populated(i):
                     return
                 self._populated(i)
-                self._wait_backlog(i)
                 if self._stopping.is_set():
                     return
                 i, cut_short = self._register_batch(i)
