@@ -162,7 +162,7 @@ class Board:
         Raises:
             PeerError: the leader offered nothing in time, or what was served is not its board.
         """
-        (fd,) = fetch_fds(name, 1, timeout_s, offered=True, leader_pid=leader_pid)
+        (fd,) = fetch_fds(name, 1, timeout_s, leader_pid=leader_pid)
         try:
             check_sizes([fd], [ranks * LINE_BYTES], name)
             return cls(fd, ranks, slot)

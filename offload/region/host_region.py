@@ -365,7 +365,7 @@ class HostRegion:
             elif files.nameless:
                 assert name is not None  # the leader's step shared it
                 fds.extend(fetch_fds(name, len(files.lengths), files.timeout_s,
-                                     offered=True, leader_pid=sync.topology.leader_pid()))
+                                     leader_pid=sync.topology.leader_pid()))
                 check_sizes(fds, files.lengths, name)
             elif not leader:
                 fds.extend(open_segment(p, n) for p, n in zip(self._paths, files.lengths,

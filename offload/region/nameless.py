@@ -224,12 +224,12 @@ class FdOffer:
         self.close()
 
 
-def fetch_fds(name: str, count: int, timeout_s: float, offered: bool = False,
-              leader_pid: int | None = None) -> list[int]:
+def fetch_fds(name: str, count: int, timeout_s: float, leader_pid: int | None = None
+              ) -> list[int]:
     """A peer's side: connect to the leader's offer ``name`` and receive exactly ``count``
-    descriptors, close-on-exec.  Connecting retries until the offer exists, unless ``offered``
-    says the leader bound it already: then a refused connection means the leader closed it
-    (it failed or died) and waiting longer cannot help.
+    descriptors, close-on-exec.  The leader tells a name only once it is bound (`FdOffer`), so
+    a refused connection means the leader closed it (it failed or died) and waiting cannot
+    help; only a full backlog is retried, until ``timeout_s``.
 
     The server must run as this user, and be process ``leader_pid`` where given (the caller
     learnt it through the store; give it only where leader and peer share a pid namespace, as
@@ -237,8 +237,9 @@ def fetch_fds(name: str, count: int, timeout_s: float, offered: bool = False,
     The caller checks the descriptors (`check_sizes`).
 
     Raises:
-        PeerError: no offer within ``timeout_s``, the leader failed, or the server is not the
-            leader (another user's process, or another process than ``leader_pid``).
+        PeerError: no offer under ``name`` (the leader failed or died), none served within
+            ``timeout_s``, or the server is not the leader (another user's process, or
+            another process than ``leader_pid``).
     """
     deadline = time.monotonic() + timeout_s
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -254,14 +255,8 @@ def fetch_fds(name: str, count: int, timeout_s: float, offered: bool = False,
                                     "that does not serve); check the leader's error") from None
                 time.sleep(_RETRY_S)
             except (ConnectionRefusedError, FileNotFoundError):
-                if offered:
-                    raise PeerError(f"the node leader's offer {name!r} is gone: the leader "
-                                    "failed or died; check its error") from None
-                if time.monotonic() >= deadline:
-                    raise PeerError(f"the node leader offered no region descriptors under "
-                                    f"{name!r} within {timeout_s:g} s; check the leader's "
-                                    "error") from None
-                time.sleep(_RETRY_S)
+                raise PeerError(f"the node leader's offer {name!r} is gone: the leader "
+                                "failed or died; check its error") from None
         check_server(sock, name, leader_pid)
         sock.settimeout(max(0.001, deadline - time.monotonic()))
         try:
