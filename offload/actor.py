@@ -296,7 +296,7 @@ class RankActor:
                 raise OffloadError(f"job {job.job_id}: layer_groups applies to loads, not a "
                                    f"{job.direction}; drop layer_groups")
             if job.writer_only and not self.topology.is_stage_writer:
-                engine.check(blocks, chunks, positions)  # the stage's writer copies; we check
+                engine.check(entry.seq, blocks, chunks, positions)  # the stage's writer copies
                 entry.done = True
             else:
                 if layer_groups is not None:

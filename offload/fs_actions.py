@@ -13,6 +13,7 @@ from collections.abc import Collection, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from offload.actor import refuse_unready
+from offload.integrity import promotion_generation
 from offload.tiers.rank_files import RankFiles, WorkItem, agree_on_files
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ def open_files(actor: RankActor) -> None:
         # world rank of the group's first rank tells them apart (and is the same at restart).
         extra["group_first_rank"] = topology.global_rank(0)
     actor.files = RankFiles.open(plan, topology, config.fs_dir, config.fs_bytes_per_node,
-                                 actor._region().address, extra,
+                                 actor._region().address, extra, actor._engine().generations,
                                  io_timeout_s=config.fs_io_timeout_s)
 
 
@@ -55,16 +56,17 @@ def adopt_order(actor: RankActor, names: Sequence[str]) -> list[bytes]:
     return files.stored_keys()
 
 
-def promote(actor: RankActor, spills: Sequence[WorkItem], reads: Sequence[WorkItem]
-            ) -> tuple[list[bool], list[int]]:
-    """A promotion (`RankFiles.promote`).  Returns, per read, True when this rank's bytes are
-    verified, and the chunks whose rows a read that passed its deadline may still fill
-    (`RankFiles.busy_rows`: the chunk manager keeps them quarantined)."""
+def promote(actor: RankActor, spills: Sequence[WorkItem], reads: Sequence[WorkItem],
+            job_id: int) -> tuple[list[bool], list[int]]:
+    """Promotion ``job_id`` (the chunk manager's; `RankFiles.promote`).  Returns, per read,
+    True when this rank's bytes are verified, and the chunks whose rows a read that passed its
+    deadline may still fill (`RankFiles.busy_rows`: the chunk manager keeps them
+    quarantined)."""
     files = _files(actor)
     # the manager hands out ready rows only: a caller named another
     refuse_unready([chunk for _, chunk in reads], actor.ready_rows, actor.topology.rank,
                    "a promotion reads into", "promote into the chunks the manager hands out")
-    verified = files.promote(reads, spills)
+    verified = files.promote(reads, promotion_generation(job_id), spills)
     return verified, files.busy_rows()
 
 

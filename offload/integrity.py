@@ -13,10 +13,18 @@ same values on the GPU and the tests hold the two to this module.
   not depend on how wide the reads are, so a kernel reading 1-, 2-, 4- or 8-byte elements gets
   the same value.
 * The stored value mixes in the unit's identity: ``stored = s + identity mod 2**64`` with
-  ``identity = mix(mix(mix(tensor_key ^ chunk) ^ position) ^ unit)``, ``tensor_key =
-  mix(seed + (tensor + 1) * GOLDEN)`` and ``mix`` the splitmix64 finaliser (a bijection).  The
-  seed is the tier's: one per plan slot (`offload.plan.integrity_seed`), so a page that is a
-  valid page of another chunk, position, tensor, rank or stage does not match.
+  ``identity = mix(mix(mix(mix(tensor_key ^ chunk) ^ generation) ^ position) ^ unit)``,
+  ``tensor_key = mix(seed + (tensor + 1) * GOLDEN)`` and ``mix`` the splitmix64 finaliser (a
+  bijection).  The seed is the tier's: one per plan slot (`offload.plan.integrity_seed`), so a
+  page that is a valid page of another chunk, position, tensor, rank or stage does not match.
+* The *generation* is the page's (chunk and position): every store job renews the pages it
+  writes (`store_generation`: its sequence number, the same on every rank), and a promotion
+  from the file tier renews its rows' pages (`promotion_generation`).  A page and sum left from
+  an earlier store -- because the newest store's copy of it went missing -- then carry an older
+  generation and fail the check.  Generation 0 is a page never stored since the region was
+  made, and the file tier's chunk-free identity.  Which page holds which key stays the
+  caller's bookkeeping: a load of a page the caller never stored returns what the last store
+  of that page wrote, checked.
 * The sums of a slot lie in a trailer after its pages, tensor-major like the pages: tensor
   ``t``'s entry for (position, unit) is word ``bpc * unit_offsets[t] + position * units[t] +
   unit`` of the trailer.  Being in the slot, the sums travel wherever the slot's bytes go.
@@ -35,6 +43,9 @@ GOLDEN = 0x9E3779B97F4A7C15
 MIX1 = 0xBF58476D1CE4E5B9
 MIX2 = 0x94D049BB133111EB
 MASK = (1 << 64) - 1
+# A promotion's generation: its job id above this bit, apart from every store's (job sequence
+# numbers never come near 2**62).
+PROMOTED = 1 << 62
 
 U64 = np.ndarray[Any, np.dtype[np.uint64]]
 
@@ -78,13 +89,27 @@ def tensor_key(seed: int, tensor: int) -> int:
     return int(mix((seed + (tensor + 1) * GOLDEN) & MASK))
 
 
-def identity(key: Any, chunks: Any, positions: Any, unit: Any) -> U64:
-    """``mix(mix(mix(key ^ chunk) ^ position) ^ unit)``, broadcast over the arrays given
-    (``key``: one `tensor_key` or an array of them)."""
+def store_generation(seq: int) -> int:
+    """The generation a store job gives the pages it writes: its sequence number plus one (0
+    is never stored)."""
+    return seq + 1
+
+
+def promotion_generation(job_id: int) -> int:
+    """The generation a promotion (the chunk manager's job ``job_id``) gives its rows' pages."""
+    return PROMOTED | job_id
+
+
+def identity(key: Any, chunks: Any, generations: Any, positions: Any, unit: Any) -> U64:
+    """``mix(mix(mix(mix(key ^ chunk) ^ generation) ^ position) ^ unit)``, broadcast over the
+    arrays given (``key``: one `tensor_key` or an array of them; ``generations``: each page's,
+    shaped like ``positions``)."""
     c = np.asarray(chunks, dtype=np.int64).astype(np.uint64)
+    g = np.asarray(generations, dtype=np.int64).astype(np.uint64)
     p = np.asarray(positions, dtype=np.int64).astype(np.uint64)
     u = np.asarray(unit, dtype=np.int64).astype(np.uint64)
     h = mix(np.asarray(key, dtype=np.uint64) ^ c)
+    h = mix(h ^ g)
     h = mix(h ^ p)
     return mix(h ^ u)
 
@@ -112,12 +137,15 @@ def raw_sums(pages: np.ndarray) -> U64:
     return words @ _WEIGHTS[:width // WORD]  # integer matmul wraps mod 2**64
 
 
-def page_sums(pages: np.ndarray, key: int, chunks: Any, positions: Any) -> U64:
+def page_sums(pages: np.ndarray, key: int, chunks: Any, generations: Any, positions: Any
+              ) -> U64:
     """What the trailer holds for ``pages`` (``[n, page]`` uint8) of one tensor (its
-    `tensor_key` ``key``) at the given chunks and positions: ``[n, units(page)]`` uint64."""
+    `tensor_key` ``key``) at the given chunks, generations and positions: ``[n, units(page)]``
+    uint64."""
     raw = raw_sums(pages)
     unit = np.arange(raw.shape[1], dtype=np.int64)[None, :]
-    ident = identity(key, np.asarray(chunks)[:, None], np.asarray(positions)[:, None], unit)
+    ident = identity(key, np.asarray(chunks)[:, None], np.asarray(generations)[:, None],
+                     np.asarray(positions)[:, None], unit)
     with np.errstate(over="ignore"):
         return raw + ident
 
@@ -132,13 +160,16 @@ def reference_sum(unit_bytes: bytes) -> int:
 
 
 def move_sums(trailer: U64, page_bytes: Sequence[int], blocks_per_chunk: int, seed: int,
-              from_chunk: int, to_chunk: int) -> None:
-    """Re-mix one slot's trailer (``trailer``: its uint64 words, changed in place) from chunk
-    ``from_chunk``'s identities to ``to_chunk``'s: what a whole slot copied to another chunk
-    needs (the file tier promoting a file into a free chunk).  The raw sums are kept, so a
-    page damaged before the move still fails its check."""
-    if from_chunk == to_chunk:
-        return
+              source: tuple[int, Any], target: tuple[int, Any]) -> None:
+    """Re-mix one slot's trailer (``trailer``: its uint64 words, changed in place) from the
+    identities of ``source`` (chunk, generations: one, or one per position) to those of
+    ``target``: what a whole slot copied elsewhere needs (the file tier: a spilled row to the
+    chunk-free identity, a promoted one to its new chunk and generation).  The raw sums are
+    kept, so a page damaged before the move still fails its check."""
+    source_generations = np.broadcast_to(np.asarray(source[1], dtype=np.int64),
+                                         (blocks_per_chunk,))[:, None]
+    target_generations = np.broadcast_to(np.asarray(target[1], dtype=np.int64),
+                                         (blocks_per_chunk,))[:, None]
     offsets = unit_offsets(page_bytes)
     with np.errstate(over="ignore"):
         for t, page in enumerate(page_bytes):
@@ -149,5 +180,5 @@ def move_sums(trailer: U64, page_bytes: Sequence[int], blocks_per_chunk: int, se
             start = blocks_per_chunk * offsets[t]
             words = trailer[start:start + blocks_per_chunk * count].reshape(blocks_per_chunk,
                                                                               count)
-            words += identity(key, to_chunk, position, unit) - identity(key, from_chunk,
-                                                                         position, unit)
+            words += (identity(key, target[0], target_generations, position, unit)
+                      - identity(key, source[0], source_generations, position, unit))

@@ -549,7 +549,7 @@ class HostTier:
                                "SPMD programs call collective_promote on every rank")
         job = manager.prepare_promote(keys)
         try:
-            results = self.call(fs_actions.promote, job.spills, job.chunks)
+            results = self.call(fs_actions.promote, job.spills, job.chunks, job.job_id)
         except BaseException:  # a rank may still be reading: its rows stay quarantined
             manager.complete_promote(job.job_id, failed=[k for k, _ in job.chunks],
                                      busy=[c for _, c in job.chunks])
@@ -570,7 +570,7 @@ class HostTier:
         the disk reads; a rank that raised makes every rank raise its error."""
         try:
             mine: tuple[list[bool], list[int]] | str = fs_actions.promote(
-                self.actor, job.spills, job.chunks)
+                self.actor, job.spills, job.chunks, job.job_id)
         except Exception as exc:
             mine = one_line(exc)
         everyone: list[Any] = [None] * self.topology.world_size

@@ -16,7 +16,7 @@ import pytest
 
 from offload.config import TierConfig
 from offload.errors import OffloadError
-from offload.integrity import move_sums, trailer_bytes
+from offload.integrity import move_sums, promotion_generation, trailer_bytes
 from offload.plan import Plan, RankDescriptor, compute_plan
 from offload.tiers.rank_files import RankFiles, agree_on_files, disk_capacity, file_writers
 from offload.topology import NodeInfo, Topology
@@ -44,15 +44,20 @@ def _grid(layout: str, tp: int = 2, pp: int = 1) -> tuple[Plan, list[Topology]]:
     return plan, [Topology(r, world, tp, pp, nodes) for r in range(world)]
 
 
+GENERATION = promotion_generation(7)  # the promotions' generation here
+
+
 def _moved(plan: Plan, rank: int, slot_bytes: bytes, from_chunk: int, to_chunk: int) -> bytes:
-    """``slot_bytes`` with its checksum trailer re-mixed from one chunk to another: what a
-    spill from ``from_chunk`` and a promotion into ``to_chunk`` leave (the pages unchanged)."""
+    """``slot_bytes`` with its checksum trailer re-mixed from one chunk (never stored:
+    generation 0) to another under `GENERATION`: what a spill from ``from_chunk`` and a
+    promotion into ``to_chunk`` leave (the pages unchanged)."""
     slot = plan.slots[rank]
     data = np.frombuffer(slot_bytes, dtype=np.uint8).copy()
     assert slot.trailer_offset is not None
     end = slot.trailer_offset + trailer_bytes(slot.page_bytes, plan.blocks_per_chunk)
     move_sums(data[slot.trailer_offset:end].view(np.uint64), slot.page_bytes,
-              plan.blocks_per_chunk, slot.integrity_seed, from_chunk, to_chunk)
+              plan.blocks_per_chunk, slot.integrity_seed, (from_chunk, 0),
+              (to_chunk, GENERATION))
     return data.tobytes()
 
 
@@ -66,7 +71,9 @@ class _Region:
 
 def _open(plan: Plan, topo: Topology, region: _Region, fs_dir: str, fs_bytes: int = 64 << 20
           ) -> RankFiles:
-    return RankFiles.open(plan, topo, fs_dir, fs_bytes, region.address, {"dtype": "uint8"})
+    generations = np.zeros(plan.chunk_count * plan.blocks_per_chunk, dtype=np.int64)
+    return RankFiles.open(plan, topo, fs_dir, fs_bytes, region.address, {"dtype": "uint8"},
+                          generations)
 
 
 def test_a_spilled_row_is_promoted_into_another_row_byte_exact(fs_dir: str) -> None:
@@ -79,11 +86,11 @@ def test_a_spilled_row_is_promoted_into_another_row_byte_exact(fs_dir: str) -> N
         files.spill([(("k", 2), 2)])
         files.wait_rows([2])
         files.row(2)[:] = bytes(len(payload))  # the row is reused
-        assert files.promote([(("k", 2), 5), (("never", 1), 6)]) == [True, False]
+        assert files.promote([(("k", 2), 5), (("never", 1), 6)], GENERATION) == [True, False]
         # the pages come back byte-exact; their checksums now name chunk 5
         assert bytes(files.row(5)) == _moved(plan, 0, payload, 2, 5) != payload
         files.discard([("k", 2)])
-        assert files.promote([(("k", 2), 5)]) == [False]
+        assert files.promote([(("k", 2), 5)], GENERATION) == [False]
         report = files.to_json()
         assert report is not None and report["hits"] == 1 and report["misses"] == 2
     finally:
@@ -105,7 +112,7 @@ def test_shared_slots_spill_their_own_bytes_only(fs_dir: str) -> None:
             files.spill([("k", 0)])
         for files in ranks:
             files.wait_rows([0])
-        assert [f.promote([("k", 3)]) for f in ranks] == [[True], [True]]
+        assert [f.promote([("k", 3)], GENERATION) for f in ranks] == [[True], [True]]
         third = memoryview(region.map)[3 * 2 * slot: 4 * 2 * slot]
         assert bytes(third) == (_moved(plan, 0, before[:slot], 0, 3)
                                 + _moved(plan, 1, before[slot:], 0, 3))
@@ -126,7 +133,7 @@ def test_replicated_stage_writers_keep_files_and_the_others_none(fs_dir: str) ->
     try:
         assert files.tier is None and files.stored_names() is None
         files.spill([("k", 0)])
-        assert files.promote([("k", 1)]) == [True] and files.to_json() is None
+        assert files.promote([("k", 1)], GENERATION) == [True] and files.to_json() is None
         assert os.listdir(fs_dir) == []
     finally:
         files.close()

@@ -251,7 +251,7 @@ def test_a_failing_read_is_a_miss_and_the_other_reads_finish(fs_dir: str, op: st
         files.tier.flush()
         io.fail[op] = code
         region[:] = bytes(4 * ROW)
-        assert files.promote([("bad", 2), ("good", 3)]) == [False, True]
+        assert files.promote([("bad", 2), ("good", 3)], 1) == [False, True]
         assert region[3 * ROW:] == bytes([2]) * ROW and files.busy_rows() == []
         assert files.tier.stats().read_errors == 1 and files.tier.stats().corrupt == 0
     finally:
@@ -276,7 +276,7 @@ def test_a_stalled_read_is_a_miss_at_the_deadline_and_its_row_stays_busy(fs_dir:
         files.tier.flush()
         io.stall["preadv"] = gate
         began = time.monotonic()
-        assert files.promote([("slow", 2), ("fast", 3)]) == [False, True]
+        assert files.promote([("slow", 2), ("fast", 3)], 1) == [False, True]
         assert time.monotonic() - began < TIMEOUT + 1.0
         assert files.busy_rows() == [2] and files.tier.stats().timeouts == 1
         with pytest.raises(OSError, match="still being filled"):

@@ -28,6 +28,7 @@ from offload.plan import RankDescriptor, compute_plan
 from offload.report import integrity_block, render_table
 from offload.transfer import SlotLayout, make_engine
 from offload.transfer.base import TransferEngine
+from offload.transfer.host import HostEngine
 from tests.test_transfer_helpers import kv_set
 
 PAGES = (512, 40_000, 60, 512)  # one unit, three units (16 KiB pieces), odd sizes, a twin
@@ -67,22 +68,25 @@ def test_swapped_words_and_a_zeroed_page_change_the_sum() -> None:
     swapped = pages.copy().view(np.uint64)
     swapped[0, [3, 17]] = swapped[0, [17, 3]]
     assert integrity.raw_sums(pages)[0, 0] != integrity.raw_sums(swapped.view(np.uint8))[0, 0]
-    stored = integrity.page_sums(pages, 7, [1], [2])
-    assert stored[0, 0] != integrity.page_sums(np.zeros_like(pages), 7, [1], [2])[0, 0]
+    stored = integrity.page_sums(pages, 7, [1], [3], [2])
+    assert stored[0, 0] != integrity.page_sums(np.zeros_like(pages), 7, [1], [3], [2])[0, 0]
 
 
 @pytest.mark.parametrize("other", [
-    dict(seed=2), dict(tensor=1), dict(chunk=4), dict(position=1),
+    dict(seed=2), dict(tensor=1), dict(chunk=4), dict(position=1), dict(generation=8),
+    dict(generation=integrity.promotion_generation(6)),
 ])
 def test_the_same_bytes_elsewhere_have_another_sum(other: dict[str, int]) -> None:
-    """A valid page of another slot (seed), tensor, chunk or position does not match."""
+    """A valid page of another slot (seed), tensor, chunk, position or store (generation) does
+    not match."""
     pages = np.random.default_rng(1).integers(0, 256, (1, 40_000), dtype=np.uint8)
-    where = dict(seed=1, tensor=0, chunk=3, position=0)
+    where = dict(seed=1, tensor=0, chunk=3, position=0, generation=integrity.store_generation(6))
     moved = {**where, **other}
 
     def stored(w: dict[str, int]) -> np.ndarray:
         key = integrity.tensor_key(w["seed"], w["tensor"])
-        return integrity.page_sums(pages, key, [w["chunk"]], [w["position"]])
+        return integrity.page_sums(pages, key, [w["chunk"]], [w["generation"]],
+                                   [w["position"]])
 
     assert (stored(where) != stored(moved)).all()  # every unit of the page
 
@@ -244,6 +248,43 @@ def test_a_stale_page_fails_its_load() -> None:
                                      "what was stored")
 
 
+def test_a_store_whose_copy_went_missing_fails_the_next_load() -> None:
+    """Chunk 2 stored, then stored again from other blocks by a job whose copy never ran (a
+    lost copy reported done): the first store's pages and sums are intact and agree, yet the
+    load fails, since they carry the first store's generation.  Without generations it would
+    load the first store's bytes as a success."""
+    engine, kv, region, layout = make_engine_for()
+    store_all(engine)
+    assert isinstance(engine, HostEngine)
+    issue = engine._issue
+
+    def lost(job_id: int, direction: str, job: object, after: object) -> None:
+        engine._done.append(job_id)  # completes, having moved nothing
+
+    engine._issue = lost  # type: ignore[method-assign]
+    engine.submit(5, "store", np.arange(14, 14 + BPC), [2] * BPC, np.arange(BPC))
+    assert engine.wait_all() == [5] and engine.job_error(5) is None
+    engine._issue = issue  # type: ignore[method-assign]
+    assert load_chunk(engine, 2) == ("integrity: tensor 0 chunk 2 position 0 does not match "
+                                     "what was stored")
+    assert load_chunk(engine, 1, 10) is None  # pages the lost store did not name still load
+    engine.submit(6, "store", np.arange(14, 14 + BPC), [2] * BPC, np.arange(BPC))
+    assert engine.wait_all() == [6]
+    assert load_chunk(engine, 2, 11) is None  # stored again, for real
+
+
+def test_a_store_renews_exactly_the_pages_it_writes() -> None:
+    """A store renews exactly the pages it writes, on the rank's engine: a page it skipped
+    keeps its generation (and still loads), and the job id sets the generation."""
+    engine, _, _, _ = make_engine_for()
+    engine.submit(4, "store", [0, 1], [2, 2], [0, 3])
+    assert engine.wait_all() == [4]
+    generations = engine.generations.reshape(-1, BPC)
+    assert generations[2].tolist() == [integrity.store_generation(4), 0, 0,
+                                       integrity.store_generation(4)]
+    assert not generations[[0, 1, 3]].any()
+
+
 def test_a_slot_of_another_rank_fails_its_load() -> None:
     """Two ranks of a shared region: rank 0's whole slot of chunk 2 (pages and trailer, all
     valid) copied into rank 1's slot does not load on rank 1 (another seed)."""
@@ -273,7 +314,11 @@ def test_a_replicated_stage_loads_what_its_writer_stored() -> None:
     writer, reader = (make_engine(kv[r], region, None, layouts[r], CHUNKS, pinned=False)
                       for r in range(2))
     store_all(writer)
-    assert load_chunk(reader, 2) is None and reader.mismatches == 0
+    assert load_chunk(reader, 2) is not None  # the reader saw no store: generation 0
+    n = 3 * BPC  # the non-writer's side of `store_all`'s two jobs
+    reader.check(1, np.arange(n), np.repeat(np.arange(3), BPC), np.tile(np.arange(BPC), 3))
+    reader.check(2, [n], [3], [1])
+    assert load_chunk(reader, 2) is None and reader.mismatches == 1
     assert all(torch.equal(kv[1][t][20:20 + BPC], kv[0][t][2 * BPC:3 * BPC])
                for t in range(len(PAGES)))
 
@@ -293,7 +338,9 @@ def test_a_slot_copied_to_another_chunk_loads_once_its_sums_are_moved(moved: boo
     if moved:
         at = int(layout.trailer_offsets()[0]) + 4 * layout.row_stride
         words = region[at:at + 8 * BPC * sum(layout.units)].numpy().view(np.uint64)
-        integrity.move_sums(words, layout.page_bytes, BPC, layout.seed, 1, 4)
+        integrity.move_sums(words, layout.page_bytes, BPC, layout.seed,
+                            (1, engine.generations[BPC:2 * BPC]),
+                            (4, engine.generations[4 * BPC:5 * BPC]))
     error = load_chunk(engine, 4)
     assert (error is None) == moved
     if not moved:
@@ -306,8 +353,9 @@ def test_small_and_large_jobs_write_the_same_sums() -> None:
     small, _, small_region, layout = make_engine_for()
     large, _, large_region, _ = make_engine_for()
     blocks, chunks, positions = np.arange(12), np.repeat(np.arange(3), 4), np.tile(np.arange(4), 3)
-    for i in range(12):
-        small.submit(i, "store", [int(blocks[i])], [int(chunks[i])], [int(positions[i])])
+    for i in range(12):  # one job id, so one generation, as the large job's
+        small.submit(0, "store", [int(blocks[i])], [int(chunks[i])], [int(positions[i])])
+        assert small.wait_all() == [0]
     large.submit(0, "store", blocks, chunks, positions)
     assert torch.equal(small_region, large_region)
     assert small_region[int(layout.trailer_offsets()[0]):].any()

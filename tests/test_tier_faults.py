@@ -195,3 +195,55 @@ def test_a_host_row_corrupted_between_store_and_load_fails_the_load_on_every_ran
     assert lookup == 0  # the damaged keys are dropped from the manager
     assert driven == (1, True)
     assert (mismatches0, rest[7]) == (0, 2)  # counted on the rank that found it
+
+
+def _lost_store_copy(rank: int) -> object:
+    import torch
+
+    from offload import CopyJob, HostTier, JobFailed
+
+    kv = _kv(rank)
+    tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=4 * MiB, blocks_per_chunk=4, tp=2,
+                                          timeout_s=20))
+    chunks, positions = [0] * 4 + [1] * 4, list(range(4)) * 2
+    tier.submit(CopyJob(1, "store", list(range(8)), chunks, positions))
+    tier.wait([1])
+    engine = tier.actor.engine
+    if rank == 1:  # rank 1's copy of the second store never runs, yet completes
+        issue = engine._issue
+        engine._issue = lambda job_id, direction, job, after: engine._done.append(job_id)
+    tier.submit(CopyJob(2, "store", list(range(8, 16)), chunks, positions))
+    tier.wait([2])  # every rank reports the store a success
+    if rank == 1:
+        engine._issue = issue
+    kv[0][:8] = 0
+    outcome = None
+    try:
+        tier.submit(CopyJob(3, "load", list(range(8)), chunks, positions))
+        tier.wait([3])
+    except JobFailed as exc:
+        outcome = (exc.rank, exc.damaged, str(exc))
+    # what this rank loaded: the second store's blocks, or (rank 1) poison instead of the first's
+    first_store = _kv(rank)[0][:8]
+    loaded = kv[0][:8]
+    report = (outcome, bool(torch.equal(loaded, kv[0][8:16])),
+              bool((loaded == first_store).all(dim=1).any()), engine.mismatches)
+    tier.close()
+    return report
+
+
+def test_a_store_whose_copy_went_missing_on_one_rank_fails_the_next_load_everywhere() -> None:
+    """Rank 1's copy of a re-store is lost though the store completes: its host rows still
+    hold the first store's pages and sums, which agree.  The load after it fails on every rank
+    with rank 1's integrity error (the pages carry the first store's generation); no rank
+    gets the first store's bytes."""
+    out = run_group(_lost_store_copy, 2, timeout=90)
+    assert all(o.ok for o in out), [o.error for o in out]
+    (outcome0, exact0, stale0, mismatches0), (outcome1, exact1, stale1, mismatches1) = (
+        o.value for o in out)
+    assert outcome0 == outcome1 and outcome0 is not None
+    rank, damaged, message = outcome0
+    assert (rank, damaged) == (1, True)
+    assert "integrity: tensor 0 chunk 0 position 0 does not match what was stored" in message
+    assert exact0 and not stale0 and mismatches0 == 0
+    assert not exact1 and not stale1 and mismatches1 == 1

@@ -365,13 +365,13 @@ def test_a_promotion_into_a_row_not_set_up_is_refused_before_any_read() -> None:
     from offload import OffloadError, fs_actions
 
     class NoReads:
-        def promote(self, reads, spills):  # pragma: no cover - must not be reached
+        def promote(self, reads, generation, spills):  # pragma: no cover - never reached
             raise AssertionError("read into a row that is not set up")
 
     actor = SimpleNamespace(files=NoReads(), ready_rows=4, topology=SimpleNamespace(rank=1))
     with pytest.raises(OffloadError, match="not ready: a promotion reads into chunk 4, but "
                                            "rank 1 has only rows below 4"):
-        fs_actions.promote(actor, [], [("a", 3), ("b", 4)])
+        fs_actions.promote(actor, [], [("a", 3), ("b", 4)], 7)
 
 
 class _CountsAsPinned(RecordingRegistrar):

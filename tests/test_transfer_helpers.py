@@ -101,10 +101,10 @@ def scattered_job(rng: np.random.Generator, n: int, num_blocks: int, chunk_count
 
 
 def expected_region(before: torch.Tensor, kv: Sequence[torch.Tensor], layout: SlotLayout,
-                    job: Job, sums: bool = True) -> torch.Tensor:
-    """The region after storing ``job``, written one page at a time from the slot formula,
-    and (``sums`` and a layout with integrity) each page's sums at their place in the
-    trailer."""
+                    job: Job, job_id: int, sums: bool = True) -> torch.Tensor:
+    """The region after storing ``job`` as job ``job_id``, written one page at a time from the
+    slot formula, and (``sums`` and a layout with integrity) each page's sums at their place
+    in the trailer, under the job's generation (`integrity.store_generation`)."""
     region = before.clone()
     keys = layout.tensor_keys()
     for t, tensor in enumerate(kv):
@@ -116,7 +116,7 @@ def expected_region(before: torch.Tensor, kv: Sequence[torch.Tensor], layout: Sl
             region[start:start + page] = raw[block]
             if sums and layout.integrity:
                 stored = integrity.page_sums(raw[block].numpy()[None, :], keys[t], [chunk],
-                                             [pos])
+                                             [integrity.store_generation(job_id)], [pos])
                 at = (int(layout.trailer_offsets()[t]) + chunk * layout.row_stride
                       + 8 * pos * layout.units[t])
                 region[at:at + stored.nbytes] = torch.from_numpy(
@@ -129,7 +129,7 @@ def round_trip(engine: TransferEngine, kv: list[torch.Tensor], region: torch.Ten
     """Store ``job``, check the region byte for byte, wipe the KV tensors, load the job back and
     check the loaded blocks match and the others stayed wiped."""
     original = [t.clone() for t in kv]
-    expected = expected_region(region, kv, layout, job, engine.integrity)
+    expected = expected_region(region, kv, layout, job, 1, engine.integrity)
     engine.submit(1, "store", *job)
     assert engine.wait_all() == [1]
     assert torch.equal(region, expected)

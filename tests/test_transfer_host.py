@@ -64,7 +64,7 @@ def test_submit_returns_no_event_and_refuses_a_destination_twice() -> None:
     assert torch.equal(region, before) and engine.poll() == [1]
     engine.submit(4, "store", [4, 4], [2, 3], [1, 1])  # one block to two places is fine
     with pytest.raises(OffloadError, match="both write chunk 2 position 1"):
-        engine.check([3, 4], [2, 2], [1, 1])
+        engine.check(5, [3, 4], [2, 2], [1, 1])
 
 
 @settings(max_examples=60, deadline=None)

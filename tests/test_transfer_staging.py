@@ -42,6 +42,10 @@ from tests.test_transfer_helpers import expected_region, slot_layout, staging_ri
 PAGES = st.sampled_from([8, 60, 64, 256, 1000, 4096, 20_000])
 
 
+JOB_ID = 5  # the job id the emulated store has, whose generation its sums carry
+GENERATION = integrity.store_generation(JOB_ID)
+
+
 def _emulate(plan: StagePlan, layout: object, kv: list[np.ndarray], job: Job,
              region: np.ndarray, load: bool, first_slot: int,
              after_slice: Callable[[int], None] | None = None) -> None:
@@ -84,7 +88,7 @@ def _emulate(plan: StagePlan, layout: object, kv: list[np.ndarray], job: Job,
                 if load:
                     if layout.integrity:
                         want = integrity.page_sums(ring[None, at:at + page], keys[t], [chunk],
-                                                   [position])
+                                                   [GENERATION], [position])
                         assert ring[sums_at:sums_at + words].view(np.uint64).tolist() == \
                             want.reshape(-1).tolist()
                     kv[t][block] = ring[at:at + page]
@@ -92,7 +96,8 @@ def _emulate(plan: StagePlan, layout: object, kv: list[np.ndarray], job: Job,
                     ring[at:at + page] = kv[t][block]
                     if layout.integrity:
                         ring[sums_at:sums_at + words] = integrity.page_sums(
-                            kv[t][None, block], keys[t], [chunk], [position]).view(np.uint8)
+                            kv[t][None, block], keys[t], [chunk], [GENERATION],
+                            [position]).view(np.uint8)
         if not load:
             for c in copies:
                 h, g, n = int(host[c]), int(parts.stage[c]), int(parts.size[c])
@@ -138,7 +143,7 @@ def test_staged_store_and_load_match_the_page_by_page_reference(
     _emulate(plan, layout, kv, job, region, load=False, first_slot=first)
     expected = expected_region(torch.from_numpy(before), [torch.from_numpy(k) for k in kv],
                                layout, (job.blocks, job.host_pages // bpc, job.host_pages % bpc),
-                               checked)
+                               JOB_ID, checked)
     assert np.array_equal(region, expected.numpy())
     loaded = [np.zeros_like(k) for k in kv]
     _emulate(plan, layout, loaded, job, region, load=True, first_slot=(first + 1) % plan.slots)

@@ -17,11 +17,13 @@ ranks' `FileTier` LRUs take the same decisions (DESIGN.md section 6, "File tier"
   manager keeps it quarantined and `wait_rows` refuses to hand it out;
 * **discard** ``key``: forget it and remove its file.
 
-Page checksums (`offload.integrity`) live in a trailer of the slot and mix in the chunk id, so a
-file must not depend on the chunk it was spilled from: a spill re-mixes the row's trailer to
-`FILE_CHUNK` before writing it (the row is being evicted, nothing reads it any more), and a
-verified promotion re-mixes it to the row's own chunk before the key becomes readable.  The raw
-sums are kept all the way, so a page damaged on disk or in memory still fails its check.
+Page checksums (`offload.integrity`) live in a trailer of the slot and mix in the chunk id and
+each page's generation, so a file must not depend on the row it was spilled from: a spill
+re-mixes the row's trailer to `FILE_CHUNK` and generation 0 before writing it (the row is being
+evicted, nothing reads it any more), and a promotion renews its rows' pages (on every rank,
+with or without files) and re-mixes each verified row to its chunk and that generation before
+the key becomes readable.  The raw sums are kept all the way, so a page damaged on disk or in memory
+still fails its check.
 
 Who writes: in the private and shared layouts every rank owns its slot and keeps its own files;
 in the replicated layout a pipeline stage's ranks share one slot of the node's rows and only
@@ -73,21 +75,30 @@ class RankFiles:
     ``base + c * row_stride + slot_offset`` and spans ``slot_bytes``."""
 
     def __init__(self, tier: FileTier | None, base: int, row_stride: int, slot_offset: int,
-                 slot_bytes: int, sums: SlotLayout | None = None) -> None:
+                 slot_bytes: int, sums: SlotLayout | None = None,
+                 generations: np.ndarray | None = None) -> None:
         self.tier = tier
         self._base, self._stride = base, row_stride
         self._offset, self._bytes = slot_offset, slot_bytes
         self._sums = sums  # this rank's slot layout, where its slots carry checksums
+        # the engine's page generations (`TransferEngine.generations`): read by spills,
+        # renewed by promotions; required where the slots carry checksums
+        if sums is not None and sums.integrity and generations is None:
+            raise ValueError("a file tier over checksummed slots needs the engine's "
+                             "generations")
+        self._generations = generations
         self._releasing: dict[int, list[Spill]] = {}  # chunk -> spills reading it
         self._reading: dict[int, Future[bool]] = {}  # chunk -> a read past its deadline
 
     @classmethod
     def open(cls, plan: Plan, topology: Topology, directory: str, fs_bytes_per_node: int,
-             region_address: int, extra: dict[str, object], io_threads: int = 8,
-             io_timeout_s: float = DEFAULT_IO_TIMEOUT_S, io: FileIO | None = None) -> RankFiles:
+             region_address: int, extra: dict[str, object], generations: np.ndarray,
+             io_threads: int = 8, io_timeout_s: float = DEFAULT_IO_TIMEOUT_S,
+             io: FileIO | None = None) -> RankFiles:
         """Open this rank's tier under ``directory`` (none for a replicated non-writer).
         ``extra`` joins the geometry fingerprint (e.g. the KV dtypes, tp and pp, and what
-        tells apart tiers of one node with equal geometry, such as DP replicas)."""
+        tells apart tiers of one node with equal geometry, such as DP replicas);
+        ``generations`` are the rank's engine's (`TransferEngine.generations`)."""
         rank = topology.rank
         slot = plan.slots[rank]
         tier = None
@@ -99,7 +110,7 @@ class RankFiles:
                             io_timeout_s=io_timeout_s, io=io)
         layout = SlotLayout.from_plan(plan, rank)
         return cls(tier, region_address, plan.row_stride(rank), slot.slot_offset,
-                   slot.slot_bytes, layout if layout.integrity else None)
+                   slot.slot_bytes, layout if layout.integrity else None, generations)
 
     def row(self, chunk: int) -> memoryview:
         """This rank's slot of host row ``chunk`` (page-aligned: rows and slots are page
@@ -116,7 +127,7 @@ class RankFiles:
             # NOTE: the row is being evicted: the manager never hands its key back to host
             # memory without a promotion (which re-mixes the sums again), so re-mixing here,
             # even for a store that is then refused, never leaves a readable row unreadable.
-            self._move_sums(chunk, chunk, FILE_CHUNK)
+            self._move_sums(chunk, to_file=True)
             spill = self.tier.put(key, self.row(chunk))
             self._releasing.setdefault(chunk, []).append(spill)
 
@@ -155,20 +166,28 @@ class RankFiles:
             del self._reading[chunk]
         return sorted(self._reading)
 
-    def promote(self, items: Sequence[WorkItem], spills: Sequence[WorkItem] = ()
-                ) -> list[bool]:
+    def promote(self, items: Sequence[WorkItem], generation: int,
+                spills: Sequence[WorkItem] = ()) -> list[bool]:
         """Read each key's file into its chunk's slot; per item, True when this rank's bytes
         are verified (always True without a tier: the stage writer reads the shared slot).
+        The pages of the items' rows get ``generation``
+        (`offload.integrity.promotion_generation`, the same on every rank), after the spills
+        re-mixed the rows they leave.
 
         ``spills`` are the rows the promotion evicted from host memory: the keys to read are
         made most recently used first (so the spills' disk evictions never pick them), then
         the spills start, then each read waits until its row is released.  The chunk manager
         replays the same order (`DiskIndex`)."""
+        if self.tier is not None:
+            for key, _ in items:
+                self.tier.touch(key)
+            self.spill(spills)
+        if self._generations is not None and self._sums is not None:
+            bpc = self._sums.blocks_per_chunk  # renewed like a store's (`EngineBase.renew`)
+            for _, chunk in items:
+                self._generations[chunk * bpc:(chunk + 1) * bpc] = generation
         if self.tier is None:
             return [True] * len(items)
-        for key, _ in items:
-            self.tier.touch(key)
-        self.spill(spills)
         self.wait_rows(chunk for _, chunk in items)
         reads = [self.tier.get(key, self.row(chunk)) for key, chunk in items]
         # every read has its deadline; queued behind others it waits its turn on the threads
@@ -180,18 +199,24 @@ class RankFiles:
             if not read.done():
                 self._reading[chunk] = read
             elif ok:
-                self._move_sums(chunk, FILE_CHUNK, chunk)
+                self._move_sums(chunk, to_file=False)
             verified.append(ok)
         return verified
 
-    def _move_sums(self, chunk: int, from_chunk: int, to_chunk: int) -> None:
-        """Re-mix the checksum trailer of this rank's slot of row ``chunk``."""
+    def _move_sums(self, chunk: int, to_file: bool) -> None:
+        """Re-mix the checksum trailer of this rank's slot of row ``chunk`` from the row's
+        identity (its chunk and its pages' generations) to the file's (`FILE_CHUNK`,
+        generation 0), or back."""
         s = self._sums
         if s is not None and s.trailer_offset is not None:
+            assert self._generations is not None  # __init__ requires them with checksums
             view = host_view(self._base + chunk * self._stride + self._offset + s.trailer_offset,
                              trailer_bytes(s.page_bytes, s.blocks_per_chunk))
+            bpc = s.blocks_per_chunk
+            row = (chunk, self._generations[chunk * bpc:(chunk + 1) * bpc].copy())
+            file = (FILE_CHUNK, 0)
             move_sums(np.frombuffer(view, dtype=np.uint64), s.page_bytes, s.blocks_per_chunk,
-                      s.seed, from_chunk, to_chunk)
+                      s.seed, *((row, file) if to_file else (file, row)))
 
     def discard(self, keys: Sequence[Hashable]) -> None:
         """Forget ``keys`` (a promotion failed on some rank) and remove their files."""

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from offload.errors import OffloadError
-from offload.integrity import UNIT_BYTES, WORD, trailer_bytes
+from offload.integrity import UNIT_BYTES, WORD, store_generation, trailer_bytes
 from offload.transfer.fast_check import FastCheck, Target, checker_library
 from offload.transfer.layout import (
     IndexArray,
@@ -55,6 +55,7 @@ class TransferEngine(Protocol):
     name: str
     integrity: bool
     mismatches: int
+    generations: IndexArray  # each host page's generation (`renew`), mixed into its sums
     routes: dict[str, int]  # jobs per path that moved them (hybrid: kernel, staged, copy_engine)
 
     def submit(self, job_id: int, direction: Direction, gpu_blocks: object, chunk_ids: object,
@@ -64,7 +65,10 @@ class TransferEngine(Protocol):
                     positions: object, groups: int, after: After = None
                     ) -> list[torch.cuda.Event | None]: ...
 
-    def check(self, gpu_blocks: object, chunk_ids: object, positions: object) -> None: ...
+    def check(self, job_id: int, gpu_blocks: object, chunk_ids: object, positions: object
+              ) -> None: ...
+
+    def renew(self, host_pages: object, generation: int) -> None: ...
 
     def poll(self) -> list[int]: ...
 
@@ -138,6 +142,12 @@ class EngineBase:
         self._pack_target: Target | None = None  # kernel engines: their staging buffer
         self._closed = False
         self.integrity = layout.integrity  # whether this engine's jobs write and check sums
+        # each host page's generation, mixed into its sums (`offload.integrity`): renewed by
+        # every store that writes the page, in pinned memory where the kernel reads it
+        self._generation_tensor = torch.zeros(
+            max(1, chunk_count * layout.blocks_per_chunk), dtype=torch.int64,
+            pin_memory=bool(kv_tensors) and kv_tensors[0].is_cuda)
+        self.generations: IndexArray = self._generation_tensor.numpy()
         self.mismatches = 0  # finished jobs whose checksums did not match
         self._errors: dict[int, str] = {}
         # jobs per path; an engine of one path counts them here, one of several overrides it
@@ -174,6 +184,8 @@ class EngineBase:
         if direction not in DIRECTIONS:
             raise OffloadError(f"job {job_id} has direction {direction!r}; use 'store' or 'load'")
         job = self._check(gpu_blocks, chunk_ids, positions, direction, self._pack_target)
+        if direction == "store":
+            self.renew(job.host_pages, store_generation(job_id))
         done = self._issue(job_id, direction, job, after)
         self._count_route()
         return done
@@ -210,9 +222,21 @@ class EngineBase:
         """Without group launches: the whole job, its completion event for every group."""
         return [self._issue(job_id, "load", job, after)] * len(ranges)
 
-    def check(self, gpu_blocks: object, chunk_ids: object, positions: object) -> None:
-        """Validate a job without moving anything (a replicated store's non-writer ranks)."""
-        self._check(gpu_blocks, chunk_ids, positions, "store")
+    def check(self, job_id: int, gpu_blocks: object, chunk_ids: object, positions: object
+              ) -> None:
+        """Validate store ``job_id`` without moving anything (a replicated store's non-writer
+        ranks) and renew its chunks as the stage's writer does: this rank checks the sums the
+        writer stores."""
+        job = self._check(gpu_blocks, chunk_ids, positions, "store")
+        self.renew(job.host_pages, store_generation(job_id))
+
+    def renew(self, host_pages: object, generation: int) -> None:
+        """Give ``host_pages`` (chunk x blocks_per_chunk + position, in range) a new
+        generation: from now on only bytes stored (or promoted) under it pass their check;
+        what an earlier store left there fails.  Every rank renews the same pages with the
+        same generation, before the copy that writes them is issued (the kernel reads the
+        table when it runs)."""
+        self.generations[np.asarray(host_pages, dtype=np.int64)] = generation
 
     def _check(self, gpu_blocks: object, chunk_ids: object, positions: object,
                direction: Direction, target: Target | None = None) -> Job:

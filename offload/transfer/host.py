@@ -91,7 +91,9 @@ class HostEngine(EngineBase):
         units); a store writes them to the trailer, a load compares."""
         units = int(self._units.max())
         ident = identity(self._keys[:, None, None], chunks[None, :, None],
-                         positions[None, :, None], np.arange(units)[None, None, :])
+                         self.generations[job.host_pages][None, :, None],
+                         positions[None, :, None],
+                         np.arange(units)[None, None, :])
         trailers = self._trailers()
         if units == 1:  # every page one unit (the usual case): all tensors at once
             with np.errstate(over="ignore"):

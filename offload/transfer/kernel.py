@@ -77,7 +77,7 @@ STAGED_CELLS = (3, 4, 5, 9, 10, 12, 13)  # the cells a staged slice changes (iss
 # the matmul, then finishes sooner) and cost the matmul no more; a quarter per SM cost it more
 # (docs/BENCHMARKS.md, "Copies beside compute").
 STAGE_PROGRAMS = 264
-TABLE_COLUMNS = 8
+TABLE_COLUMNS = 9
 
 
 @triton.jit
@@ -121,14 +121,16 @@ def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc, sums
                 LOAD: tl.constexpr, PIECES: tl.constexpr, ROWS: tl.constexpr,
                 TILE: tl.constexpr, VEC: tl.constexpr, COPY: tl.constexpr,
                 INTEGRITY: tl.constexpr, ELEMENT: tl.constexpr, STAGED: tl.constexpr):
-    """Addresses are element offsets from ``anchor``.  ``table`` is [all_tensors, 8]: KV base,
+    """Addresses are element offsets from ``anchor``.  ``table`` is [all_tensors, 9]: KV base,
     block stride, page, host base (elements); then, for integrity, units per page, the trailer
     word of (chunk 0, position 0, unit 0) counted from ``sums`` (``anchor`` as 64-bit words),
-    the tensor's identity key and the row stride in words.  ``job`` is [2, n]: block ids, then
-    host pages, and for a checked load the result word's offset from ``sums`` as two 32-bit
-    halves.  A launch covers entries ``first_entry`` on and tensors ``first_tensor`` on:
-    work item ``w`` = (entry, tensor, piece) of that range in row-major order; a program
-    handles ROWS items per step.  ``COPY`` off: only sum the GPU pages (copy-engine jobs).
+    the tensor's identity key, the row stride in words and the word of host page 0's generation
+    (the engine's pinned table, read as the copy runs) counted from ``sums``.  ``job`` is
+    [2, n]: block ids, then host pages, and for a checked load the result word's offset from
+    ``sums`` as two 32-bit halves.  A launch covers entries ``first_entry`` on and tensors
+    ``first_tensor`` on: work item ``w`` = (entry, tensor, piece) of that range in row-major
+    order; a program handles ROWS items per step.  ``COPY`` off: only sum the GPU pages
+    (copy-engine jobs).
 
     ``STAGED``: the host side is a staging buffer in GPU memory instead of the region -- row
     ``(entry - first_entry) // bpc`` of ``row_stride`` elements from ``stage`` holds the slot
@@ -137,7 +139,7 @@ def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc, sums
     rows = tl.arange(0, ROWS)
     cols = tl.arange(0, TILE)[None, :]
     if STAGED:
-        head = table + first_tensor * 8
+        head = table + first_tensor * 9  # TABLE_COLUMNS
         host0 = tl.load(head + 3)
         if INTEGRITY:
             trailer0 = tl.load(head + 5)
@@ -168,7 +170,7 @@ def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc, sums
         i = first_entry + local
         block = tl.load(job + i, mask=valid, other=0).to(tl.int64)
         host_page = tl.load(job + n + i, mask=valid, other=0).to(tl.int64)
-        entry = table + t * 8
+        entry = table + t * 9  # TABLE_COLUMNS
         kv_base = tl.load(entry, mask=valid, other=0)
         stride = tl.load(entry + 1, mask=valid, other=0)
         page = tl.load(entry + 2, mask=valid, other=0)
@@ -181,6 +183,9 @@ def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc, sums
         count = tl.where(valid, page - skip, 0)
         if INTEGRITY:
             has = count > 0
+            # the page's generation: read first, it is needed only for the identity
+            generation = tl.load(sums + tl.load(entry + 8, mask=valid, other=0) + host_page,
+                                 mask=has, other=0).to(tl.uint64, bitcast=True)
             if not STAGED:
                 row_words = tl.load(entry + 7, mask=valid, other=0)
             if LOAD:  # the stored sum is read before the page, so the two reads overlap
@@ -204,8 +209,8 @@ def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc, sums
                 where, key, position = _sum_slot(entry, valid, host_page, chunk, row,
                                                  row_words, trailer0, piece, bpc)
             total = tl.sum((_unsigned(data, ELEMENT) << shift) * weight, axis=1)
-            ident = _mix(_mix(_mix(key ^ chunk.to(tl.uint64)) ^ position.to(tl.uint64))
-                         ^ piece.to(tl.uint64))
+            ident = _mix(_mix(_mix(_mix(key ^ chunk.to(tl.uint64)) ^ generation)
+                              ^ position.to(tl.uint64)) ^ piece.to(tl.uint64))
             stored = (total + ident).to(tl.int64, bitcast=True)
             if LOAD:
                 bad = has & (expect != stored)
@@ -223,9 +228,11 @@ def _ceil_pow2(n: int) -> int:
 
 
 def kernel_table(kv_bases: Sequence[int], block_strides: Sequence[int], layout: SlotLayout,
-                 region_address: int, anchor: int, element: int) -> list[list[int]]:
+                 region_address: int, anchor: int, element: int, generations: int
+                 ) -> list[list[int]]:
     """The kernel's per-tensor table (`_copy_pages`), ``TABLE_COLUMNS`` int64 values a row;
-    the integrity columns are 0 for a layout without a checksum trailer."""
+    the integrity columns are 0 for a layout without a checksum trailer.  ``generations``:
+    the address of the engine's page generations (int64, pinned)."""
     host_bases = [region_address + o for o in layout.host_page_offsets().tolist()]
     rows = [[(b - anchor) // element, s // element, p // element, (h - anchor) // element]
             for b, s, p, h in zip(kv_bases, block_strides, layout.page_bytes, host_bases,
@@ -234,7 +241,11 @@ def kernel_table(kv_bases: Sequence[int], block_strides: Sequence[int], layout: 
         return [row + [0] * (TABLE_COLUMNS - 4) for row in rows]
     trailers = [(region_address + o - anchor) // 8 for o in layout.trailer_offsets().tolist()]
     keys = [k - (1 << 64) if k >= 1 << 63 else k for k in layout.tensor_keys()]  # as int64
-    return [row + [units, trailer, key, layout.row_stride // 8]
+    if (generations - anchor) % 8:
+        raise OffloadError(f"the page generations at {generations:#x} are not 8-byte aligned "
+                           f"to the anchor {anchor:#x}; allocate them as int64")
+    table = (generations - anchor) // 8
+    return [row + [units, trailer, key, layout.row_stride // 8, table]
             for row, units, trailer, key in zip(rows, layout.units, trailers, keys,
                                                 strict=True)]
 
@@ -300,7 +311,7 @@ class KernelCopier:
     def __init__(self, kv_bases: Sequence[int], block_strides: Sequence[int],
                  layout: SlotLayout, region_address: int, num_blocks: int, chunk_count: int,
                  stream: torch.cuda.Stream, ordered: torch.cuda.Event,
-                 wait_for: Callable[[int], None],
+                 wait_for: Callable[[int], None], generations: int,
                  programs: Mapping[Direction, int] | None = None,
                  num_warps: int = NUM_WARPS, step_bytes: int = STEP_BYTES,
                  max_word: int = MAX_WORD, tile_bytes: int = MAX_TILE_BYTES) -> None:
@@ -321,7 +332,8 @@ class KernelCopier:
              anchor], cap=max_word)
         element = min(self.word, 8)
         self._element = element
-        rows = kernel_table(kv_bases, block_strides, layout, region_address, anchor, element)
+        rows = kernel_table(kv_bases, block_strides, layout, region_address, anchor, element,
+                            generations)
         self._table = torch.tensor(rows, dtype=torch.int64).to(device)  # once per engine
         self._tile, self._pieces, self._rows = kernel_shape(layout, element, tile_bytes,
                                                             step_bytes)
@@ -643,6 +655,7 @@ class TritonEngine(StreamEngine):
                 self.kernel.launch(direction, job, copy=False)
         self._stream.synchronize()
         self.wait_all()
+        self.generations[:] = 0  # the scratch store renewed page 0: nothing is stored yet
         from offload.transfer.staging import stage_plan  # the staging rules need no Triton
 
         plan = stage_plan(self._layout)
@@ -667,5 +680,5 @@ def kernel_copier(engine: StreamEngine, programs: Mapping[Direction, int] | None
     return KernelCopier(engine._kv_bases.tolist(), engine._block_strides.tolist(),
                         engine.layout, engine._region.data_ptr(), engine._geometry.num_blocks,
                         engine._chunk_count, engine.stream, engine._ordered,
-                        engine._wait_for, programs, num_warps, step_bytes, max_word,
-                        tile_bytes)
+                        engine._wait_for, engine._generation_tensor.data_ptr(), programs,
+                        num_warps, step_bytes, max_word, tile_bytes)

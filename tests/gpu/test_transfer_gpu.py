@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from offload import integrity
 from offload.errors import OffloadError
 from offload.transfer import make_engine, triton_available
 from offload.transfer.batch_copy import batch_copy_available
@@ -138,8 +139,8 @@ def test_many_jobs_in_flight_reuse_staging_and_stay_exact() -> None:
         engine.submit(-1, "load", *jobs[0])
         engine.wait_all()
         expected = region.clone()
-        for job in jobs:
-            expected = expected_region(expected, kv, layout, job)
+        for job_id, job in enumerate(jobs):
+            expected = expected_region(expected, kv, layout, job, job_id)
         original = [t.clone() for t in kv]
         made = []
         for direction in ("store", "load"):
@@ -232,7 +233,7 @@ def test_the_job_check_packs_kernel_jobs_straight_into_staging(backend: str) -> 
         # a non-writer rank's check reserves and grows nothing
         kernel, capacity = engine.kernel, engine.kernel._capacity
         kernel._next = None
-        engine.check(*scattered_job(rng, 2 * capacity, 400, 100, 4))
+        engine.check(3, *scattered_job(rng, 2 * capacity, 400, 100, 4))
         assert kernel._next is None and kernel._capacity == capacity
 
 
@@ -249,8 +250,8 @@ def test_a_slot_reserved_by_the_check_is_never_one_a_job_in_flight_holds() -> No
         engine.submit(-1, "store", *jobs[0])
         engine.wait_all()
         expected = region.clone()
-        for job in jobs:
-            expected = expected_region(expected, kv, layout, job)
+        for job_id, job in enumerate(jobs):
+            expected = expected_region(expected, kv, layout, job, job_id)
         torch.cuda._sleep(SLEEP_CYCLES)
         held = []
         for job_id, job in enumerate(jobs):
@@ -417,8 +418,8 @@ def test_hybrid_stages_whole_chunks_and_keeps_order(staging: int) -> None:
         rng = np.random.default_rng(5)
         whole = _whole_chunks(rng, [2, 4], 64, 16)
         scattered = ([40, 7, 63], [0, 3, 1], [5, 9, 2])
-        expected = expected_region(expected_region(region, kv, engine.layout, whole), kv,
-                                   engine.layout, scattered)
+        expected = expected_region(expected_region(region, kv, engine.layout, whole, 0), kv,
+                                   engine.layout, scattered, 1)
         engine.submit(0, "store", *whole)
         engine.submit(1, "store", *scattered)
         assert engine.wait_all() == [0, 1]
@@ -610,7 +611,7 @@ def test_a_flipped_byte_fails_the_load_on_every_path(backend: str, route: str) -
         rng = np.random.default_rng(0)
         order = np.arange(16) if route != "kernel" else rng.permutation(16)
         load = (np.arange(40, 56), np.full(16, 2), order)
-        expected = expected_region(region, kv, layout, store)
+        expected = expected_region(region, kv, layout, store, 1)
         engine.submit(1, "store", *store)
         assert engine.wait_all() == [1] and engine.job_error(1) is None
         assert torch.equal(region, expected)
@@ -643,6 +644,40 @@ def test_a_flipped_byte_fails_the_load_on_every_path(backend: str, route: str) -
         assert engine.wait_all() == [6] and engine.job_error(6) is None
         if backend == "hybrid":
             assert engine.routes[route] > 0
+
+
+@pytest.mark.parametrize(("backend", "route"), INTEGRITY_PATHS)
+def test_a_page_left_by_an_earlier_store_fails_the_load_on_every_path(backend: str,
+                                                                       route: str) -> None:
+    """A store whose copy went missing leaves the earlier store's page and sum, which agree:
+    renewing position 5 as that store would (and not copying) makes the load fail there, on
+    every path and layer-wise too -- the kernel reads the page's generation as it runs -- and
+    giving the page its old generation back makes it load again."""
+    kv = kv_set(64, [64 * KiB, 32 * KiB], "cuda")
+    with cuda_engine(backend, kv, 4, bpc=16) as (engine, kv, region):
+        store = (np.arange(16, 32), np.full(16, 2), np.arange(16))
+        rng = np.random.default_rng(0)
+        order = np.arange(16) if route != "kernel" else rng.permutation(16)
+        load = (np.arange(40, 56), np.full(16, 2), order)
+        engine.submit(1, "store", *store)
+        assert engine.wait_all() == [1] and engine.job_error(1) is None
+        page = 2 * engine.layout.blocks_per_chunk + 5
+        assert int(engine.generations[page]) == integrity.store_generation(1)
+        engine.renew([page], integrity.store_generation(7))  # store 7's copy never ran
+        for job_id, layered in ((2, False), (3, True)):
+            if layered:
+                engine.load_layers(job_id, *load, groups=2)
+            else:
+                engine.submit(job_id, "load", *load)
+            assert engine.wait_all() == [job_id]
+            error = engine.job_error(job_id)  # either tensor's page at position 5
+            assert error is not None and " chunk 2 position 5" in error, error
+        engine.renew([page], integrity.store_generation(1))
+        engine.submit(4, "load", *load)
+        assert engine.wait_all() == [4] and engine.job_error(4) is None
+        for t in kv:
+            pages = t.view(torch.uint8)
+            assert torch.equal(pages[40:56], pages[16:32][torch.from_numpy(order).cuda()])
 
 
 @needs_triton
