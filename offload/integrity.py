@@ -91,7 +91,8 @@ def tensor_key(seed: int, tensor: int) -> int:
 
 def store_generation(seq: int) -> int:
     """The generation a store job gives the pages it writes: its sequence number plus one (0
-    is never stored)."""
+    is never stored).  Sequence numbers are unique and count from 0 (`RankActor.submit`), so
+    no two stores share one and none reaches `PROMOTED`."""
     return seq + 1
 
 

@@ -47,16 +47,17 @@ def _grid(layout: str, tp: int = 2, pp: int = 1) -> tuple[Plan, list[Topology]]:
 GENERATION = promotion_generation(7)  # the promotions' generation here
 
 
-def _moved(plan: Plan, rank: int, slot_bytes: bytes, from_chunk: int, to_chunk: int) -> bytes:
-    """``slot_bytes`` with its checksum trailer re-mixed from one chunk (never stored:
-    generation 0) to another under `GENERATION`: what a spill from ``from_chunk`` and a
-    promotion into ``to_chunk`` leave (the pages unchanged)."""
+def _moved(plan: Plan, rank: int, slot_bytes: bytes, from_chunk: int, to_chunk: int,
+           from_generations: object = 0) -> bytes:
+    """``slot_bytes`` with its checksum trailer re-mixed from one chunk (its pages of
+    ``from_generations``) to another under `GENERATION`: what a spill from ``from_chunk`` and
+    a promotion into ``to_chunk`` leave (the pages unchanged)."""
     slot = plan.slots[rank]
     data = np.frombuffer(slot_bytes, dtype=np.uint8).copy()
     assert slot.trailer_offset is not None
     end = slot.trailer_offset + trailer_bytes(slot.page_bytes, plan.blocks_per_chunk)
     move_sums(data[slot.trailer_offset:end].view(np.uint64), slot.page_bytes,
-              plan.blocks_per_chunk, slot.integrity_seed, (from_chunk, 0),
+              plan.blocks_per_chunk, slot.integrity_seed, (from_chunk, from_generations),
               (to_chunk, GENERATION))
     return data.tobytes()
 
@@ -69,9 +70,10 @@ class _Region:
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
 
 
-def _open(plan: Plan, topo: Topology, region: _Region, fs_dir: str, fs_bytes: int = 64 << 20
-          ) -> RankFiles:
-    generations = np.zeros(plan.chunk_count * plan.blocks_per_chunk, dtype=np.int64)
+def _open(plan: Plan, topo: Topology, region: _Region, fs_dir: str, fs_bytes: int = 64 << 20,
+          generations: np.ndarray | None = None) -> RankFiles:
+    if generations is None:
+        generations = np.zeros(plan.chunk_count * plan.blocks_per_chunk, dtype=np.int64)
     return RankFiles.open(plan, topo, fs_dir, fs_bytes, region.address, {"dtype": "uint8"},
                           generations)
 
@@ -79,7 +81,11 @@ def _open(plan: Plan, topo: Topology, region: _Region, fs_dir: str, fs_bytes: in
 def test_a_spilled_row_is_promoted_into_another_row_byte_exact(fs_dir: str) -> None:
     plan, topos = _grid("private")
     region = _Region(plan, 0)
-    files = _open(plan, topos[0], region, fs_dir)
+    bpc = plan.blocks_per_chunk
+    generations = np.zeros(plan.chunk_count * bpc, dtype=np.int64)
+    stored = np.arange(bpc) + 11  # row 2's pages, each stored by another job
+    generations[2 * bpc:3 * bpc] = stored
+    files = _open(plan, topos[0], region, fs_dir, generations=generations)
     try:
         payload = os.urandom(plan.slots[0].slot_bytes)
         files.row(2)[:] = payload
@@ -87,8 +93,9 @@ def test_a_spilled_row_is_promoted_into_another_row_byte_exact(fs_dir: str) -> N
         files.wait_rows([2])
         files.row(2)[:] = bytes(len(payload))  # the row is reused
         assert files.promote([(("k", 2), 5), (("never", 1), 6)], GENERATION) == [True, False]
-        # the pages come back byte-exact; their checksums now name chunk 5
-        assert bytes(files.row(5)) == _moved(plan, 0, payload, 2, 5) != payload
+        # the pages come back byte-exact; their checksums now name chunk 5 and the promotion
+        assert bytes(files.row(5)) == _moved(plan, 0, payload, 2, 5, stored) != payload
+        assert (generations[5 * bpc:7 * bpc] == GENERATION).all()  # both rows renewed
         files.discard([("k", 2)])
         assert files.promote([(("k", 2), 5)], GENERATION) == [False]
         report = files.to_json()
@@ -134,6 +141,8 @@ def test_replicated_stage_writers_keep_files_and_the_others_none(fs_dir: str) ->
         assert files.tier is None and files.stored_names() is None
         files.spill([("k", 0)])
         assert files.promote([("k", 1)], GENERATION) == [True] and files.to_json() is None
+        bpc = plan.blocks_per_chunk  # renewed without files: it checks the writer's sums
+        assert (files._generations[bpc:2 * bpc] == GENERATION).all()
         assert os.listdir(fs_dir) == []
     finally:
         files.close()

@@ -184,7 +184,7 @@ class EngineBase:
         if direction not in DIRECTIONS:
             raise OffloadError(f"job {job_id} has direction {direction!r}; use 'store' or 'load'")
         job = self._check(gpu_blocks, chunk_ids, positions, direction, self._pack_target)
-        if direction == "store":
+        if direction == "store":  # ids unique, from 0 up (the actor's sequence numbers)
             self.renew(job.host_pages, store_generation(job_id))
         done = self._issue(job_id, direction, job, after)
         self._count_route()
@@ -234,8 +234,12 @@ class EngineBase:
         """Give ``host_pages`` (chunk x blocks_per_chunk + position, in range) a new
         generation: from now on only bytes stored (or promoted) under it pass their check;
         what an earlier store left there fails.  Every rank renews the same pages with the
-        same generation, before the copy that writes them is issued (the kernel reads the
-        table when it runs)."""
+        same generation, before the copy that writes them is issued.
+
+        The kernel reads the table when it runs, not when its job was submitted: no job that
+        reads or writes these pages may still be in flight (a load queued behind a busy
+        stream would check against the new generation and fail).  Through the tier the chunk
+        manager guarantees it (a chunk is reused only once every rank finished its jobs)."""
         self.generations[np.asarray(host_pages, dtype=np.int64)] = generation
 
     def _check(self, gpu_blocks: object, chunk_ids: object, positions: object,

@@ -24,11 +24,13 @@ item it copies -- a work item is one checksum unit -- and, on a store, writes th
 slot's trailer in host memory (the region is registered, so the kernel reaches it directly);
 on a load it compares the sum of the bytes it read with the trailer and, on a mismatch, writes
 the failing work item into the job's pinned result word (`StagingSlot.failed`), which the
-engine reads when it finds the job complete.  The copy engines' jobs get the same kernel in
-sum-only mode (``COPY`` off: it reads the GPU pages at HBM speed and moves nothing): before
-their DMA on a store, after it on a load.  The result word's address travels with the job's
-indices (two words after them), so the native and bound launch paths pass no new argument
-per job.
+engine reads when it finds the job complete.  Each item's identity includes its host page's
+store generation, read as the kernel runs from the engine's pinned table
+(`TransferEngine.generations`, located by the per-tensor table's last column).  The copy
+engines' jobs get the same kernel in sum-only mode (``COPY`` off: it reads the GPU pages at
+HBM speed and moves nothing): before their DMA on a store, after it on a load.  The result
+word's address travels with the job's indices (two words after them), so the native and bound
+launch paths pass no new argument per job.
 """
 
 from __future__ import annotations
@@ -653,9 +655,10 @@ class TritonEngine(StreamEngine):
             if self.kernel.integrity:
                 job = self._check(zero, zero, zero, direction)
                 self.kernel.launch(direction, job, copy=False)
+        kept = int(self.generations[0])
         self._stream.synchronize()
         self.wait_all()
-        self.generations[:] = 0  # the scratch store renewed page 0: nothing is stored yet
+        self.generations[0] = kept  # the scratch store renewed page 0; it stored nothing
         from offload.transfer.staging import stage_plan  # the staging rules need no Triton
 
         plan = stage_plan(self._layout)
