@@ -650,15 +650,15 @@ class TritonEngine(StreamEngine):
         chunks -- by running each over block 0 and chunk 0 (the caller's scratch buffers), so
         no first job pays for the JIT."""
         zero = np.zeros(1, dtype=np.int64)
+        kept = int(self.generations[0])
         for direction in ("store", "load"):
             self.submit(0, direction, zero, zero, zero)
             if self.kernel.integrity:
                 job = self._check(zero, zero, zero, direction)
                 self.kernel.launch(direction, job, copy=False)
-        kept = int(self.generations[0])
         self._stream.synchronize()
         self.wait_all()
-        self.generations[0] = kept  # the scratch store renewed page 0; it stored nothing
+        self.generations[0] = kept  # the scratch store is nobody's: page 0 keeps its generation
         from offload.transfer.staging import stage_plan  # the staging rules need no Triton
 
         plan = stage_plan(self._layout)
