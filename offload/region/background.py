@@ -67,7 +67,9 @@ UNIT_BYTES = 8 << 20
 # priority on a busy host a call can take long to finish while every thread that maps memory
 # waits (measured on 2 busy vCPUs, 8 MiB calls: up to 2.8-3.5 s for a 4 KiB mmap).  The same
 # bound as a unit, so a private region's 40 MiB rows take five calls; 2 MiB calls populated
-# 1.5-2x slower (docs/BENCHMARKS.md, "Set-up that leaves the engine alone").
+# 1.5-2x slower (docs/BENCHMARKS.md, "Set-up that leaves the engine alone").  On an H200 host
+# 2 and 0.5 MiB calls neither shortened the engine threads' 6-20 ms mmap-lock waits nor kept
+# shared set-up as fast (docs/BENCHMARKS.md, "Shorter `madvise` calls do not bound the waits").
 MADVISE_BYTES = UNIT_BYTES
 # NOTE: registrations and populating take turns (`BackgroundSetup._populate_held`): the pin
 # thread holds the pre-fault threads back while it registers the units populated so far, for
