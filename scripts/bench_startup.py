@@ -100,8 +100,11 @@ def ours(rank: int, world: int, args: argparse.Namespace, layout: str) -> dict[s
     tier = HostTier.create(kv, config)
     created = time.time()
     # what set-up costs the engine's own launches once create returned
-    probe = (LaunchProbe(device, args.probe_waits) if background and device.type == "cuda"
-             else None)
+    setup_threads = (tier.actor.region.background_setup.thread_ids()
+                     if background and tier.actor.region is not None
+                     and tier.actor.region.background_setup is not None else {})
+    probe = (LaunchProbe(device, args.probe_waits, setup_threads)
+             if background and device.type == "cuda" else None)
     first, first_ready = first_job(tier, args.blocks_per_chunk)
     during = (jobs_during_setup(tier, args.job_blocks, payload)
               if background and args.jobs_during_setup else None)
@@ -232,9 +235,12 @@ class LaunchProbe:
     """Launches a one-element kernel on its own stream and waits for it, every millisecond,
     on a thread, until `stop`: the longest wait says how long set-up held the driver.  With
     ``sample_waits``, a `WaitSampler` reads where in the kernel the thread waits whenever a
-    launch, its synchronisation or the 4 KiB mapping runs past 0.5 ms."""
+    launch, its synchronisation or the 4 KiB mapping runs past 0.5 ms, and what the
+    ``others`` threads (background set-up's) were doing meanwhile."""
 
-    def __init__(self, device: torch.device, sample_waits: bool = False) -> None:
+    def __init__(self, device: torch.device, sample_waits: bool = False,
+                 others: dict[int, str] | None = None) -> None:
+        self._others = others or {}
         self._device = device
         self._stop = False
         self._sample_waits = sample_waits
@@ -256,7 +262,8 @@ class LaunchProbe:
         with torch.cuda.stream(stream):  # the kernel's first launch loads its module: not timed
             x.add_(1)
         stream.synchronize()
-        sampler = self.sampler = WaitSampler() if self._sample_waits else None
+        sampler = self.sampler = (WaitSampler(others=self._others) if self._sample_waits
+                                  else None)
         while not self._stop:
             began = time.perf_counter()
             launched = sampler.begin(LAUNCH) if sampler else 0.0
@@ -609,8 +616,9 @@ def main() -> None:
                    help="background on a GPU: whenever a launch of the probe, its "
                         "synchronisation or its 4 KiB mmap runs past 0.5 ms, read what its "
                         "thread waits for in the kernel (state, wait channel, kernel stack; "
-                        "scripts/wait_sampler.py) and print the worst launches' and the most "
-                        "frequent")
+                        "scripts/wait_sampler.py), and what set-up's pin and pre-fault threads "
+                        "were doing meanwhile (their states, the stacks of those awake); print "
+                        "the worst launches' and the most frequent")
     p.add_argument("--layouts", default="private,shared,replicated")
     p.add_argument("--variants", default="floor,ours,naive,pin_memory",
                    help="any of floor, ours, background, naive, pin_memory")

@@ -11,6 +11,11 @@ kernel ``stack`` every ``interval_s``.  State ``R`` is a thread waiting for a CP
 ``S``/``D`` with a wait channel says for what: ``rwsem_down_*`` a lock such as the mmap lock,
 ``futex_*`` a user-space lock (a driver's mutex, or the GIL), ``*nanosleep`` a sleep.
 
+``others`` (thread id -> role, e.g. background set-up's pin and pre-fault threads) are read at
+the same moments: which of them runs, waits for a CPU (``R``: preempted, maybe inside a call
+that holds the mmap lock) or blocks, and the kernel stack of each one not asleep, so a long
+wait can be lined up with what they were doing.
+
 Used by ``bench_startup.py --probe-waits`` on the launch probe's thread.
 """
 
@@ -52,9 +57,26 @@ def _sample(task: str) -> tuple[str, str, str]:
     return state, wchan, " < ".join(frames)
 
 
-def _watch(pid: int, tid: int, fd: int, after_s: float, interval_s: float) -> None:
-    """The child: sample the thread while its current step has run past ``after_s``; print
-    every long step's samples as JSON once told to stop."""
+def _others(pid: int, others: dict[str, str]) -> str:
+    """One line on the ``others`` threads: per role the count in each state, then the role
+    and kernel stack of each one awake (not ``S``), e.g. ``pin D; prefault R2 S6 | pin:
+    gup_... < ...``."""
+    by_role: dict[str, collections.Counter[str]] = {}
+    awake = []
+    for tid, role in others.items():
+        state, wchan, stack = _sample(f"/proc/{pid}/task/{tid}")
+        by_role.setdefault(role, collections.Counter())[state] += 1
+        if state not in ("S", "?"):
+            awake.append(f"{role} {state}: {stack or wchan}")
+    counts = "; ".join(f"{role} " + " ".join(f"{s}{n}" for s, n in sorted(c.items()))
+                       for role, c in sorted(by_role.items()))
+    return counts + (" | " + " / ".join(awake) if awake else "")
+
+
+def _watch(pid: int, tid: int, fd: int, after_s: float, interval_s: float,
+           others: dict[str, str]) -> None:
+    """The child: sample the thread (and ``others``) while its current step has run past
+    ``after_s``; print every long step's samples as JSON once told to stop."""
     page = mmap.mmap(fd, mmap.PAGESIZE)
     marker = memoryview(page).cast("d")
     task = f"/proc/{pid}/task/{tid}"
@@ -64,9 +86,13 @@ def _watch(pid: int, tid: int, fd: int, after_s: float, interval_s: float) -> No
         began, phase = marker[BEGAN], marker[PHASE]
         if began > 0 and _now() - began >= after_s:
             state, wchan, stack = _sample(task)
+            beside = _others(pid, others) if others else ""
             if marker[BEGAN] == began:  # the step had not ended while we read
-                step = steps.setdefault(repr(began), {"phase": int(phase), "samples": []})
+                step = steps.setdefault(repr(began), {"phase": int(phase), "samples": [],
+                                                      "others": []})
                 step["samples"].append((round(_now() - began, 6), state, wchan, stack))
+                if beside:
+                    step["others"].append(beside)
         time.sleep(interval_s)
     json.dump(steps, sys.stdout)
 
@@ -76,14 +102,16 @@ class WaitSampler:
     around each timed step there, `stop` from anywhere.  ``steps`` maps each long step's start
     (`time.CLOCK_MONOTONIC`, as `begin` returned it) to its phase and samples."""
 
-    def __init__(self, after_s: float = 0.0005, interval_s: float = 0.0002) -> None:
+    def __init__(self, after_s: float = 0.0005, interval_s: float = 0.0002,
+                 others: dict[int, str] | None = None) -> None:
         fd = os.memfd_create("wait-sampler")
         try:
             os.ftruncate(fd, mmap.PAGESIZE)
             self._page = mmap.mmap(fd, mmap.PAGESIZE)
             self._child = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), str(os.getpid()),
-                 str(threading.get_native_id()), str(fd), repr(after_s), repr(interval_s)],
+                 str(threading.get_native_id()), str(fd), repr(after_s), repr(interval_s),
+                 json.dumps({str(t): role for t, role in (others or {}).items()})],
                 pass_fds=[fd], stdout=subprocess.PIPE, text=True)
         finally:
             os.close(fd)
@@ -129,9 +157,11 @@ class WaitSampler:
         stacks = collections.Counter(stack for _, s, w, stack in step["samples"]
                                      if (s, w) == (state, wchan) and stack)
         top = f" [{stacks.most_common(1)[0][0]}]" if stacks else ""
-        return f"{state} {wchan} ({count} of {len(step['samples'])}){top}"
+        beside = collections.Counter(step.get("others", []))
+        also = f"; beside: {beside.most_common(1)[0][0]}" if beside else ""
+        return f"{state} {wchan} ({count} of {len(step['samples'])}){top}{also}"
 
 
 if __name__ == "__main__":
     _watch(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]),
-           float(sys.argv[5]))
+           float(sys.argv[5]), json.loads(sys.argv[6]))

@@ -134,3 +134,45 @@ def test_the_wait_sampler_says_what_a_long_step_waits_for_in_the_kernel() -> Non
     assert "sleep" in sampler.where(sleeping) and sampler.where(sleeping).startswith("S ")
     assert "futex" in sampler.where(locked)
     assert sampler.where(short) == "no sample"
+
+
+def test_the_wait_sampler_reads_the_other_threads_at_each_long_step() -> None:
+    """Beside a long step, a spinning thread is seen awake (``R``, with its role) and a
+    sleeping one asleep, each counted under its role."""
+    import threading
+    import time
+
+    import wait_sampler
+
+    stop = threading.Event()
+    ids: dict[int, str] = {}
+    ready = threading.Barrier(3)
+
+    def spin() -> None:
+        ids[threading.get_native_id()] = "spin"
+        ready.wait()
+        while not stop.is_set():
+            pass
+
+    def nap() -> None:
+        ids[threading.get_native_id()] = "nap"
+        ready.wait()
+        stop.wait()
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (spin, nap)]
+    for t in threads:
+        t.start()
+    ready.wait()
+    sampler = wait_sampler.WaitSampler(after_s=0.002, others=ids)
+    try:
+        step = sampler.begin(1)
+        time.sleep(0.05)
+        sampler.end()
+    finally:
+        stop.set()
+        steps = sampler.stop()
+        for t in threads:
+            t.join()
+    beside = steps[step]["others"]  # (a sample as the step ends may catch the GIL's hand-off)
+    assert beside and sum(line.startswith("nap S1; spin R1") for line in beside) > len(beside) // 2
+    assert "; beside: nap S1; spin R1 | spin R" in sampler.where(step)

@@ -257,6 +257,9 @@ def test_nothing_is_populated_or_registered_before_the_kernel_is_compiled() -> N
         setup.start(after=compiled)
         time.sleep(0.3)
         assert workers == [] and registrar.calls == 0 and setup.ready_rows == 0
+        ids = setup.thread_ids()  # the threads a wait sampler watches, with their roles
+        assert sorted(ids.values()) == ["pin", "prefault", "prefault", "prefault"]
+        assert {str(t) for t in ids} <= set(os.listdir("/proc/self/task"))
         compiled.set()
         assert setup.wait(20) and setup.error is None and setup.ready_rows == ROWS
         assert set(workers) == {f"offload-bg-prefault-{i}" for i in range(3)}

@@ -236,6 +236,12 @@ class BackgroundSetup:
         self._go.set()
         return self
 
+    def thread_ids(self) -> dict[int, str]:
+        """The kernel thread ids of the started set-up threads and their roles (``pin``,
+        ``prefault``), for tools that watch them (`scripts/wait_sampler.py`)."""
+        roles = [(t, "prefault") for t in self._workers] + [(self._thread, "pin")]
+        return {t.native_id: role for t, role in roles if t.native_id is not None}
+
     @property
     def fallback(self) -> bool:
         """True when the kernel refused MADV_POPULATE_WRITE and pages were touched instead."""
