@@ -57,10 +57,13 @@ def _sample(task: str) -> tuple[str, str, str]:
     return state, wchan, " < ".join(frames)
 
 
+OTHERS_EVERY = 4  # a long step's samples between two reads of the other threads
+
+
 def _others(pid: int, others: dict[str, str]) -> str:
-    """One line on the ``others`` threads: per role the count in each state, then the role
-    and kernel stack of each one awake (not ``S``), e.g. ``pin D; prefault R2 S6 | pin:
-    gup_... < ...``."""
+    """One line on the ``others`` threads: per role the count in each state, then the role,
+    state and kernel stack of each one awake (not ``S``), e.g. ``pin D1; prefault R2 S6 | pin
+    D: gup_... < ...``."""
     by_role: dict[str, collections.Counter[str]] = {}
     awake = []
     for tid, role in others.items():
@@ -86,13 +89,17 @@ def _watch(pid: int, tid: int, fd: int, after_s: float, interval_s: float,
         began, phase = marker[BEGAN], marker[PHASE]
         if began > 0 and _now() - began >= after_s:
             state, wchan, stack = _sample(task)
-            beside = _others(pid, others) if others else ""
+            at = round(_now() - began, 6)
             if marker[BEGAN] == began:  # the step had not ended while we read
                 step = steps.setdefault(repr(began), {"phase": int(phase), "samples": [],
                                                       "others": []})
-                step["samples"].append((round(_now() - began, 6), state, wchan, stack))
-                if beside:
-                    step["others"].append(beside)
+                step["samples"].append((at, state, wchan, stack))
+                # the others after the watched thread, and not at every sample: reading
+                # them takes ~1 ms, which would thin out the watched thread's own samples
+                if others and len(step["samples"]) % OTHERS_EVERY == 1:
+                    beside = _others(pid, others)
+                    if marker[BEGAN] == began:
+                        step["others"].append(beside)
         time.sleep(interval_s)
     json.dump(steps, sys.stdout)
 
@@ -148,7 +155,8 @@ class WaitSampler:
     def where(self, began: float) -> str:
         """The step begun at ``began``, in words: its most frequent state and wait channel,
         how often of its samples, and the kernel stack seen with them ("no sample" when the
-        sampler never saw it run long)."""
+        sampler never saw it run long); with ``others``, then ``beside:`` their most frequent
+        state counts (how often of their reads) and the most frequent awake threads' stacks."""
         step = self.steps.get(began)
         if step is None or not step["samples"]:
             return "no sample"
@@ -157,8 +165,14 @@ class WaitSampler:
         stacks = collections.Counter(stack for _, s, w, stack in step["samples"]
                                      if (s, w) == (state, wchan) and stack)
         top = f" [{stacks.most_common(1)[0][0]}]" if stacks else ""
-        beside = collections.Counter(step.get("others", []))
-        also = f"; beside: {beside.most_common(1)[0][0]}" if beside else ""
+        lines = step.get("others", [])
+        counts = collections.Counter(line.split(" | ")[0] for line in lines)
+        awake = collections.Counter(line.split(" | ", 1)[1] for line in lines if " | " in line)
+        also = ""
+        if counts:
+            summary, seen_n = counts.most_common(1)[0]
+            also = f"; beside: {summary} ({seen_n} of {len(lines)})"
+            also += f" | {awake.most_common(1)[0][0]}" if awake else ""
         return f"{state} {wchan} ({count} of {len(step['samples'])}){top}{also}"
 
 

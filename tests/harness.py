@@ -125,9 +125,11 @@ def _child(payload: bytes, rank: int, env: dict[str, str], results: Any, pg_time
         results.put((rank, None, f"{exc}\n{traceback.format_exc()}", type(exc).__name__))
         results.close()
         results.join_thread()
-        if rank == 0:  # its store stays up until every rank reported: a rank still joining
-            released.wait(linger_s)  # the group would otherwise fail on the store, not on
-        os._exit(1)  # the test's own error (a test that means rank 0 to die kills it)
+        if rank == 0:  # its store stays up until every rank reported (bounded by the group's
+            # timeout): a rank still joining the group would otherwise fail on the store, not
+            # on the test's own error (a test that means rank 0 to die kills it)
+            released.wait(min(linger_s, pg_timeout))
+        os._exit(1)
     try:
         dist.barrier()
         dist.destroy_process_group()

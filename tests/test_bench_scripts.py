@@ -175,4 +175,5 @@ def test_the_wait_sampler_reads_the_other_threads_at_each_long_step() -> None:
             t.join()
     beside = steps[step]["others"]  # (a sample as the step ends may catch the GIL's hand-off)
     assert beside and sum(line.startswith("nap S1; spin R1") for line in beside) > len(beside) // 2
-    assert "; beside: nap S1; spin R1 | spin R" in sampler.where(step)
+    where = sampler.where(step)
+    assert "; beside: nap S1; spin R1 (" in where and " | spin R" in where, where

@@ -326,14 +326,13 @@ class BackgroundSetup:
         busy host."""
         return not self._stop_flag[0] and bool((self._state[first:] == 0).any())
 
-    def _poll(self, done: Callable[[], bool], deadline: float | None = None) -> bool:
-        """Wait until ``done()``, or `stop` was called, or ``deadline`` (perf_counter) passed;
-        whether it is done and `stop` was not called.  Polls, backing off to 2 ms: the
-        pre-fault threads may be in C, where no Python event can be set."""
+    def _poll(self, done: Callable[[], bool]) -> bool:
+        """Wait until ``done()`` or `stop` was called; whether it is done and `stop` was not
+        called.  Polls, backing off to 2 ms: the pre-fault threads may be in C, where no
+        Python event can be set."""
         delay = 50e-6
         while not (finished := done()):
-            if self._stopping.is_set() or (deadline is not None
-                                           and time.perf_counter() >= deadline):
+            if self._stopping.is_set():
                 break
             time.sleep(delay)
             delay = min(2 * delay, 0.002)
