@@ -19,6 +19,9 @@ from offload.transfer.layout import (
     UniqueDestinations,
     as_index_array,
     common_alignment,
+    index_sections,
+    index_words,
+    pack_generations,
     tensor_ranges,
 )
 
@@ -302,3 +305,32 @@ def test_tensor_ranges_cover_every_tensor_once_in_order(num_tensors: int) -> Non
         with pytest.raises(OffloadError, match=f"layer_groups = {bad} for {num_tensors} KV "
                            "tensors; give 1 to"):
             tensor_ranges(num_tensors, bad)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=40), st.data())
+def test_packed_generations_join_back_as_the_kernel_reads_them(generations: list[int],
+                                                                data: st.DataObject) -> None:
+    """Each entry's page generation, packed after its blocks and host pages into int32 or
+    int64 words, comes back as ``(low & 0xFFFFFFFF) | high << 32`` (the kernel's join), and
+    nothing outside its two sections is written."""
+    table = np.array(generations, dtype=np.int64)
+    n = data.draw(st.integers(0, 30))
+    pages = np.array(data.draw(st.lists(st.integers(0, len(table) - 1), min_size=n,
+                                        max_size=n)), dtype=np.int64)
+    for dtype in (np.int32, np.int64):
+        words = np.full(index_words(n, integrity=True), 7, dtype=dtype)
+        pack_generations(words, n, pages.astype(dtype), table)
+        low = words[2 * n:3 * n].astype(np.int64) & 0xFFFFFFFF
+        high = words[3 * n:4 * n].astype(np.int64)
+        assert np.array_equal(low | (high << 32), table[pages])
+        assert (words[:2 * n] == 7).all() and (words[4 * n:] == 7).all()
+    assert np.array_equal(table, np.array(generations, dtype=np.int64))  # the table unchanged
+
+
+def test_an_upload_holds_its_sections_and_the_result_words() -> None:
+    """Blocks and host pages, with integrity two words of generation per entry, then the
+    two words that locate a checked load's result: every upload fits a buffer of this size."""
+    assert (index_sections(False), index_sections(True)) == (2, 4)
+    assert index_words(256, integrity=False) == 2 * 256 + 2
+    assert index_words(256, integrity=True) == 4 * 256 + 2

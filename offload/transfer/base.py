@@ -143,11 +143,9 @@ class EngineBase:
         self._closed = False
         self.integrity = layout.integrity  # whether this engine's jobs write and check sums
         # each host page's generation, mixed into its sums (`offload.integrity`): renewed by
-        # every store that writes the page, in pinned memory where the kernel reads it
-        self._generation_tensor = torch.zeros(
-            max(1, chunk_count * layout.blocks_per_chunk), dtype=torch.int64,
-            pin_memory=bool(kv_tensors) and kv_tensors[0].is_cuda)
-        self.generations: IndexArray = self._generation_tensor.numpy()
+        # every store that writes the page; a job takes its pages' when it is issued
+        self.generations: IndexArray = np.zeros(max(1, chunk_count * layout.blocks_per_chunk),
+                                                dtype=np.int64)
         self.mismatches = 0  # finished jobs whose checksums did not match
         self._errors: dict[int, str] = {}
         # jobs per path; an engine of one path counts them here, one of several overrides it
@@ -236,10 +234,9 @@ class EngineBase:
         what an earlier store left there fails.  Every rank renews the same pages with the
         same generation, before the copy that writes them is issued.
 
-        The kernel reads the table when it runs, not when its job was submitted: no job that
-        reads or writes these pages may still be in flight (a load queued behind a busy
-        stream would check against the new generation and fail).  Through the tier the chunk
-        manager guarantees it (a chunk is reused only once every rank finished its jobs)."""
+        A job takes its pages' generations when it is issued (the kernel's from its index
+        upload, `layout.pack_generations`; the host backend copies at once), so a job already
+        queued keeps writing or checking under the generation it was issued with."""
         self.generations[np.asarray(host_pages, dtype=np.int64)] = generation
 
     def _check(self, gpu_blocks: object, chunk_ids: object, positions: object,

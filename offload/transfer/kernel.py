@@ -3,8 +3,9 @@
 At engine start one small table goes to the GPU: per KV tensor its base, block stride, page size
 and the host offset of its (chunk 0, position 0) page, all in elements of the widest access
 every one of them allows, up to ``MAX_WORD`` (8 bytes, else 4/2/1; chosen once).
-Per job only two index arrays travel -- GPU block ids and host pages (chunk x blocks_per_chunk +
-position), int32 where they fit -- written into a reused pinned staging slot and copied with one
+Per job only its index arrays travel -- GPU block ids and host pages (chunk x blocks_per_chunk +
+position), with integrity each host page's generation, int32 words where they fit
+(`layout.index_sections`) -- written into a reused pinned staging slot and copied with one
 asynchronous upload into a reused device buffer.  The kernel maps work item ``w`` to (entry,
 tensor, piece of page) and derives both addresses, so the host does no work per page or per
 tensor and allocates nothing per job (the buffers grow only for a job larger than any before,
@@ -25,8 +26,9 @@ slot's trailer in host memory (the region is registered, so the kernel reaches i
 on a load it compares the sum of the bytes it read with the trailer and, on a mismatch, writes
 the failing work item into the job's pinned result word (`StagingSlot.failed`), which the
 engine reads when it finds the job complete.  Each item's identity includes its host page's
-store generation, read as the kernel runs from the engine's pinned table
-(`TransferEngine.generations`, located by the per-tensor table's last column).  The copy
+store generation (`TransferEngine.generations`), which travels in the job's upload as it was
+when the job was issued: no pass reads host memory for it, and a later store's renewal of a
+page cannot fail a load still queued.  The copy
 engines' jobs get the same kernel in sum-only mode (``COPY`` off: it reads the GPU pages at
 HBM speed and moves nothing): before their DMA on a store, after it on a load.  The result
 word's address travels with the job's indices (two words after them), so the native and bound
@@ -52,7 +54,14 @@ from offload.integrity import UNIT_BYTES
 from offload.transfer.base import DIRECTIONS, Direction
 from offload.transfer.cuda import DEFAULT_COPY_PROGRAMS, Lease, StreamEngine
 from offload.transfer.launcher import BoundKernel, bind, hooks_active
-from offload.transfer.layout import Job, SlotLayout, common_alignment
+from offload.transfer.layout import (
+    Job,
+    SlotLayout,
+    common_alignment,
+    index_sections,
+    index_words,
+    pack_generations,
+)
 from offload.transfer.native import NativeIssuer, driver_entry_points, library
 
 STEP_BYTES = 32 << 10  # per program and step in flight
@@ -79,7 +88,7 @@ STAGED_CELLS = (3, 4, 5, 9, 10, 12, 13)  # the cells a staged slice changes (iss
 # the matmul, then finishes sooner) and cost the matmul no more; a quarter per SM cost it more
 # (docs/BENCHMARKS.md, "Copies beside compute").
 STAGE_PROGRAMS = 264
-TABLE_COLUMNS = 9
+TABLE_COLUMNS = 8
 
 
 @triton.jit
@@ -123,15 +132,15 @@ def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc, sums
                 LOAD: tl.constexpr, PIECES: tl.constexpr, ROWS: tl.constexpr,
                 TILE: tl.constexpr, VEC: tl.constexpr, COPY: tl.constexpr,
                 INTEGRITY: tl.constexpr, ELEMENT: tl.constexpr, STAGED: tl.constexpr):
-    """Addresses are element offsets from ``anchor``.  ``table`` is [all_tensors, 9]: KV base,
+    """Addresses are element offsets from ``anchor``.  ``table`` is [all_tensors, 8]: KV base,
     block stride, page, host base (elements); then, for integrity, units per page, the trailer
     word of (chunk 0, position 0, unit 0) counted from ``sums`` (``anchor`` as 64-bit words),
-    the tensor's identity key, the row stride in words and the word of host page 0's generation
-    (the engine's pinned table, read as the copy runs) counted from ``sums``.  ``job`` is
-    [2, n]: block ids, then host pages, and for a checked load the result word's offset from
-    ``sums`` as two 32-bit halves.  A launch covers entries ``first_entry`` on and tensors
-    ``first_tensor`` on: work item ``w`` = (entry, tensor, piece) of that range in row-major
-    order; a program handles ROWS items per step.  ``COPY`` off: only sum the GPU pages
+    the tensor's identity key and the row stride in words.  ``job`` is [2, n]: block ids, then
+    host pages; with ``INTEGRITY`` [4, n], each host page's generation following as its low and
+    high 32 bits (`layout.pack_generations`), and for a checked load the result word's offset
+    from ``sums`` as two 32-bit halves after them.  A launch covers entries ``first_entry`` on
+    and tensors ``first_tensor`` on: work item ``w`` = (entry, tensor, piece) of that range in
+    row-major order; a program handles ROWS items per step.  ``COPY`` off: only sum the GPU pages
     (copy-engine jobs).
 
     ``STAGED``: the host side is a staging buffer in GPU memory instead of the region -- row
@@ -141,7 +150,7 @@ def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc, sums
     rows = tl.arange(0, ROWS)
     cols = tl.arange(0, TILE)[None, :]
     if STAGED:
-        head = table + first_tensor * 9  # TABLE_COLUMNS
+        head = table + first_tensor * 8  # TABLE_COLUMNS
         host0 = tl.load(head + 3)
         if INTEGRITY:
             trailer0 = tl.load(head + 5)
@@ -158,8 +167,8 @@ def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc, sums
         weight = ((byte >> 3) * 2 + 1).to(tl.uint64)  # word i of the unit weighs 2i + 1
         shift = ((byte & 7) * 8).to(tl.uint64)  # the element's place in its word
         if LOAD:
-            low = tl.load(job + 2 * n).to(tl.int64) & 0xFFFFFFFF
-            failed = low + (tl.load(job + 2 * n + 1).to(tl.int64) << 32)
+            low = tl.load(job + 4 * n).to(tl.int64) & 0xFFFFFFFF
+            failed = low + (tl.load(job + 4 * n + 1).to(tl.int64) << 32)
     first = tl.program_id(0).to(tl.int64) * ROWS
     step = tl.num_programs(0).to(tl.int64) * ROWS
     for start in range(first, items, step):
@@ -172,7 +181,7 @@ def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc, sums
         i = first_entry + local
         block = tl.load(job + i, mask=valid, other=0).to(tl.int64)
         host_page = tl.load(job + n + i, mask=valid, other=0).to(tl.int64)
-        entry = table + t * 9  # TABLE_COLUMNS
+        entry = table + t * 8  # TABLE_COLUMNS
         kv_base = tl.load(entry, mask=valid, other=0)
         stride = tl.load(entry + 1, mask=valid, other=0)
         page = tl.load(entry + 2, mask=valid, other=0)
@@ -185,9 +194,10 @@ def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc, sums
         count = tl.where(valid, page - skip, 0)
         if INTEGRITY:
             has = count > 0
-            # the page's generation: read first, it is needed only for the identity
-            generation = tl.load(sums + tl.load(entry + 8, mask=valid, other=0) + host_page,
-                                 mask=has, other=0).to(tl.uint64, bitcast=True)
+            # the page's generation as the job was issued (`layout.pack_generations`)
+            gen_low = tl.load(job + 2 * n + i, mask=valid, other=0).to(tl.int64) & 0xFFFFFFFF
+            gen_high = tl.load(job + 3 * n + i, mask=valid, other=0).to(tl.int64)
+            generation = (gen_low | (gen_high << 32)).to(tl.uint64, bitcast=True)
             if not STAGED:
                 row_words = tl.load(entry + 7, mask=valid, other=0)
             if LOAD:  # the stored sum is read before the page, so the two reads overlap
@@ -230,11 +240,9 @@ def _ceil_pow2(n: int) -> int:
 
 
 def kernel_table(kv_bases: Sequence[int], block_strides: Sequence[int], layout: SlotLayout,
-                 region_address: int, anchor: int, element: int, generations: int
-                 ) -> list[list[int]]:
+                 region_address: int, anchor: int, element: int) -> list[list[int]]:
     """The kernel's per-tensor table (`_copy_pages`), ``TABLE_COLUMNS`` int64 values a row;
-    the integrity columns are 0 for a layout without a checksum trailer.  ``generations``:
-    the address of the engine's page generations (int64, pinned)."""
+    the integrity columns are 0 for a layout without a checksum trailer."""
     host_bases = [region_address + o for o in layout.host_page_offsets().tolist()]
     rows = [[(b - anchor) // element, s // element, p // element, (h - anchor) // element]
             for b, s, p, h in zip(kv_bases, block_strides, layout.page_bytes, host_bases,
@@ -243,11 +251,7 @@ def kernel_table(kv_bases: Sequence[int], block_strides: Sequence[int], layout: 
         return [row + [0] * (TABLE_COLUMNS - 4) for row in rows]
     trailers = [(region_address + o - anchor) // 8 for o in layout.trailer_offsets().tolist()]
     keys = [k - (1 << 64) if k >= 1 << 63 else k for k in layout.tensor_keys()]  # as int64
-    if (generations - anchor) % 8:
-        raise OffloadError(f"the page generations at {generations:#x} are not 8-byte aligned "
-                           f"to the anchor {anchor:#x}; allocate them as int64")
-    table = (generations - anchor) // 8
-    return [row + [units, trailer, key, layout.row_stride // 8, table]
+    return [row + [units, trailer, key, layout.row_stride // 8]
             for row, units, trailer, key in zip(rows, layout.units, trailers, keys,
                                                 strict=True)]
 
@@ -269,7 +273,9 @@ class StagingSlot(Lease):
 
     def __init__(self, owner: KernelCopier, capacity: int, index_type: torch.dtype) -> None:
         # the job's indices, then the result word's offset for a checked load
-        self.pinned = torch.empty(2 * capacity + 2, dtype=index_type, pin_memory=True)
+        self.sections = index_sections(owner.integrity)
+        self.pinned = torch.empty(index_words(capacity, owner.integrity), dtype=index_type,
+                                  pin_memory=True)
         self.staged = self.pinned.numpy()
         self.address = self.pinned.data_ptr()
         self.item_bytes = self.pinned.element_size()
@@ -288,7 +294,8 @@ class StagingSlot(Lease):
         """Make this slot's job a checked load of ``n`` entries: clear the result word and
         put its offset after the indices."""
         self.result[0] = -1
-        self.staged[2 * n], self.staged[2 * n + 1] = self._marker
+        after = self.sections * n
+        self.staged[after], self.staged[after + 1] = self._marker
         self.checked = True
 
     def failure(self) -> tuple[int, int, int] | None:
@@ -313,7 +320,7 @@ class KernelCopier:
     def __init__(self, kv_bases: Sequence[int], block_strides: Sequence[int],
                  layout: SlotLayout, region_address: int, num_blocks: int, chunk_count: int,
                  stream: torch.cuda.Stream, ordered: torch.cuda.Event,
-                 wait_for: Callable[[int], None], generations: int,
+                 wait_for: Callable[[int], None], generations: np.ndarray,
                  programs: Mapping[Direction, int] | None = None,
                  num_warps: int = NUM_WARPS, step_bytes: int = STEP_BYTES,
                  max_word: int = MAX_WORD, tile_bytes: int = MAX_TILE_BYTES) -> None:
@@ -334,8 +341,8 @@ class KernelCopier:
              anchor], cap=max_word)
         element = min(self.word, 8)
         self._element = element
-        rows = kernel_table(kv_bases, block_strides, layout, region_address, anchor, element,
-                            generations)
+        rows = kernel_table(kv_bases, block_strides, layout, region_address, anchor, element)
+        self._generations = generations  # the engine's table, read when a job is staged
         self._table = torch.tensor(rows, dtype=torch.int64).to(device)  # once per engine
         self._tile, self._pieces, self._rows = kernel_shape(layout, element, tile_bytes,
                                                             step_bytes)
@@ -367,8 +374,9 @@ class KernelCopier:
         self._free = [self._new_slot() for _ in range(STAGING_SLOTS)]
         self._next = None
         with torch.cuda.stream(self._stream):  # freed in this stream's order when replaced
-            self._device_index = torch.empty(2 * self._capacity, dtype=self._index_type,
-                                             device=self._stream.device)
+            # as long as a staging slot: the whole of any upload fits
+            self._device_index = torch.empty(index_words(self._capacity, self.integrity),
+                                             dtype=self._index_type, device=self._stream.device)
         for bound in self._bound.values():  # bound launches read the new buffer from now on
             if bound is not None:
                 bound.set(2, self._device_index.data_ptr())
@@ -402,8 +410,9 @@ class KernelCopier:
         return entry, tensor, piece
 
     def _stage_indices(self, direction: Direction, job: Job) -> tuple[StagingSlot, int]:
-        """Put ``job``'s indices in a staging slot (packed: [blocks | host pages], then the
-        result word's offset for a checked load); the slot and the elements to upload."""
+        """Put ``job``'s indices in a staging slot (packed: [blocks | host pages], with
+        integrity the pages' generations as they are now, then the result word's offset for a
+        checked load); the slot and the elements to upload."""
         n = len(job)
         if n > self._capacity:
             self._grow(n)
@@ -416,9 +425,12 @@ class KernelCopier:
             np.copyto(slot.staged[:n], job.blocks, casting="unsafe")
             np.copyto(slot.staged[n:2 * n], job.host_pages, casting="unsafe")
         staged = 2 * n
-        if direction == "load" and self.integrity:
-            slot.arm(n)
-            staged += 2
+        if self.integrity:
+            pack_generations(slot.staged, n, job.host_pages, self._generations)
+            staged = slot.sections * n
+            if direction == "load":
+                slot.arm(n)
+                staged += 2
         return slot, staged
 
     def _upload_slot(self, slot: StagingSlot, staged: int, caller: int | None) -> None:
@@ -683,5 +695,5 @@ def kernel_copier(engine: StreamEngine, programs: Mapping[Direction, int] | None
     return KernelCopier(engine._kv_bases.tolist(), engine._block_strides.tolist(),
                         engine.layout, engine._region.data_ptr(), engine._geometry.num_blocks,
                         engine._chunk_count, engine.stream, engine._ordered,
-                        engine._wait_for, engine._generation_tensor.data_ptr(), programs,
+                        engine._wait_for, engine.generations, programs,
                         num_warps, step_bytes, max_word, tile_bytes)

@@ -143,6 +143,34 @@ class Job:
         return int(self.blocks.size)
 
 
+def index_sections(integrity: bool) -> int:
+    """Runs of one word per entry in a job's index upload (`offload.transfer.kernel`): GPU
+    blocks and host pages; with integrity also each host page's generation, as its low and high
+    32 bits (the words are int32 wherever the indices fit)."""
+    return 4 if integrity else 2
+
+
+def index_words(entries: int, integrity: bool) -> int:
+    """Words a job of ``entries`` entries uploads at most: its sections, then two words that
+    locate a checked load's result word."""
+    return index_sections(integrity) * entries + 2
+
+
+def pack_generations(words: np.ndarray, entries: int, host_pages: np.ndarray,
+                     generations: np.ndarray) -> None:
+    """Write the generation of each entry's host page, as it is now, after a job's blocks and
+    host pages in ``words``: the low 32 bits of entry ``i``'s at ``words[2n + i]``, the rest at
+    ``words[3n + i]``, which the kernel joins as ``(low & 0xFFFFFFFF) | high << 32`` (with
+    int64 words the low word holds the whole value, which that join leaves whole).  A job so
+    carries the generations it was issued under: a later store's renewal of the same pages
+    cannot change what a queued job writes or checks."""
+    n = entries
+    current = generations[host_pages]
+    np.copyto(words[2 * n:3 * n], current, casting="unsafe")  # int32: the low 32 bits
+    np.right_shift(current, 32, out=current)
+    np.copyto(words[3 * n:4 * n], current, casting="unsafe")
+
+
 def as_index_array(values: object, what: str) -> IndexArray:
     """A 1-D integer array of a job (list, tuple, numpy array or CPU torch tensor), without a
     copy when it already is one.  A CUDA tensor is refused: reading it would hide a device

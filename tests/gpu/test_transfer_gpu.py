@@ -651,7 +651,7 @@ def test_a_page_left_by_an_earlier_store_fails_the_load_on_every_path(backend: s
                                                                        route: str) -> None:
     """A store whose copy went missing leaves the earlier store's page and sum, which agree:
     renewing position 5 as that store would (and not copying) makes the load fail there, on
-    every path and layer-wise too -- the kernel reads the page's generation as it runs -- and
+    every path and layer-wise too -- each job carries its pages' generations to the GPU -- and
     giving the page its old generation back makes it load again."""
     kv = kv_set(64, [64 * KiB, 32 * KiB], "cuda")
     with cuda_engine(backend, kv, 4, bpc=16) as (engine, kv, region):
@@ -678,6 +678,42 @@ def test_a_page_left_by_an_earlier_store_fails_the_load_on_every_path(backend: s
         for t in kv:
             pages = t.view(torch.uint8)
             assert torch.equal(pages[40:56], pages[16:32][torch.from_numpy(order).cuda()])
+
+
+@pytest.mark.parametrize(("backend", "route"), INTEGRITY_PATHS)
+def test_a_queued_job_keeps_the_generations_it_was_issued_under(backend: str,
+                                                                route: str) -> None:
+    """A load and a store held behind a busy stream check and write under their pages'
+    generations as they were at ``submit``: renewing those pages meanwhile (a later store's
+    renewal) neither fails the queued load nor changes what the queued store writes."""
+    kv = kv_set(64, [64 * KiB, 32 * KiB], "cuda")
+    with cuda_engine(backend, kv, 4, bpc=16) as (engine, kv, region):
+        rng = np.random.default_rng(1)
+        order = np.arange(16) if route != "kernel" else rng.permutation(16)
+        engine.submit(1, "store", np.arange(16, 32), np.full(16, 2), np.arange(16))
+        assert engine.wait_all() == [1] and engine.job_error(1) is None
+        pages = 2 * engine.layout.blocks_per_chunk + np.arange(16)
+        busy = torch.cuda.Stream()
+        for job_id, direction in ((2, "load"), (3, "store")):
+            with torch.cuda.stream(busy):
+                torch.cuda._sleep(100_000_000)  # tens of ms: the job waits behind it
+            if direction == "load":
+                engine.submit(job_id, "load", np.arange(40, 56), np.full(16, 2), order,
+                              after=busy)
+                engine.renew(pages, integrity.store_generation(7))
+            else:
+                engine.submit(job_id, "store", np.arange(16, 32), np.full(16, 2),
+                              np.arange(16), after=busy)
+                engine.renew(pages, integrity.store_generation(8))
+            assert engine.wait_all() == [job_id] and engine.job_error(job_id) is None
+        engine.renew(pages, integrity.store_generation(3))  # what store 3 wrote under
+        engine.submit(4, "load", np.arange(40, 56), np.full(16, 2), order)
+        assert engine.wait_all() == [4] and engine.job_error(4) is None
+        for t in kv:
+            blocks = t.view(torch.uint8)
+            assert torch.equal(blocks[40:56], blocks[16:32][torch.from_numpy(order).cuda()])
+        if backend == "hybrid":
+            assert engine.routes[route] > 0
 
 
 @needs_triton
