@@ -692,6 +692,9 @@ def test_a_queued_job_keeps_the_generations_it_was_issued_under(backend: str,
         order = np.arange(16) if route != "kernel" else rng.permutation(16)
         engine.submit(1, "store", np.arange(16, 32), np.full(16, 2), np.arange(16))
         assert engine.wait_all() == [1] and engine.job_error(1) is None
+        # a load first, so no job below waits for the JIT while its stream runs ahead
+        engine.submit(9, "load", np.arange(40, 56), np.full(16, 2), order)
+        assert engine.wait_all() == [9] and engine.job_error(9) is None
         pages = 2 * engine.layout.blocks_per_chunk + np.arange(16)
         busy = torch.cuda.Stream()
         for job_id, direction in ((2, "load"), (3, "store")):
@@ -705,6 +708,7 @@ def test_a_queued_job_keeps_the_generations_it_was_issued_under(backend: str,
                 engine.submit(job_id, "store", np.arange(16, 32), np.full(16, 2),
                               np.arange(16), after=busy)
                 engine.renew(pages, integrity.store_generation(8))
+            assert not busy.query()  # the job had not started when its pages were renewed
             assert engine.wait_all() == [job_id] and engine.job_error(job_id) is None
         engine.renew(pages, integrity.store_generation(3))  # what store 3 wrote under
         engine.submit(4, "load", np.arange(40, 56), np.full(16, 2), order)
@@ -714,6 +718,30 @@ def test_a_queued_job_keeps_the_generations_it_was_issued_under(backend: str,
             assert torch.equal(blocks[40:56], blocks[16:32][torch.from_numpy(order).cuda()])
         if backend == "hybrid":
             assert engine.routes[route] > 0
+
+
+@pytest.mark.parametrize(("backend", "route"), INTEGRITY_PATHS)
+def test_generations_past_32_bits_reach_the_gpu_whole(backend: str, route: str) -> None:
+    """Store generations whose low word has its top bit set and whose high word is not zero
+    (a promotion's range): the trailer holds the CPU definition's sums under exactly that
+    generation, and the load checks against it (a join that lost either word would fail)."""
+    kv = kv_set(64, [64 * KiB, 32 * KiB], "cuda")
+    with cuda_engine(backend, kv, 4, bpc=16) as (engine, kv, region):
+        rng = np.random.default_rng(2)
+        order = np.arange(16) if route != "kernel" else rng.permutation(16)
+        for job_id in (integrity.PROMOTED | 0x80000000, integrity.PROMOTED | 0xFFFFFFFE):
+            store = (np.arange(16, 32), np.full(16, 2), np.arange(16))
+            expected = expected_region(region, kv, engine.layout, store, job_id)
+            engine.submit(job_id, "store", *store)
+            assert engine.wait_all() == [job_id] and engine.job_error(job_id) is None
+            assert torch.equal(region, expected)
+            for t in kv:
+                t.view(torch.uint8)[40:56] = 0x11
+            engine.submit(job_id + 1, "load", np.arange(40, 56), np.full(16, 2), order)
+            assert engine.wait_all() == [job_id + 1] and engine.job_error(job_id + 1) is None
+            for t in kv:
+                blocks = t.view(torch.uint8)
+                assert torch.equal(blocks[40:56], blocks[16:32][torch.from_numpy(order).cuda()])
 
 
 @needs_triton
