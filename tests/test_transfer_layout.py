@@ -312,8 +312,8 @@ def test_tensor_ranges_cover_every_tensor_once_in_order(num_tensors: int) -> Non
 def test_packed_generations_join_back_as_the_kernel_reads_them(generations: list[int],
                                                                 data: st.DataObject) -> None:
     """Each entry's page generation, packed after its blocks and host pages into int32 or
-    int64 words, comes back as ``(low & 0xFFFFFFFF) | high << 32`` (the kernel's join), and
-    nothing outside its two sections is written."""
+    int64 words, comes back from words 2n + 2i and 2n + 2i + 1 as ``(low & 0xFFFFFFFF) |
+    high << 32`` (the kernel's join), and nothing outside those 2n words is written."""
     table = np.array(generations, dtype=np.int64)
     n = data.draw(st.integers(0, 30))
     pages = np.array(data.draw(st.lists(st.integers(0, len(table) - 1), min_size=n,
@@ -321,8 +321,8 @@ def test_packed_generations_join_back_as_the_kernel_reads_them(generations: list
     for dtype in (np.int32, np.int64):
         words = np.full(index_words(n, integrity=True), 7, dtype=dtype)
         pack_generations(words, n, pages.astype(dtype), table)
-        low = words[2 * n:3 * n].astype(np.int64) & 0xFFFFFFFF
-        high = words[3 * n:4 * n].astype(np.int64)
+        low = words[2 * n:4 * n:2].astype(np.int64) & 0xFFFFFFFF
+        high = words[2 * n + 1:4 * n:2].astype(np.int64)
         assert np.array_equal(low | (high << 32), table[pages])
         assert (words[:2 * n] == 7).all() and (words[4 * n:] == 7).all()
     assert np.array_equal(table, np.array(generations, dtype=np.int64))  # the table unchanged

@@ -136,12 +136,12 @@ def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc, sums
     block stride, page, host base (elements); then, for integrity, units per page, the trailer
     word of (chunk 0, position 0, unit 0) counted from ``sums`` (``anchor`` as 64-bit words),
     the tensor's identity key and the row stride in words.  ``job`` is [2, n]: block ids, then
-    host pages; with ``INTEGRITY`` [4, n], each host page's generation following as its low and
-    high 32 bits (`layout.pack_generations`), and for a checked load the result word's offset
-    from ``sums`` as two 32-bit halves after them.  A launch covers entries ``first_entry`` on
-    and tensors ``first_tensor`` on: work item ``w`` = (entry, tensor, piece) of that range in
-    row-major order; a program handles ROWS items per step.  ``COPY`` off: only sum the GPU pages
-    (copy-engine jobs).
+    host pages; with ``INTEGRITY`` [4, n], each host page's generation following as two words,
+    its low and high 32 bits (`layout.pack_generations`), and for a checked load the result
+    word's offset from ``sums`` as two 32-bit halves after them.  A launch covers entries
+    ``first_entry`` on and tensors ``first_tensor`` on: work item ``w`` = (entry, tensor,
+    piece) of that range in row-major order; a program handles ROWS items per step.  ``COPY``
+    off: only sum the GPU pages (copy-engine jobs).
 
     ``STAGED``: the host side is a staging buffer in GPU memory instead of the region -- row
     ``(entry - first_entry) // bpc`` of ``row_stride`` elements from ``stage`` holds the slot
@@ -195,8 +195,8 @@ def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc, sums
         if INTEGRITY:
             has = count > 0
             # the page's generation as the job was issued (`layout.pack_generations`)
-            gen_low = tl.load(job + 2 * n + i, mask=valid, other=0).to(tl.int64) & 0xFFFFFFFF
-            gen_high = tl.load(job + 3 * n + i, mask=valid, other=0).to(tl.int64)
+            gen_low = tl.load(job + 2 * n + 2 * i, mask=valid, other=0).to(tl.int64) & 0xFFFFFFFF
+            gen_high = tl.load(job + 2 * n + 2 * i + 1, mask=valid, other=0).to(tl.int64)
             generation = (gen_low | (gen_high << 32)).to(tl.uint64, bitcast=True)
             if not STAGED:
                 row_words = tl.load(entry + 7, mask=valid, other=0)

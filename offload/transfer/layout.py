@@ -145,8 +145,8 @@ class Job:
 
 def index_sections(integrity: bool) -> int:
     """Runs of one word per entry in a job's index upload (`offload.transfer.kernel`): GPU
-    blocks and host pages; with integrity also each host page's generation, as its low and high
-    32 bits (the words are int32 wherever the indices fit)."""
+    blocks and host pages; with integrity also each host page's generation, as two words (the
+    words are int32 wherever the indices fit)."""
     return 4 if integrity else 2
 
 
@@ -159,16 +159,22 @@ def index_words(entries: int, integrity: bool) -> int:
 def pack_generations(words: np.ndarray, entries: int, host_pages: np.ndarray,
                      generations: np.ndarray) -> None:
     """Write the generation of each entry's host page, as it is now, after a job's blocks and
-    host pages in ``words``: the low 32 bits of entry ``i``'s at ``words[2n + i]``, the rest at
-    ``words[3n + i]``, which the kernel joins as ``(low & 0xFFFFFFFF) | high << 32`` (with
-    int64 words the low word holds the whole value, which that join leaves whole).  A job so
-    carries the generations it was issued under: a later store's renewal of the same pages
-    cannot change what a queued job writes or checks."""
+    host pages in ``words``: entry ``i``'s low 32 bits at ``words[2n + 2i]`` and the rest at
+    ``words[2n + 2i + 1]``, which the kernel joins as ``(low & 0xFFFFFFFF) | high << 32``.
+    A job so carries the generations it was issued under: a later store's renewal of the same
+    pages cannot change what a queued job writes or checks.
+
+    With int32 words the pair is the little-endian int64 itself (CUDA hosts are little-endian),
+    so one gather writes it; int64 words (indices past 2^31) hold the whole value in the low
+    word, which the join leaves whole."""
     n = entries
+    pairs = words[2 * n:4 * n]
+    if words.itemsize == 4:  # pages are checked: "clip" only spares numpy a buffered copy
+        np.take(generations, host_pages, out=pairs.view(np.int64), mode="clip")
+        return
     current = generations[host_pages]
-    np.copyto(words[2 * n:3 * n], current, casting="unsafe")  # int32: the low 32 bits
-    np.right_shift(current, 32, out=current)
-    np.copyto(words[3 * n:4 * n], current, casting="unsafe")
+    pairs[0::2] = current
+    pairs[1::2] = current >> 32
 
 
 def as_index_array(values: object, what: str) -> IndexArray:
