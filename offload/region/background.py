@@ -2,21 +2,22 @@
 on the tier's own threads, while the engine loads its weights and serves (DESIGN.md section 3.9).
 
 ``BackgroundSetup`` runs `geometry.setup_units` once the copy kernel is compiled: a pool of
-pre-fault threads populates the units ahead (``MADV_POPULATE_WRITE``), and one pin thread, in
+pre-fault threads populates the units ahead (write faults, page by page: `populate.c`), and one
+pin thread, in
 turns with them, registers the units populated so far, strictly in order, and announces after
 each "rows below R are usable" through ``on_ready`` (the rank's ready word on the node board).
 
 The pre-fault threads never hold the GIL while they work: each makes one call into
 ``populate.c`` (built like the package's other C code, `offload.build_cache`), which takes
 units from a shared counter and populates them until none is left.  Python threads would take
-the GIL back after every ``madvise``; sixteen of them doing so hand it around the engine's own
-threads (and, under SCHED_IDLE, could be preempted holding it).  Without a C compiler, on a
-kernel without the advice, or with a test's ``populate`` stand-in, the same loop runs in
-Python.  Every thread is a daemon: interpreter exit never waits for the rest of a region's
-pre-fault (a thread pool's workers would be joined, queue drained, before any ``atexit``
-closer could stop them).  Registration is kept off every caller's path: a registration call
-holds the CUDA driver for its whole duration, so units are small (`UNIT_BYTES`) and nothing
-here ever runs inside ``submit``.
+the GIL back after every piece; sixteen of them doing so hand it around the engine's own
+threads (and, under SCHED_IDLE, could be preempted holding it).  Without a C compiler, or with
+a test's ``populate`` stand-in, the same loop runs in Python (``MADV_POPULATE_WRITE``, or
+`Populator`'s touch fallback).  Every thread is a daemon: interpreter exit never waits for the
+rest of a region's pre-fault (a thread pool's workers would be joined, queue drained, before
+any ``atexit`` closer could stop them).  Registration is kept off every caller's path: a
+registration call holds the CUDA driver for its whole duration, so units are small
+(`UNIT_BYTES`) and nothing here ever runs inside ``submit``.
 
 A failure (no memory, a refused registration) stops the set-up where it is: the rows already
 announced stay usable, ``error`` says why, and ``on_ready(rows, stopped=True)`` tells the
@@ -45,13 +46,10 @@ from offload.errors import one_line
 from offload.geometry import SetupUnit
 from offload.region.pin import Pinner
 from offload.region.prefault import (
-    MADV_POPULATE_WRITE,
     PopulateFn,
     Populator,
     ProgressFn,
     madvise_populate,
-    populate_error,
-    populate_supported,
 )
 from offload.region.shm import close_fds
 
@@ -63,14 +61,16 @@ log = logging.getLogger(__name__)
 # ~6 GiB/s per process 8 MiB keeps that wait near 1 ms.  A row larger than this is registered
 # in pieces (`geometry.registration_cuts`), which the copy paths split their copies at.
 UNIT_BYTES = 8 << 20
-# NOTE: the C loop's longest madvise: the advice holds the mmap lock for reading, and at idle
-# priority on a busy host a call can take long to finish while every thread that maps memory
-# waits (measured on 2 busy vCPUs, 8 MiB calls: up to 2.8-3.5 s for a 4 KiB mmap).  The same
-# bound as a unit, so a private region's 40 MiB rows take five calls; 2 MiB calls populated
-# 1.5-2x slower (docs/BENCHMARKS.md, "Set-up that leaves the engine alone").  On an H200 host
-# 2 and 0.5 MiB calls neither shortened the engine threads' 6-20 ms mmap-lock waits nor kept
-# shared set-up as fast (docs/BENCHMARKS.md, "Shorter `madvise` calls do not bound the waits").
-MADVISE_BYTES = UNIT_BYTES
+# NOTE: the C loop populates by write faults, not MADV_POPULATE_WRITE: the advice holds the mmap
+# lock for reading for a whole call, and the engine's threads that map, unmap or protect memory
+# waited 6-15 ms behind the calls in flight on an H200 host at any call length, priority or
+# thread count, while a fault takes only its VMA's lock (the NOTE at the top of populate.c).
+# On the CI machine (2 cores, a 2 GiB memfd, 2 idle-priority workers beside a spinning process,
+# `scratch` probe): a 4 KiB mmap + munmap + mprotect every ms waited p50 0.02-0.03 / p99
+# 0.06-0.20 ms against 19-21 / 28-29 ms, and populating took 2.7-3.4 s against 5.2-9.9 s.
+# A piece is what a worker does between two looks at the pin thread's pause: the same bound
+# as a unit, so a hold waits for one unit's populating at most.
+PIECE_BYTES = UNIT_BYTES
 # NOTE: registrations and populating take turns (`BackgroundSetup._populate_held`): the pin
 # thread holds the pre-fault threads back while it registers the units populated so far, for
 # this long at most, and a batch cut short by it is followed by as long a turn for populating
@@ -86,8 +86,8 @@ MADVISE_BYTES = UNIT_BYTES
 # pile up first cut the holds 4x yet made every row ready 1.07-1.33x later on an H200 host
 # (docs/BENCHMARKS.md, "Registration batches after a backlog: slower on the GPU").
 REGISTER_BATCH_S = 0.05
-# How long the pin thread waits for the madvise calls in flight before it registers beside
-# them: a worker preempted at idle priority inside its call may take long to finish it (up to
+# How long the pin thread waits for the pieces in flight before it registers beside
+# them: a worker preempted at idle priority inside its piece may take long to finish it (up to
 # 2 s measured on 2 busy vCPUs), and the rows already populated should not wait for it.  As
 # long as a batch: waiting delays only readiness, registering beside the calls the engine.
 DRAIN_WAIT_S = 0.05
@@ -117,7 +117,9 @@ def yield_cpu() -> None:
 
     Only the C loop's workers call it: a Python worker takes the GIL back after every call,
     and preempted at idle priority while holding it, it would make every other thread wait for
-    a free CPU.  The C loop's own hazard is the mmap lock (`MADVISE_BYTES`)."""
+    a free CPU.  A C worker preempted inside a piece holds no lock the engine waits for (its
+    faults take only the region's VMA lock); the pin thread waits `DRAIN_WAIT_S` at most for
+    its piece."""
     policy = getattr(os, "SCHED_IDLE", None)
     if policy is not None:
         with contextlib.suppress(OSError):
@@ -132,8 +134,8 @@ def native_populator() -> ctypes.CDLL | None:
     if lib is not None:
         pointer = ctypes.c_void_p
         lib.offload_populate_units.argtypes = [ctypes.c_uint64, pointer, pointer, ctypes.c_int64,
-                                               pointer, pointer, pointer, ctypes.c_int32,
-                                               ctypes.c_int64, pointer, pointer]
+                                               pointer, pointer, pointer, ctypes.c_int64,
+                                               pointer, pointer]
         lib.offload_pause_populate.argtypes = [pointer, pointer, ctypes.c_int64]
         lib.offload_pause_populate.restype = ctypes.c_int32
         lib.offload_resume_populate.argtypes = [pointer]
@@ -179,7 +181,7 @@ class BackgroundSetup:
         self.first_ready_s: float | None = None  # from start until the first row was usable
         self.busy_s = 0.0  # inside registration calls
         self._registered_bytes = 0  # of the units registered so far (progress)
-        self.undrained = 0  # registration batches that began beside madvise calls in flight
+        self.undrained = 0  # registration batches that began beside pieces in flight
         self.turns = 0  # batches cut short that gave populating its turn
         self.holds = 0  # registration batches, each holding populating back
         self.longest_call_s = 0.0  # the longest single registration call
@@ -195,10 +197,9 @@ class BackgroundSetup:
         # set: the pre-fault threads take no further unit (a failed unit, `stop`, the pin
         # thread's error); an aligned store populate.c reads with acquire
         self._stop_flag = np.zeros(1, dtype=np.int32)
-        # the C loop where the kernel takes the advice; else (or with a test's stand-in) the
-        # Python loop, whose `Populator` falls back to touching pages on every worker
-        native = populate is madvise_populate and populate_supported()
-        self._native = native_populator() if native else None
+        # the C loop (write faults: any kernel); with a test's stand-in, or without a
+        # compiler, the Python loop (the advice, or `Populator`'s touch fallback)
+        self._native = native_populator() if populate is madvise_populate else None
         self._base = base
         if self._native is not None:  # populate.c's tables: ranges, each unit's first range
             self._ranges = np.array([(r.offset, r.length) for u in self._units for r in u.ranges],
@@ -207,7 +208,7 @@ class BackgroundSetup:
             self._counter = np.zeros(1, dtype=np.int64)  # the next unit to take (atomic in C)
         self._next_unit = itertools.count()  # the Python loop's shared counter (atomic)
         # registrations apart from populating (`_populate_held`): populate.c's pause flag and
-        # count of madvise calls in flight, or the Python loop's own under a condition
+        # count of pieces in flight, or the Python loop's own under a condition
         self._pause = np.zeros(1, dtype=np.int32)
         self._inflight = np.zeros(1, dtype=np.int64)
         self._gate = threading.Condition()
@@ -229,10 +230,10 @@ class BackgroundSetup:
             thread.start()
         # NOTE: no thread populates before every thread exists.  Creating a thread maps its
         # stack, which takes the mmap lock for writing, so it waits for every populating
-        # madvise in flight -- while holding the GIL: starting 8 workers one after another
-        # beside the first ones' populating stalled the whole process for 0.4 s on the CI
-        # machine and is the suspect of 1.5-2.3 s on the device (docs/BENCHMARKS.md, "Set-up
-        # that leaves the engine alone").
+        # madvise in flight (the Python loop's) -- while holding the GIL: starting 8 workers
+        # one after another beside the first ones' populating stalled the whole process for
+        # 0.4 s on the CI machine and is the suspect of 1.5-2.3 s on the device
+        # (docs/BENCHMARKS.md, "Set-up that leaves the engine alone").
         self._go.set()
         return self
 
@@ -292,7 +293,7 @@ class BackgroundSetup:
             self._native.offload_populate_units(
                 self._base, self._ranges.ctypes.data, self._first.ctypes.data,
                 len(self._units), self._counter.ctypes.data, self._state.ctypes.data,
-                self._stop_flag.ctypes.data, MADV_POPULATE_WRITE, MADVISE_BYTES,
+                self._stop_flag.ctypes.data, PIECE_BYTES,
                 self._pause.ctypes.data, self._inflight.ctypes.data)
             self.populated_s = time.perf_counter() - self.started  # no unit left to take
             return
@@ -343,20 +344,17 @@ class BackgroundSetup:
         return self._poll(lambda: self._state[i] != 0)
 
     def _populated(self, i: int) -> None:
-        """Raise unit ``i``'s failure, if it had one (from the C loop: its errno, worded as
-        `Populator` words it)."""
-        state = int(self._state[i])
-        if state > 0:
+        """Raise unit ``i``'s failure, if it had one (only the Python loop's units fail: a
+        write fault that cannot be served does not return)."""
+        if self._state[i] > 0:
             return
         failure = self._failed[i]
-        if failure is not None:
-            raise failure
-        unit = self._units[i].ranges[0]
-        raise populate_error(-state, self._base + unit.offset, self._units[i].length)
+        assert failure is not None  # a negative state comes with its exception
+        raise failure
 
     @contextlib.contextmanager
     def _populate_held(self) -> Iterator[None]:
-        """The pre-fault threads start no ``madvise`` inside, and those in flight finish
+        """The pre-fault threads start no piece inside, and those in flight finish
         first, for `DRAIN_WAIT_S` at most (`undrained` counts the holds that gave up waiting).
         A registration beside them took up to 30-100 ms where alone it took 3-4 ms (the NOTE
         above `REGISTER_BATCH_S`), and holds the CUDA driver all along."""

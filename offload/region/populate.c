@@ -2,22 +2,30 @@
  * loaded by offload/region/background.py (why: its docstring).
  *
  * Each worker thread makes one call and stays in C until every unit is taken or `stop` is set:
- * it takes the next unit from the shared counter, populates the unit's ranges with madvise
- * calls of at most `step` bytes, and publishes the unit's state.  Python's threads would instead
- * take the GIL back after every madvise, and a pool of them hands the GIL around the engine's
- * own threads.  The calls are short because the advice holds the process's mmap lock for
- * reading while it runs, and these threads run at idle priority: on a host whose every CPU is
- * busy, a call may take long to finish, and every thread that maps memory waits for it.
+ * it takes the next unit from the shared counter, populates the unit's ranges in pieces of at
+ * most `step` bytes, and publishes the unit's state.  Python's threads would instead take the
+ * GIL back after every piece, and a pool of them hands the GIL around the engine's own threads.
  *
- * state[i]: 0 while unit i is pending, 1 once populated, or -errno of the call that failed.
- * A failure is final: the worker sets `stop`, so no thread takes a further unit (set-up stops
- * at the first failed unit; populating the rest would only take memory that is not there).
- * Every unit below a failed one was taken before it and gets a state, so the caller, which
- * waits for units in order and stops at the first failure, never waits for one nobody took.
- * Only called where the kernel takes the advice (the caller checks): EINVAL is no fallback here.
+ * A piece is populated by write faults, one per page (an atomic OR of 0: a write access that
+ * changes no byte, whoever else writes the page), not by MADV_POPULATE_WRITE.  The advice holds
+ * the process's mmap lock for reading for the whole call, and every thread of the engine that
+ * maps, unmaps or protects memory (malloc growing an arena does) waits for the calls in flight:
+ * 6-15 ms per wait beside 8 MiB calls on an H200 host, at any call length, priority or thread
+ * count (docs/BENCHMARKS.md, "What holds the mmap lock during set-up").  A page fault takes only
+ * its VMA's own lock (Linux 6.4+ anonymous, 6.7+ shared memory), so the engine's threads never
+ * wait for it; older kernels take the mmap lock for one page at a time.  Nothing is lost: the
+ * regions are memfds or anonymous memory, where a page that cannot be had is the OOM killer's
+ * either way, or named files reserved in full before any page is touched (a page past a full
+ * mount would be a SIGBUS).
  *
- * `pause` and `inflight` keep the pin thread's registrations apart from the madvise calls: a
- * worker counts itself in `inflight` for the length of each call and starts none while `pause`
+ * state[i]: 0 while unit i is pending, 1 once populated, or -errno of the call that failed
+ * (the reservation's; a fault that fails does not return).  A failure is final: the worker sets
+ * `stop`, so no thread takes a further item.  Every item below a failed one was taken before it
+ * and gets a state, so the caller, which waits for items in order and stops at the first
+ * failure, never waits for one nobody took.
+ *
+ * `pause` and `inflight` keep the pin thread's registrations apart from the populating: a
+ * worker counts itself in `inflight` for the length of each piece and starts none while `pause`
  * is set, and the pin thread sets `pause` and waits for `inflight` to drain before it registers
  * (offload_pause_populate).  A registration beside populating threads of the same process took
  * up to 30-100 ms where alone it took 3-4 ms, and holds the CUDA driver all along.  The wait is
@@ -28,7 +36,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdint.h>
-#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -37,7 +44,7 @@ static void nap(long nanoseconds) {
     nanosleep(&t, NULL);
 }
 
-/* Count this worker in for one madvise call once no pause is asked.  Sequentially consistent
+/* Count this worker in for one piece once no pause is asked.  Sequentially consistent
  * both sides: either the pin thread sees the count, or the worker sees the pause and backs out. */
 static void enter(const int32_t *pause, int64_t *inflight) {
     for (;;) {
@@ -57,7 +64,7 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* The pin thread's side: no madvise starts after this returns.  Returns 1 once none is in
+/* The pin thread's side: no piece starts after this returns.  Returns 1 once none is in
  * flight, 0 if some still were after `wait_ns` (the caller registers beside them). */
 int32_t offload_pause_populate(int32_t *pause, const int64_t *inflight, int64_t wait_ns) {
     __atomic_store_n(pause, 1, __ATOMIC_SEQ_CST);
@@ -88,29 +95,31 @@ static void publish(int32_t *state, int32_t *stop, int64_t i, int32_t result) {
         __atomic_store_n(stop, 1, __ATOMIC_RELEASE);
 }
 
+/* Write-fault every page that [start, start + length) touches, at an address inside it. */
+static void touch_pages(uintptr_t start, int64_t length, uintptr_t page) {
+    uintptr_t end = start + (uintptr_t)length;
+    for (uintptr_t at = start & ~(page - 1); at < end; at += page) {
+        uint8_t *byte = (uint8_t *)(at < start ? start : at);
+        __atomic_fetch_or(byte, (uint8_t)0, __ATOMIC_RELAXED);
+    }
+}
+
 int64_t offload_populate_units(uint64_t base, const int64_t *ranges, const int64_t *first,
                                int64_t units, int64_t *next, int32_t *state, int32_t *stop,
-                               int32_t advice, int64_t step, const int32_t *pause,
-                               int64_t *inflight) {
+                               int64_t step, const int32_t *pause, int64_t *inflight) {
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
     int64_t done = 0;
     for (int64_t i; (i = take(next, stop, units)) >= 0; done++) {
-        int32_t result = 1;
-        for (int64_t r = first[i]; r < first[i + 1] && result > 0; r++) {
+        for (int64_t r = first[i]; r < first[i + 1]; r++) {
             int64_t offset = ranges[2 * r], length = ranges[2 * r + 1];
             for (int64_t at = 0; at < length; at += step) {
                 int64_t piece = length - at < step ? length - at : step;
-                void *address = (void *)(uintptr_t)(base + (uint64_t)(offset + at));
                 enter(pause, inflight);
-                int rc = madvise(address, (size_t)piece, advice);
-                int err = errno;
+                touch_pages((uintptr_t)(base + (uint64_t)(offset + at)), piece, page);
                 __atomic_fetch_sub(inflight, 1, __ATOMIC_SEQ_CST);
-                if (rc != 0) {
-                    result = -err;
-                    break;
-                }
             }
         }
-        publish(state, stop, i, result);
+        publish(state, stop, i, 1);
     }
     return done;
 }
