@@ -168,3 +168,15 @@ def test_out_of_memory_at_reservation_is_a_clear_error(monkeypatch: pytest.Monke
                                            "lower --cpu-bytes, free memory"):
         create_memfds("enomem", [MiB, MiB], 2)
     assert set(os.listdir("/proc/self/fd")) <= before  # every memfd closed, so freed
+
+
+@pytest.mark.parametrize(("setting", "strict"), [("2\n", True), ("0\n", False), ("1\n", False),
+                                                 (None, False)])
+def test_strict_overcommit_reads_the_hosts_setting(tmp_path: Path, setting: str | None,
+                                                   strict: bool) -> None:
+    """Mode 2 (never overcommit) makes set-up reserve node memfds in `create`; a missing file
+    (not Linux) is no strict host."""
+    path = tmp_path / "overcommit_memory"
+    if setting is not None:
+        path.write_text(setting)
+    assert space.strict_overcommit(str(path)) is strict

@@ -494,8 +494,9 @@ def _reserved_where(rank: int, mode: str, shm_dir: str) -> object:
     """Background set-up of a region of 5 files: what the leader's `BackgroundReservation` did
     (each file's state), and which threads called ``posix_fallocate`` (the reservation in
     `create`, or the Python loop's).  ``mode``: "ok"; "full" (the Python loop, whose every
-    reservation fails with ENOSPC); "old-kernel" (no MADV_POPULATE_WRITE: pages would be
-    touched); "named" (files in ``shm_dir``, whose file system may lack fallocate)."""
+    reservation fails with ENOSPC); "strict" (a host that refuses to overcommit, where a write
+    fault on an unreserved memfd page would be a SIGBUS); "named" (files in ``shm_dir``, whose
+    file system may lack fallocate)."""
     import errno
 
     import offload.region.background as background
@@ -511,8 +512,8 @@ def _reserved_where(rank: int, mode: str, shm_dir: str) -> object:
         fallocate(fd, offset, length)
 
     os.posix_fallocate = recording
-    if mode == "old-kernel":
-        host_region.populate_supported = lambda: False
+    if mode == "strict":
+        host_region.strict_overcommit = lambda: True
     if mode == "full":
         background.native_populator = lambda: None
     files = {"shm_dir": shm_dir} if mode == "named" else {}
@@ -531,12 +532,12 @@ def _reserved_where(rank: int, mode: str, shm_dir: str) -> object:
     return calls, full, error, segments, states
 
 
-@pytest.mark.parametrize("mode", ["ok", "full", "old-kernel", "named"])
+@pytest.mark.parametrize("mode", ["ok", "full", "strict", "named"])
 def test_the_leader_reserves_the_node_files_behind_create(mode: str, shm_dir) -> None:
     """Background set-up leaves the memfds' reservation to the leader's threads, so `create`
-    does not wait for it; a reservation that fails only logs (the pre-fault allocates and
-    words a real lack of memory); named files, and memfds where pages would be touched rather
-    than populated, are reserved in `create` as before."""
+    does not wait for it; a reservation that fails only logs (the pre-fault's faults allocate
+    the rest); named files, and memfds on a host that refuses to overcommit, are reserved in
+    `create` as before."""
     outcomes = run_group(_reserved_where, 2, args=(mode, str(shm_dir)), timeout=90)
     for o in outcomes:
         assert o.ok, o.error
@@ -544,7 +545,7 @@ def test_the_leader_reserves_the_node_files_behind_create(mode: str, shm_dir) ->
     calls, full, error, segments, states = leader
     assert full and peer[1] and segments == 5
     assert peer[0] == [] and peer[4] is None  # peers reserve nothing
-    if mode in ("old-kernel", "named"):  # in create, every file
+    if mode in ("strict", "named"):  # in create, every file
         assert states is None and len(calls) == segments
         assert not any(name.startswith("offload-bg-reserve") for name in calls)
     elif mode == "ok":  # in C, behind create: no posix_fallocate at all

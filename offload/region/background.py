@@ -189,9 +189,9 @@ class BackgroundSetup:
         # benchmark lines the engine's launch waits up against
         self.calls: list[tuple[float, float]] = []
         self.total_bytes = sum(u.length for u in self._units)
-        # unit i: _state[i] is 0 while pending, 1 once populated, negative when it failed
-        # (populate.c's -errno; -1 from Python, the error in _failed[i]).  Written by the
-        # pre-fault threads, read by the pin thread.
+        # unit i: _state[i] is 0 while pending, 1 once populated, -1 when the Python loop
+        # failed on it (the error in _failed[i]; the C loop's faults do not fail, they do not
+        # return).  Written by the pre-fault threads, read by the pin thread.
         self._state = np.zeros(len(self._units), dtype=np.int32)
         self._failed: list[BaseException | None] = [None] * len(self._units)
         # set: the pre-fault threads take no further unit (a failed unit, `stop`, the pin
@@ -245,7 +245,8 @@ class BackgroundSetup:
 
     @property
     def fallback(self) -> bool:
-        """True when the kernel refused MADV_POPULATE_WRITE and pages were touched instead."""
+        """True when the Python loop found MADV_POPULATE_WRITE refused and touched pages
+        instead (the C loop always write-faults: False there)."""
         return self._populator.unsupported.is_set()
 
     def wait(self, timeout_s: float | None = None) -> bool:
@@ -349,7 +350,8 @@ class BackgroundSetup:
         if self._state[i] > 0:
             return
         failure = self._failed[i]
-        assert failure is not None  # a negative state comes with its exception
+        if failure is None:  # the Python loop records the error before the state
+            raise RuntimeError(f"unit {i} failed to populate and left no error")
         raise failure
 
     @contextlib.contextmanager
@@ -450,9 +452,11 @@ class BackgroundReservation:
     Nothing waits for it.  A page the ranks' pre-fault reaches first is allocated by the fault
     and skipped by the reservation, and the other way round; reserving files in parallel ahead
     of the row-order pre-fault is what keeps it fast, since pages of one shmem file are
-    allocated one at a time.  Running out of room shows up where it matters, in the set-up of
-    the rank whose pre-fault gets there (`Populator` words it); here it is logged once and the
-    rest of the files are left to the pre-fault.
+    allocated one at a time.  A reservation that fails is logged once and the rest of the files
+    are left to the ranks' pre-fault, whose faults allocate them (memory that is not there is
+    then the OOM killer's, as for any allocation; hosts that refuse to overcommit, where a fault
+    past the commit limit would be a SIGBUS, reserve in `create` instead:
+    `space.strict_overcommit`).
 
     Each thread makes one call into ``populate.c`` (``offload_reserve_files``): ``fallocate(2)``
     in `RESERVE_BYTES` pieces, at idle priority and without the GIL.  Without a compiler, Python

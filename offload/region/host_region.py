@@ -82,7 +82,7 @@ from offload.region.nameless import (
 from offload.region.numa import Placement, bytes_on_node
 from offload.region.pin import Pinner, Registrar
 from offload.region.pipeline import PinPipeline
-from offload.region.prefault import ProgressFn, plan_pieces, populate_supported, prefault
+from offload.region.prefault import ProgressFn, plan_pieces, prefault
 from offload.region.shm import (
     Mapping,
     check_tier_id,
@@ -93,7 +93,7 @@ from offload.region.shm import (
     unlink_if_ours,
     unlink_quiet,
 )
-from offload.region.space import check_space
+from offload.region.space import check_space, strict_overcommit
 from offload.region.sync import NodeSync
 from offload.topology import Topology
 
@@ -344,10 +344,10 @@ class HostRegion:
         peers = sync.topology.local_world_size - 1
 
         # background set-up: memfds are reserved behind `create`, on the leader's threads (not
-        # named files, whose file system may lack fallocate: `BackgroundReservation`; nor where
-        # pages are touched rather than populated: an unreserved page of a full mount would be
-        # a SIGBUS)
-        deferred = files.config.background and files.nameless and populate_supported()
+        # named files, whose file system may lack fallocate: `BackgroundReservation`; nor on a
+        # host that refuses to overcommit, where set-up's write fault on a page not yet
+        # reserved would be a SIGBUS: `space.strict_overcommit`)
+        deferred = files.config.background and files.nameless and not strict_overcommit()
 
         def create() -> str | None:
             check()

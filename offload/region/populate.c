@@ -13,23 +13,24 @@
  * 6-15 ms per wait beside 8 MiB calls on an H200 host, at any call length, priority or thread
  * count (docs/BENCHMARKS.md, "What holds the mmap lock during set-up").  A page fault takes only
  * its VMA's own lock (Linux 6.4+ anonymous, 6.7+ shared memory), so the engine's threads never
- * wait for it; older kernels take the mmap lock for one page at a time.  Nothing is lost: the
- * regions are memfds or anonymous memory, where a page that cannot be had is the OOM killer's
- * either way, or named files reserved in full before any page is touched (a page past a full
- * mount would be a SIGBUS).
+ * wait for it; older kernels take the mmap lock for one page at a time.  What is given up is a
+ * call's error: a page that cannot be had is the OOM killer's (memfds, anonymous memory -- as it
+ * mostly is for the advice too) or a SIGBUS (a page past a full mount, or a memfd page past the
+ * commit limit of a host that refuses to overcommit), so every page that could be a SIGBUS is
+ * reserved before set-up touches it (named files in `create`; memfds there too on such hosts).
  *
- * state[i]: 0 while unit i is pending, 1 once populated, or -errno of the call that failed
- * (the reservation's; a fault that fails does not return).  A failure is final: the worker sets
- * `stop`, so no thread takes a further item.  Every item below a failed one was taken before it
- * and gets a state, so the caller, which waits for items in order and stops at the first
- * failure, never waits for one nobody took.
+ * state[i]: 0 while item i is pending, 1 once done; the reservation's items also -errno of the
+ * call that failed.  A failure is final: the worker sets `stop`, so no thread takes a further
+ * item.  Every item below a failed one was taken before it and gets a state, so the caller,
+ * which waits for items in order and stops at the first failure, never waits for one nobody
+ * took.
  *
  * `pause` and `inflight` keep the pin thread's registrations apart from the populating: a
  * worker counts itself in `inflight` for the length of each piece and starts none while `pause`
  * is set, and the pin thread sets `pause` and waits for `inflight` to drain before it registers
  * (offload_pause_populate).  A registration beside populating threads of the same process took
  * up to 30-100 ms where alone it took 3-4 ms, and holds the CUDA driver all along.  The wait is
- * bounded: an idle-priority worker preempted inside its call may not finish it for long, and
+ * bounded: an idle-priority worker preempted inside its piece may not finish it for long, and
  * rows already populated should not wait for it.
  */
 #define _GNU_SOURCE /* fallocate(2) */
@@ -95,12 +96,18 @@ static void publish(int32_t *state, int32_t *stop, int64_t i, int32_t result) {
         __atomic_store_n(stop, 1, __ATOMIC_RELEASE);
 }
 
+/* Always 0, but the compiler cannot know it: an atomic OR of a constant 0 whose result is
+ * unused may be compiled to nothing at all (clang does; a plain read on older clang), which
+ * would leave anonymous memory mapped to the zero page instead of populated. */
+static volatile uint8_t zero;
+
 /* Write-fault every page that [start, start + length) touches, at an address inside it. */
 static void touch_pages(uintptr_t start, int64_t length, uintptr_t page) {
     uintptr_t end = start + (uintptr_t)length;
+    uint8_t nothing = zero;
     for (uintptr_t at = start & ~(page - 1); at < end; at += page) {
         uint8_t *byte = (uint8_t *)(at < start ? start : at);
-        __atomic_fetch_or(byte, (uint8_t)0, __ATOMIC_RELAXED);
+        __atomic_fetch_or(byte, nothing, __ATOMIC_RELAXED);
     }
 }
 
@@ -129,7 +136,9 @@ int64_t offload_populate_units(uint64_t base, const int64_t *ranges, const int64
  * there, and no emulation ever writes to a file.  state[i]: 0 while file i is pending (or was
  * left part-way by `stop`), 1 once reserved -- its descriptor is then closed here -- or
  * -errno of the call that failed, which sets `stop` (the rest is left to the ranks' pre-fault,
- * which words a real lack of memory where it meets it).  Holds no GIL, like the loop above. */
+ * whose faults allocate it; memory that is not there is then the OOM killer's, as for any
+ * allocation, and hosts that refuse to overcommit reserve in `create` instead of here).  Holds
+ * no GIL, like the loop above. */
 int64_t offload_reserve_files(const int32_t *fds, const int64_t *lengths, int64_t files,
                               int64_t *next, int32_t *state, int32_t *stop, int64_t piece) {
     int64_t done = 0;

@@ -75,6 +75,18 @@ def check_space(shm_dir: str | None, needed: int) -> None:
             "or free memory")
 
 
+def strict_overcommit(path: str = "/proc/sys/vm/overcommit_memory") -> bool:
+    """Whether the host refuses to overcommit (``vm.overcommit_memory`` = 2).  A memfd's page
+    is then charged against the commit limit when it is first allocated, and a write fault
+    past that limit is a SIGBUS (shmem's own choice), not an error a call returns: touched
+    pages must be reserved first."""
+    try:
+        with open(path) as f:
+            return f.read().strip() == "2"
+    except OSError:
+        return False
+
+
 def available_memory() -> tuple[int, str]:
     """Bytes of memory this process may still fill, and what bounds it (``MemAvailable`` or
     the tightest enclosing cgroup limit)."""
