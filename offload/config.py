@@ -147,10 +147,10 @@ class TierConfig:
     """With ``background`` (``--setup-context``), register in a CUDA context of the tier's own
     (``PORTABLE``, so the engine's context sees the memory pinned and mapped): a registration
     holds its context's driver lock, and in the engine's context every kernel launch issued
-    meanwhile waits for it.  Measured inside the tier (48 GiB over 2 ranks, H200): the launch
-    p99 during set-up 0.4-1.0 ms against 1.0-2.0 ms, the worst wait 2.1-4.7 against 3.0-5.6 ms.
-    Off by default: it costs about 260 MiB of GPU memory per rank for the tier's life and a
-    context creation in ``create``, and it bounds no wait (the worst stay 2-5 ms)."""
+    meanwhile waits for it.  Measured inside the tier (48 GiB over 2 ranks, H200, one call): the
+    engine's worst launch wait during set-up 1.7 / 2.0 ms against 3.7-4.8 ms, p99 0.4 against
+    0.9 ms.  Off by default until a second measurement confirms that bound: it costs about
+    260 MiB of GPU memory per rank for the tier's life and a context creation in ``create``."""
 
     metrics_port: int | None = None
     """Serve live Prometheus metrics (``offload_*``, `offload.metrics`) on this port plus the
