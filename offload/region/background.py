@@ -3,9 +3,9 @@ on the tier's own threads, while the engine loads its weights and serves (DESIGN
 
 ``BackgroundSetup`` runs `geometry.setup_units` once the copy kernel is compiled: a pool of
 pre-fault threads populates the units ahead (write faults, page by page: `populate.c`), and one
-pin thread, in
-turns with them, registers the units populated so far, strictly in order, and announces after
-each "rows below R are usable" through ``on_ready`` (the rank's ready word on the node board).
+pin thread, in turns with them, registers the units populated so far, strictly in order, and
+announces after each "rows below R are usable" through ``on_ready`` (the rank's ready word on
+the node board).
 
 The pre-fault threads never hold the GIL while they work: each makes one call into
 ``populate.c`` (built like the package's other C code, `offload.build_cache`), which takes

@@ -28,9 +28,9 @@ the failing work item into the job's pinned result word (`StagingSlot.failed`), 
 engine reads when it finds the job complete.  Each item's identity includes its host page's
 store generation (`TransferEngine.generations`), which travels in the job's upload as it was
 when the job was issued: no pass reads host memory for it, and a later store's renewal of a
-page cannot fail a load still queued.  The copy
-engines' jobs get the same kernel in sum-only mode (``COPY`` off: it reads the GPU pages at
-HBM speed and moves nothing): before their DMA on a store, after it on a load.  The result
+page cannot fail a load still queued.  The copy engines' jobs get the same kernel in sum-only
+mode (``COPY`` off: it reads the GPU pages at HBM speed and moves nothing): before their DMA on
+a store, after it on a load.  The result
 word's address travels with the job's indices (two words after them), so the native and bound
 launch paths pass no new argument per job.
 """
