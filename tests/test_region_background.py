@@ -232,10 +232,25 @@ def test_the_native_loop_populates_every_unit_it_registers() -> None:
         mapping.close()
 
 
+class _PreparingRegistrar(RecordingRegistrar):
+    """Records where `prepare` ran (the registrar's own CUDA context is made there)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.fail = fail
+        self.prepared_on: list[str] = []
+
+    def prepare(self) -> None:
+        self.prepared_on.append(threading.current_thread().name)
+        if self.fail:
+            raise RuntimeError("cuCtxCreate failed: out of memory (stand-in)")
+
+
 def test_nothing_is_populated_or_registered_before_the_kernel_is_compiled() -> None:
     """No row is usable before the copy kernel's JIT, and populating beside it slows it
     several times over: until ``after`` is set no thread populates or registers; then all
-    of them do."""
+    of them do.  The registrar is prepared meanwhile, on the pin thread (beside the JIT, not
+    on the caller's path), once."""
     geometry = _shared_geometry()
     units = setup_units(geometry, TierConfig(cpu_bytes_per_node=1 << 30), 2 * PAGE)
     mapping = Mapping.anonymous(geometry.total_bytes)
@@ -247,7 +262,7 @@ def test_nothing_is_populated_or_registered_before_the_kernel_is_compiled() -> N
         return madvise_populate(address, length)
 
     compiled = threading.Event()
-    registrar = RecordingRegistrar()
+    registrar = _PreparingRegistrar()
     pinner = Pinner(registrar, mapping.address)
     setup = BackgroundSetup(mapping.address, units, pinner, 3, _Recorder().on_ready,
                             populate=slow)
@@ -255,12 +270,36 @@ def test_nothing_is_populated_or_registered_before_the_kernel_is_compiled() -> N
         setup.start(after=compiled)
         time.sleep(0.3)
         assert workers == [] and registrar.calls == 0 and setup.ready_rows == 0
+        assert registrar.prepared_on == ["offload-bg-pin"]
         ids = setup.thread_ids()  # the threads a wait sampler watches, with their roles
         assert sorted(ids.values()) == ["pin", "prefault", "prefault", "prefault"]
         assert {str(t) for t in ids} <= set(os.listdir("/proc/self/task"))
         compiled.set()
         assert setup.wait(20) and setup.error is None and setup.ready_rows == ROWS
         assert set(workers) == {f"offload-bg-prefault-{i}" for i in range(3)}
+        assert registrar.prepared_on == ["offload-bg-pin"]
+    finally:
+        setup.stop()
+        pinner.unpin_all()
+        mapping.close()
+
+
+def test_a_registrar_that_cannot_be_prepared_stops_set_up_and_says_why() -> None:
+    """No context to register in: no row comes online, the error says why and the other
+    ranks are told (``stopped``)."""
+    geometry = _shared_geometry()
+    units = setup_units(geometry, TierConfig(cpu_bytes_per_node=1 << 30), 2 * PAGE)
+    mapping = Mapping.anonymous(geometry.total_bytes)
+    registrar = _PreparingRegistrar(fail=True)
+    pinner = Pinner(registrar, mapping.address)
+    recorder = _Recorder()
+    setup = BackgroundSetup(mapping.address, units, pinner, 2, recorder.on_ready,
+                            populate=recorder.populate_from(mapping.address))
+    try:
+        assert setup.start().wait(20)
+        assert setup.error is not None and "cuCtxCreate failed" in setup.error
+        assert recorder.announced == [(0, True)] and setup.ready_rows == 0
+        assert registrar.calls == 0
     finally:
         setup.stop()
         pinner.unpin_all()

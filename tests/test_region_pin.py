@@ -227,6 +227,8 @@ def test_a_registration_in_the_registrars_own_context_is_pinned_for_the_engines(
     cuda.cuCtxGetCurrent(ctypes.byref(current))
     engine_context = current.value
     registrar = CudaRegistrar(torch.device("cuda"), own_context=True)
+    assert not registrar.own_context  # made by `prepare`, off `create`'s path
+    registrar.prepare()
     assert registrar.own_context
     cuda.cuCtxGetCurrent(ctypes.byref(current))
     assert current.value == engine_context  # creating it left this thread's context alone
@@ -258,3 +260,23 @@ def test_a_registration_in_the_registrars_own_context_is_pinned_for_the_engines(
     registrar.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         registrar.register(host.data_ptr(), 4096)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_unprepared_own_context_registrar_makes_its_context_on_first_use() -> None:
+    """Without `prepare` the first registration makes the context; one closed before any
+    use made none and registers nothing after."""
+    host = torch.empty(4 * MiB, dtype=torch.uint8)
+    registrar = CudaRegistrar(torch.device("cuda"), own_context=True)
+    try:
+        registrar.register(host.data_ptr(), 4 * MiB)
+        assert registrar.own_context and host.is_pinned()
+    finally:
+        registrar.close()
+    assert not host.is_pinned()
+    unused = CudaRegistrar(torch.device("cuda"), own_context=True)
+    unused.close()
+    assert not unused.own_context
+    with pytest.raises(RuntimeError, match="closed"):
+        unused.register(host.data_ptr(), 4096)

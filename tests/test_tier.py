@@ -555,6 +555,9 @@ class _PinnedStandIn:
         self.fail = fail
         self.live: set[int] = set()
 
+    def prepare(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

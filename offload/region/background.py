@@ -408,11 +408,13 @@ class BackgroundSetup:
                     return i, True
 
     def _register(self) -> None:
-        if not self._begin():
-            self.done.set()
-            return
-        last_log = self.started
         try:
+            # a registration context of its own takes a few tenths of a second to make
+            # (`CudaRegistrar.prepare`): here, beside the JIT that `_begin` waits for
+            self._pinner.registrar.prepare()
+            if not self._begin():
+                return
+            last_log = self.started
             i = 0
             while i < len(self._units):
                 if not self._wait_populated(i):

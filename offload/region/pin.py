@@ -54,6 +54,10 @@ class Registrar(Protocol):
     name: str
     counts_as_pinned: bool
 
+    def prepare(self) -> None:
+        """Make ready what the first registration needs (a context of its own), so that
+        background set-up pays for it on its pin thread, not inside ``create``."""
+
     def register(self, address: int, length: int) -> None: ...
 
     def unregister(self, address: int) -> None: ...
@@ -71,6 +75,9 @@ class RecordingRegistrar:
     def __init__(self) -> None:
         self.registered: dict[int, int] = {}
         self.calls = 0
+
+    def prepare(self) -> None:
+        pass
 
     def register(self, address: int, length: int) -> None:
         if address in self.registered:
@@ -90,10 +97,11 @@ class CudaRegistrar:
     ``own_context`` in a context of the registrar's own on that device (the module's
     docstring: background set-up).
 
-    The constructor resolves the context once (the primary context is the one the CUDA runtime
-    and therefore torch use); each call pushes it onto the calling thread's context stack and
-    pops it after, so a caller's current context (torch's, on the engine's threads) is never
-    changed.
+    The primary context (the one the CUDA runtime and therefore torch use) is resolved in the
+    constructor; a context of its own is made by `prepare`, or by the first call that needs
+    it, so that ``create`` does not wait for it.  Each call pushes the context onto the calling
+    thread's context stack and pops it after, so a caller's current context (torch's, on the
+    engine's threads) is never changed.
     """
 
     name = "cuda"
@@ -101,11 +109,11 @@ class CudaRegistrar:
 
     def __init__(self, device: torch.device, own_context: bool = False) -> None:
         torch.cuda.init()
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
         cuda = require_libcuda()
         check(cuda.cuInit(0), "cuInit")
-        dev = ctypes.c_int()
-        check(cuda.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
+        self._device = ctypes.c_int()
+        check(cuda.cuDeviceGet(ctypes.byref(self._device), self._index), "cuDeviceGet")
         self._push = bound_function("cuCtxPushCurrent_v2", ctypes.c_void_p)
         self._pop = bound_function("cuCtxPopCurrent_v2", ctypes.c_void_p)
         self._register = bound_function("cuMemHostRegister_v2", ctypes.c_void_p,
@@ -115,19 +123,44 @@ class CudaRegistrar:
         # thread (the file tier's late closer, an exit handler) must never destroy the
         # context while a call is inside it
         self._lock = threading.Lock()
-        self._context = ctypes.c_void_p()
-        self.own_context = own_context and self._create_context(dev, index)
-        if not self.own_context:
-            # Retained for the process's life, like the runtime's own reference to it.
-            check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(self._context), dev),
-                  "cuDevicePrimaryCtxRetain")
+        self._context = ctypes.c_void_p()  # None until resolved, and again once closed
+        self._closed = False
+        self._wants_own = own_context
+        self.own_context = False  # registers in a context of its own (once `prepare`d)
+        if not own_context:
+            self._retain_primary()
 
-    def _create_context(self, dev: ctypes.c_int, index: int) -> bool:
+    def prepare(self) -> None:
+        """Make the registrar's own context now (with ``own_context``), from whichever thread
+        should pay for it: background set-up's pin thread, beside the copy kernel's JIT.  Made
+        in ``create`` it cost ``create`` 0.15-0.3 s (0.42-0.46 s against 0.13-0.27 s, 48 GiB
+        over 2 ranks on an H200 host; docs/BENCHMARKS.md, "Populating by write faults on the
+        GPU host")."""
+        with self._lock:
+            self._resolved()
+
+    def _resolved(self) -> ctypes.c_void_p:
+        """The context to register in, made on first use; under ``_lock``."""
+        if self._closed:
+            raise RuntimeError("the registrar was closed (its CUDA context destroyed)")
+        if not self._context.value:
+            self.own_context = self._create_context()
+            if not self.own_context:
+                self._retain_primary()
+        return self._context
+
+    def _retain_primary(self) -> None:
+        # retained for the process's life, like the runtime's own reference to it
+        check(require_libcuda().cuDevicePrimaryCtxRetain(ctypes.byref(self._context),
+                                                         self._device),
+              "cuDevicePrimaryCtxRetain")
+
+    def _create_context(self) -> bool:
         """Make the registrar's own context and leave the calling thread's current one as it
         was; False, logged, where the device refuses a second context or its limits."""
         cuda = require_libcuda()
         context = ctypes.c_void_p()
-        result = cuda.cuCtxCreate_v2(ctypes.byref(context), 0, dev)
+        result = cuda.cuCtxCreate_v2(ctypes.byref(context), 0, self._device)
         if result == 0:  # cuCtxCreate made it current: set its limits, then pop it
             try:
                 for limit in _UNUSED_LIMITS:
@@ -139,7 +172,7 @@ class CudaRegistrar:
         if result != 0:
             log.warning("background set-up registers in the engine's own CUDA context, whose "
                         "launches then wait behind each registration: a context of its own on "
-                        "device %d failed (%s)", index, error_name(result))
+                        "device %d failed (%s)", self._index, error_name(result))
             return False
         self._context = context
         return True
@@ -155,26 +188,28 @@ class CudaRegistrar:
             check(self._unregister(address), f"cuMemHostUnregister at {address:#x}")
 
     def close(self) -> None:
-        """Destroy the registrar's own context, if it made one (idempotent).  Call it once
-        every range is unregistered: destroying the context unregisters what is left."""
+        """Destroy the registrar's own context, if it made one; no call is made after
+        (idempotent).  Call it once every range is unregistered: destroying the context
+        unregisters what is left."""
         with self._lock:
-            if not (self.own_context and self._context.value):
+            if self._closed:
                 return
+            self._closed = True
             context, self._context = self._context, ctypes.c_void_p()
-            check(require_libcuda().cuCtxDestroy_v2(context), "cuCtxDestroy")
+            if self.own_context and context.value:
+                check(require_libcuda().cuCtxDestroy_v2(context), "cuCtxDestroy")
 
     @contextlib.contextmanager
     def _bound(self) -> Iterator[None]:
         """The registrar's context, current on the calling thread inside (pushed, then
         popped: the thread's own context stack is as it was after)."""
         with self._lock:
-            if not self._context.value:
-                raise RuntimeError("the registrar was closed (its CUDA context destroyed)")
-            check(self._push(self._context), "cuCtxPushCurrent")
+            context = self._resolved()
+            check(self._push(context), "cuCtxPushCurrent")
             try:
                 yield
             finally:
-                self._pop_checked(self._context)
+                self._pop_checked(context)
 
     def _pop_checked(self, expected: ctypes.c_void_p) -> None:
         """Pop the calling thread's current context, which must be ``expected``."""
