@@ -145,10 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "online while the job runs (jobs only use ready rows) and the report's "
                         "readiness block says when the first job succeeded and when every row "
                         "was ready")
-    p.add_argument("--setup-context", action="store_true",
-                   help="with --background-setup, register in a CUDA context of the tier's own, "
-                        "so the job's kernel launches do not wait behind registrations (costs "
-                        "~260 MiB of GPU memory per rank)")
+    p.add_argument("--no-setup-context", dest="setup_context", action="store_false",
+                   help="with --background-setup, register in the job's own CUDA context "
+                        "instead of one of the tier's own (which costs ~260 MiB of GPU memory "
+                        "per rank and keeps the job's kernel launches from waiting behind "
+                        "registrations)")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve live Prometheus metrics (offload_*) at /metrics on PORT + each "
                         "rank's local rank (needs offload[metrics]); default off")

@@ -143,14 +143,17 @@ class TierConfig:
     ready" on every rank, and the chunk manager hands out only ready rows (`HostTier.ready`,
     `HostTier.wait_ready`)."""
 
-    setup_context: bool = False
-    """With ``background`` (``--setup-context``), register in a CUDA context of the tier's own
-    (``PORTABLE``, so the engine's context sees the memory pinned and mapped): a registration
-    holds its context's driver lock, and in the engine's context every kernel launch issued
-    meanwhile waits for it.  Measured inside the tier (48 GiB over 2 ranks, H200, one call): the
-    engine's worst launch wait during set-up 1.7 / 2.0 ms against 3.7-4.8 ms, p99 0.4 against
-    0.9 ms.  Off by default until a second measurement confirms that bound: it costs about
-    260 MiB of GPU memory per rank for the tier's life and a context creation in ``create``."""
+    setup_context: bool = True
+    """Background set-up registers in a CUDA context of the tier's own (``PORTABLE``, so the
+    engine's context sees the memory pinned and mapped): a registration holds its context's
+    driver lock, and in the engine's context every kernel launch issued meanwhile waits for
+    it.  Measured inside the tier, 48 GiB over 2 ranks on an H200 host: the engine's launch
+    p99 during set-up 0.4 against 0.9 ms; with registrations beside populating (as now)
+    0.9-1.0 against 3.8-3.9 ms, and 0.2-0.4% of launches over 2 ms against 3.6-4.2%
+    (docs/BENCHMARKS.md, "Registering beside write faults").  It costs about 260 MiB of GPU
+    memory per rank for the tier's life; the context is made on the set-up's own thread,
+    beside the copy kernel's JIT.  False (``--no-setup-context``) registers in the engine's
+    context.  Without ``background`` nothing registers beside the engine: this is moot."""
 
     metrics_port: int | None = None
     """Serve live Prometheus metrics (``offload_*``, `offload.metrics`) on this port plus the
@@ -161,9 +164,6 @@ class TierConfig:
     default; ``0.0.0.0`` lets a remote Prometheus scrape them (docs/SECURITY.md)."""
 
     def __post_init__(self) -> None:
-        if self.setup_context and not self.background:
-            raise OffloadError(f"{_describe('setup_context')} applies to background set-up "
-                               f"only; add {_describe('background')} or drop it")
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
             raise OffloadError(f"{_describe('metrics_port')} = {self.metrics_port} is not a TCP "
                                "port; give one from 1 to 65535 (each rank adds its local rank)")
@@ -244,7 +244,7 @@ _FLAGS = {"cpu_bytes_per_node": "--cpu-bytes", "blocks_per_chunk": "--blocks-per
           "private_memory": "--private-memory", "integrity": "--no-integrity",
           "metrics_port": "--metrics-port", "metrics_addr": "--metrics-addr",
           "numa": "--no-numa", "staging_bytes": "--staging-bytes",
-          "background": "--background-setup", "setup_context": "--setup-context"}
+          "background": "--background-setup", "setup_context": "--no-setup-context"}
 
 
 def _describe(name: str) -> str:

@@ -606,9 +606,9 @@ def main() -> None:
                    help="background: also run --job-blocks stores and loads back to back over "
                         "the first rows from when they are ready until every row is, and "
                         "report their GB/s (they slow set-up: off for the readiness figures)")
-    p.add_argument("--setup-context", action="store_true",
-                   help="background: register in a CUDA context of the tier's own, not the "
-                        "engine's (TierConfig.setup_context)")
+    p.add_argument("--no-setup-context", dest="setup_context", action="store_false",
+                   help="background: register in the engine's CUDA context, not one of the "
+                        "tier's own (TierConfig.setup_context)")
     p.add_argument("--idle-probe-s", type=float, default=2.0,
                    help="background on a GPU: run the launch probe this long once every row "
                         "is ready, as the baseline of its waits during set-up")

@@ -139,9 +139,6 @@ def test_background_set_up_serves_while_rows_come_online_and_reports_readiness(
         assert rank["background"] and rank["setup_error"] is None
         assert rank["ready_rows"] == report["plan"]["chunk_count"]
         assert rank["registrations"] > 0
-        assert 0 <= rank["undrained_batches"] <= rank["registrations"]
-        assert 0 <= rank["populate_turns"] <= rank["registration_batches"]
-        assert 1 <= rank["registration_batches"] <= rank["registrations"]
     assert "readiness (background set-up)" in proc.stdout
 
 

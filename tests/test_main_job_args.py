@@ -84,11 +84,11 @@ def test_the_prefix_reload_refuses_a_bad_timeout_in_its_parser(value: str) -> No
 
 
 @pytest.mark.parametrize(("flags", "expected"), [
-    (["--background-setup"], False),
-    (["--background-setup", "--setup-context"], True),
-    ([], False),
+    (["--background-setup"], True),
+    (["--background-setup", "--no-setup-context"], False),
+    ([], True),
 ])
-def test_background_setup_registers_in_its_own_context_when_told_to(
+def test_background_setup_registers_in_its_own_context_unless_told_not_to(
         flags: list[str], expected: bool) -> None:
     from launch.run import build_parser, config_from_args
 
@@ -96,14 +96,3 @@ def test_background_setup_registers_in_its_own_context_when_told_to(
     config = config_from_args(args, 1)
     assert config.setup_context is expected
     assert config.background is ("--background-setup" in flags)
-
-
-def test_setup_context_without_background_setup_is_refused_with_one_line() -> None:
-    from offload.config import TierConfig
-
-    with pytest.raises(OffloadError, match=r"setup_context \(--setup-context\) applies to "
-                       r"background set-up only; add background \(--background-setup\)"):
-        TierConfig(cpu_bytes_per_node=1 << 30, setup_context=True)
-    proc = run_script(str(ROOT / "launch" / "run.py"), "--device", "cpu", "--setup-context")
-    assert proc.returncode == 1, tail(proc)
-    assert "--setup-context" in proc.stderr and not has_our_traceback(proc.stderr), tail(proc)

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -444,7 +443,6 @@ def _unreserved_memfds(count: int, length: int) -> list[int]:
 @needs_cc
 def test_the_background_reservation_allocates_every_file_and_lets_go_of_it() -> None:
     """populate.c's reservation: every file allocated, each duplicate closed once reserved."""
-    import offload.region.background as background
     from offload.region.shm import close_fds
 
     fds = _unreserved_memfds(3, 8 << 20)
@@ -469,7 +467,6 @@ def test_the_background_reservation_allocates_every_file_and_lets_go_of_it() -> 
 
 @needs_cc
 def test_a_reservation_that_fails_stops_and_says_why() -> None:
-    import offload.region.background as background
     from offload.region.shm import close_fds
 
     fds = _unreserved_memfds(3, 8 << 20)
@@ -489,7 +486,6 @@ def test_a_reservation_that_fails_stops_and_says_why() -> None:
 
 def test_stopping_the_background_reservation_waits_for_one_piece_only(monkeypatch) -> None:
     """The Python loop (no compiler): `stop` waits for the piece in hand, not the file."""
-    import offload.region.background as background
     from offload.region.shm import close_fds
 
     pieces: list[int] = []
@@ -547,22 +543,6 @@ def test_no_unit_is_populated_before_every_set_up_thread_exists() -> None:
         mapping.close()
 
 
-class _OverlapRegistrar(RecordingRegistrar):
-    """Registers slowly and records, at the start and end of each call, how many populating
-    calls ``in_flight()`` reports: a registration must never run beside one."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.in_flight: Callable[[], int] = lambda: 0
-        self.seen: list[int] = []
-
-    def register(self, address: int, length: int) -> None:
-        self.seen.append(self.in_flight())
-        time.sleep(0.002)
-        self.seen.append(self.in_flight())
-        super().register(address, length)
-
-
 def _private_geometry(rows: int, row_bytes: int) -> RegionGeometry:
     return RegionGeometry("private", rows, row_bytes, 0, row_bytes, PAGE)
 
@@ -579,27 +559,30 @@ def _resident_pages(address: int, length: int) -> int:
 
 
 @needs_cc
-def test_the_c_loop_populates_nothing_while_a_unit_is_registered(monkeypatch) -> None:
-    """A registration beside populating threads is many times slower and holds the CUDA
-    driver all along, so the pin thread holds the C workers back while it registers.  The
-    oracle is the mapping's own residency, before and after each (slow) registration, with
-    populating slowed down (16 KiB pieces) so that it would overlap them."""
-    monkeypatch.setattr(background, "PIECE_BYTES", 16 << 10)
-    monkeypatch.setattr(background, "DRAIN_WAIT_S", 30.0)  # the gate itself, never its limit
-    rows = 128
+def test_the_c_loop_populates_while_a_unit_is_registered() -> None:
+    """Registering and populating overlap, as in the blocking create: beside write faults a
+    registration waits for no lock they hold, and holding populating back while registering
+    made every row ready up to 2x later.  The oracle is the mapping's own residency: row 0's
+    registration returns only once later rows were populated meanwhile (a set-up that held the
+    workers back for it would never see them grow, and fails on the deadline)."""
+    rows = 64
     geometry = _private_geometry(rows, 2 << 20)
     units = setup_units(geometry, TierConfig(cpu_bytes_per_node=1 << 30), 2 << 20)
     mapping = Mapping.anonymous(geometry.total_bytes)
-    # 4 KiB pages: a huge page would make the first small call populate 2 MiB at once
+    # 4 KiB pages: residency grows page by page, not 2 MiB at once
     libc.madvise(ctypes.c_void_p(mapping.address), ctypes.c_size_t(geometry.total_bytes),
                  MADV_NOHUGEPAGE)
     grew: list[int] = []
 
     class Registrar(RecordingRegistrar):
         def register(self, address: int, length: int) -> None:
-            before = _resident_pages(mapping.address, geometry.total_bytes)
-            time.sleep(0.002)
-            grew.append(_resident_pages(mapping.address, geometry.total_bytes) - before)
+            if not self.calls:  # row 0: wait for populating to go on beside this call
+                before = _resident_pages(mapping.address, geometry.total_bytes)
+                deadline = time.monotonic() + 10
+                while (time.monotonic() < deadline and
+                       _resident_pages(mapping.address, geometry.total_bytes) == before):
+                    time.sleep(0.001)
+                grew.append(_resident_pages(mapping.address, geometry.total_bytes) - before)
             super().register(address, length)
 
     pinner = Pinner(Registrar(), mapping.address)
@@ -607,150 +590,82 @@ def test_the_c_loop_populates_nothing_while_a_unit_is_registered(monkeypatch) ->
     try:
         assert setup._native is not None
         assert setup.start().wait(60) and setup.error is None and setup.ready_rows == rows
-        assert len(grew) == rows and max(grew) == 0 and setup.undrained == 0
-        assert setup._pause[0] == 0  # populating let go after the last batch
+        assert grew and grew[0] > 0
     finally:
         setup.stop()
         pinner.unpin_all()
         mapping.close()
 
 
-def test_a_call_in_flight_delays_registering_populated_rows_a_bounded_time(
-        monkeypatch) -> None:
-    """A pre-fault thread preempted inside its call (here: a 1 s stand-in) does not hold back
-    the registration of the rows populated before it: after `DRAIN_WAIT_S` the pin thread
-    registers beside it, and counts that it did."""
-    monkeypatch.setattr(background, "DRAIN_WAIT_S", 0.05)
+def test_a_unit_in_flight_delays_only_the_rows_from_it_on() -> None:
+    """A pre-fault thread preempted inside a unit (here: a 1 s stand-in on row 1) holds back
+    neither the registration of row 0 nor the populating of the rows after it: row 0 comes
+    online at once, and the rest as soon as row 1 is done."""
     rows = 8
     geometry = _private_geometry(rows, 4 * PAGE)
     units = setup_units(geometry, TierConfig(cpu_bytes_per_node=1 << 30), 4 * PAGE)
     mapping = Mapping.anonymous(geometry.total_bytes)
-    registrar = _OverlapRegistrar()
     stuck = mapping.address + geometry.row_stride  # row 1: in flight for a second
-
-    def populate(address: int, length: int) -> int:
-        time.sleep(1.0 if address == stuck else 0.001)
-        return madvise_populate(address, length)
-
-    first: list[float] = []
+    populated_while_stuck: list[int] = []
     recorder = _Recorder()
 
+    def populate(address: int, length: int) -> int:
+        if address == stuck:
+            time.sleep(1.0)
+            populated_while_stuck.append(len(recorder.populated))
+        return recorder.populate_from(mapping.address)(address, length)
+
+    announced: list[float] = []
+
     def on_ready(rows_ready: int, stopped: bool) -> None:
-        first.append(time.perf_counter())
+        announced.append(time.perf_counter())
         recorder.on_ready(rows_ready, stopped)
 
-    pinner = Pinner(registrar, mapping.address)
+    pinner = Pinner(RecordingRegistrar(), mapping.address)
     setup = BackgroundSetup(mapping.address, units, pinner, 2, on_ready, populate=populate)
     try:
         began = time.perf_counter()
         assert setup.start().wait(30) and setup.error is None and setup.ready_rows == rows
-        assert first[0] - began < 0.6  # row 0 did not wait for row 1's second
-        assert setup.undrained >= 1
+        assert announced[0] - began < 0.6  # row 0 did not wait for row 1's second
+        assert announced[1] - began >= 1.0  # row 1 and on: strictly in order
+        assert populated_while_stuck == [rows - 1]  # every other row, populated meanwhile
     finally:
         setup.stop()
         pinner.unpin_all()
         mapping.close()
 
 
-def test_a_batch_cut_short_gives_populating_a_turn(monkeypatch) -> None:
-    """With a backlog of populated units (the pin thread was late), registering it all in one
-    hold would stop populating for as long: a batch ends after `REGISTER_BATCH_S` and the
-    pre-fault threads get as long a turn before the next."""
-    monkeypatch.setattr(background, "REGISTER_BATCH_S", 0.02)
-    rows = 120
-    geometry = _private_geometry(rows, 4 * PAGE)
-    units = setup_units(geometry, TierConfig(cpu_bytes_per_node=1 << 30), 4 * PAGE)
-    mapping = Mapping.anonymous(geometry.total_bytes)
-    populated = [0]
-    lock = threading.Lock()
-
-    def populate(address: int, length: int) -> int:
-        time.sleep(0.01)
-        with lock:
-            populated[0] += 1
-        return madvise_populate(address, length)
-
-    seen: list[int] = []
-
-    class Late(RecordingRegistrar):
-        def register(self, address: int, length: int) -> None:
-            seen.append(populated[0])
-            time.sleep(0.3 if len(seen) == 1 else 0.005)  # the first call: a backlog builds
-            super().register(address, length)
-
-    pinner = Pinner(Late(), mapping.address)
-    setup = BackgroundSetup(mapping.address, units, pinner, 2, _Recorder().on_ready,
-                            populate=populate)
-    try:
-        assert setup.start().wait(60) and setup.error is None and setup.ready_rows == rows
-        backlog = seen[1]  # populated when the first (late) registration returned
-        registered_in_backlog = seen[1:backlog]
-        assert max(registered_in_backlog) >= backlog + 4  # populating went on meanwhile
-        assert setup.turns >= 1
-    finally:
-        setup.stop()
-        pinner.unpin_all()
-        mapping.close()
-
-
-def test_once_populating_is_over_the_backlog_is_registered_without_turns(monkeypatch) -> None:
-    """A turn for populating only helps while a pre-fault thread has work: once every unit is
-    populated, a pause after each batch would only leave the pin thread idle (half the time,
-    with batches cut short back to back)."""
-    monkeypatch.setattr(background, "REGISTER_BATCH_S", 0.05)
-    rows = 60
-    geometry = _private_geometry(rows, 4 * PAGE)
-    units = setup_units(geometry, TierConfig(cpu_bytes_per_node=1 << 30), 4 * PAGE)
-    mapping = Mapping.anonymous(geometry.total_bytes)
-
-    class Late(RecordingRegistrar):
-        def register(self, address: int, length: int) -> None:
-            # the first call holds populating back for 0.3 s: the turn after it populates the
-            # rest (tiny units); then a backlog of 0.6 s, a dozen batches cut short
-            time.sleep(0.3 if not self.calls else 0.01)
-            super().register(address, length)
-
-    registrar = Late()
-    pinner = Pinner(registrar, mapping.address)
-    # the Python loop, at normal priority: on a busy host the C loop's idle-priority threads
-    # could wait past a turn or two for a CPU
-    setup = BackgroundSetup(mapping.address, units, pinner, 2, _Recorder().on_ready,
-                            populate=lambda address, length: madvise_populate(address, length))
-    try:
-        assert setup.start().wait(60) and setup.error is None and setup.ready_rows == rows
-        assert setup.turns <= 2  # the first batch's turn (a second one on a busy host)
-    finally:
-        setup.stop()
-        pinner.unpin_all()
-        mapping.close()
-
-
-def test_the_python_loop_populates_nothing_while_a_unit_is_registered(monkeypatch) -> None:
-    """The same turn-taking in the Python loop (no compiler, a test's stand-in)."""
-    monkeypatch.setattr(background, "DRAIN_WAIT_S", 30.0)  # the gate itself, never its limit
+def test_the_python_loop_populates_while_a_unit_is_registered() -> None:
+    """The same overlap in the Python loop (no compiler, a test's stand-in): row 0's
+    registration returns only once some populating call began while it ran.  Rows from 1 on
+    wait for that registration to begin, so there is populating left to do beside it."""
     geometry = _private_geometry(32, 4 * PAGE)
     units = setup_units(geometry, TierConfig(cpu_bytes_per_node=1 << 30), 4 * PAGE)
     mapping = Mapping.anonymous(geometry.total_bytes)
-    registrar = _OverlapRegistrar()
-    active = [0]
-    lock = threading.Lock()
+    registering = threading.Event()
+    began_beside = threading.Event()
+    beside: list[bool] = []
 
-    def slow(address: int, length: int) -> int:
-        with lock:
-            active[0] += 1
-        time.sleep(0.003)
-        with lock:
-            active[0] -= 1
+    def populate(address: int, length: int) -> int:
+        if registering.is_set():
+            began_beside.set()
+        elif address > mapping.address:  # rows 1 and on: not before row 0 is registering
+            registering.wait(10)
         return madvise_populate(address, length)
 
-    registrar.in_flight = lambda: active[0]
-    pinner = Pinner(registrar, mapping.address)
+    class Registrar(RecordingRegistrar):
+        def register(self, address: int, length: int) -> None:
+            if not self.calls:
+                registering.set()
+                beside.append(began_beside.wait(10))
+            super().register(address, length)
+
+    pinner = Pinner(Registrar(), mapping.address)
     setup = BackgroundSetup(mapping.address, units, pinner, 3, _Recorder().on_ready,
-                            populate=slow)
+                            populate=populate)
     try:
         assert setup.start().wait(30) and setup.error is None and setup.ready_rows == 32
-        assert len(registrar.seen) == 2 * 32 and max(registrar.seen) == 0
-        assert setup.undrained == 0
+        assert beside == [True]
     finally:
         setup.stop()
         pinner.unpin_all()

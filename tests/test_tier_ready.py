@@ -593,7 +593,7 @@ def test_a_blocking_private_region_is_set_up_after_the_jit_and_a_node_region_bes
 
 
 @pytest.mark.parametrize(("background", "setup_context"), [(True, True), (True, False),
-                                                            (False, False)])
+                                                            (False, True)])
 def test_the_tier_asks_for_a_registrar_context_of_its_own_only_for_background_setup(
         background: bool, setup_context: bool) -> None:
     """With no registrar factory the tier picks `choose_registrar`, which makes the CUDA

@@ -3,14 +3,14 @@ on the tier's own threads, while the engine loads its weights and serves (DESIGN
 
 ``BackgroundSetup`` runs `geometry.setup_units` once the copy kernel is compiled: a pool of
 pre-fault threads populates the units ahead (write faults, page by page: `populate.c`), and one
-pin thread, in turns with them, registers the units populated so far, strictly in order, and
+pin thread, beside them, registers each unit once it is populated, strictly in order, and
 announces after each "rows below R are usable" through ``on_ready`` (the rank's ready word on
 the node board).
 
 The pre-fault threads never hold the GIL while they work: each makes one call into
 ``populate.c`` (built like the package's other C code, `offload.build_cache`), which takes
 units from a shared counter and populates them until none is left.  Python threads would take
-the GIL back after every piece; sixteen of them doing so hand it around the engine's own
+the GIL back after every unit; sixteen of them doing so hand it around the engine's own
 threads (and, under SCHED_IDLE, could be preempted holding it).  Without a C compiler, or with
 a test's ``populate`` stand-in, the same loop runs in Python (``MADV_POPULATE_WRITE``, or
 `Populator`'s touch fallback).  Every thread is a daemon: interpreter exit never waits for the
@@ -36,7 +36,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 
 import numpy as np
@@ -68,29 +68,13 @@ UNIT_BYTES = 8 << 20
 # On the CI machine (2 cores, a 2 GiB memfd, 2 idle-priority workers beside a spinning process,
 # `scratch` probe): a 4 KiB mmap + munmap + mprotect every ms waited p50 0.02-0.03 / p99
 # 0.06-0.20 ms against 19-21 / 28-29 ms, and populating took 2.7-3.4 s against 5.2-9.9 s.
-# A piece is what a worker does between two looks at the pin thread's pause: the same bound
-# as a unit, so a hold waits for one unit's populating at most.
-PIECE_BYTES = UNIT_BYTES
-# NOTE: registrations and populating take turns (`BackgroundSetup._populate_held`): the pin
-# thread holds the pre-fault threads back while it registers the units populated so far, for
-# this long at most, and a batch cut short by it is followed by as long a turn for populating
-# while some unit is still to be populated (after that the backlog is registered at once:
-# 48 GiB private over 2 ranks, every row ready 3.66-3.93 s against 4.40-4.43 s with turns to
-# the end, same call; docs/BENCHMARKS.md, "The last turns").
-# A registration beside populating threads of the same process took up to 30-100 ms for a
-# 40 MiB row, against 3-4 ms once populating was over, and an engine launch waits for the one
-# in progress.  Measured in one run (48 GiB over 2 ranks, H200 host): the longest registration
-# 31-51 -> 6-12 ms, the probe's launch p99 12-19 -> 4-6 ms, every row ready 1.0-1.1x later
-# (docs/BENCHMARKS.md, "Set-up after the JIT").
-# The pin thread holds populating back as soon as a unit is populated: waiting for 256 MiB to
-# pile up first cut the holds 4x yet made every row ready 1.07-1.33x later on an H200 host
-# (docs/BENCHMARKS.md, "Registration batches after a backlog: slower on the GPU").
-REGISTER_BATCH_S = 0.05
-# How long the pin thread waits for the pieces in flight before it registers beside
-# them: a worker preempted at idle priority inside its piece may take long to finish it (up to
-# 2 s measured on 2 busy vCPUs), and the rows already populated should not wait for it.  As
-# long as a batch: waiting delays only readiness, registering beside the calls the engine.
-DRAIN_WAIT_S = 0.05
+# NOTE: the pin thread registers beside the populating, never holding it back.  Beside
+# MADV_POPULATE_WRITE calls a registration took 30-100 ms (both wait for the mmap lock), so the
+# two used to take turns; beside write faults they overlap as in the blocking create.  Measured
+# in one call, 48 GiB over 2 ranks on an H200 host, own registration context: every row ready
+# 3.39 / 4.45 s (private / shared) against 4.80 / 8.65 s with turns, the blocking create
+# 5.71 / 4.83 s, and no longer launch waits (worst 5.5 / 3.5 ms against 6.6 / 7.0 ms;
+# docs/BENCHMARKS.md, "Registering beside write faults").
 # The background reservation's piece: what `close` may wait for (one `fallocate` per thread).
 RESERVE_BYTES = 256 << 20
 # NOTE: set-up runs beside the engine's own threads (weights, graph capture, the scheduler), so
@@ -117,9 +101,8 @@ def yield_cpu() -> None:
 
     Only the C loop's workers call it: a Python worker takes the GIL back after every call,
     and preempted at idle priority while holding it, it would make every other thread wait for
-    a free CPU.  A C worker preempted inside a piece holds no lock the engine waits for (its
-    faults take only the region's VMA lock); the pin thread waits `DRAIN_WAIT_S` at most for
-    its piece."""
+    a free CPU.  A C worker preempted inside a unit holds no lock the engine waits for (its
+    faults take only the region's VMA lock); only the rows from that unit on wait for it."""
     policy = getattr(os, "SCHED_IDLE", None)
     if policy is not None:
         with contextlib.suppress(OSError):
@@ -134,12 +117,7 @@ def native_populator() -> ctypes.CDLL | None:
     if lib is not None:
         pointer = ctypes.c_void_p
         lib.offload_populate_units.argtypes = [ctypes.c_uint64, pointer, pointer, ctypes.c_int64,
-                                               pointer, pointer, pointer, ctypes.c_int64,
-                                               pointer, pointer]
-        lib.offload_pause_populate.argtypes = [pointer, pointer, ctypes.c_int64]
-        lib.offload_pause_populate.restype = ctypes.c_int32
-        lib.offload_resume_populate.argtypes = [pointer]
-        lib.offload_resume_populate.restype = None
+                                               pointer, pointer, pointer]
         lib.offload_populate_units.restype = ctypes.c_int64
         lib.offload_reserve_files.argtypes = [pointer, pointer, ctypes.c_int64, pointer, pointer,
                                               pointer, ctypes.c_int64]
@@ -181,9 +159,6 @@ class BackgroundSetup:
         self.first_ready_s: float | None = None  # from start until the first row was usable
         self.busy_s = 0.0  # inside registration calls
         self._registered_bytes = 0  # of the units registered so far (progress)
-        self.undrained = 0  # registration batches that began beside pieces in flight
-        self.turns = 0  # batches cut short that gave populating its turn
-        self.holds = 0  # registration batches, each holding populating back
         self.longest_call_s = 0.0  # the longest single registration call
         # every registration call: (perf_counter when it began, seconds it took); what a
         # benchmark lines the engine's launch waits up against
@@ -207,13 +182,6 @@ class BackgroundSetup:
             self._first = np.cumsum([0] + [len(u.ranges) for u in self._units], dtype=np.int64)
             self._counter = np.zeros(1, dtype=np.int64)  # the next unit to take (atomic in C)
         self._next_unit = itertools.count()  # the Python loop's shared counter (atomic)
-        # registrations apart from populating (`_populate_held`): populate.c's pause flag and
-        # count of pieces in flight, or the Python loop's own under a condition
-        self._pause = np.zeros(1, dtype=np.int32)
-        self._inflight = np.zeros(1, dtype=np.int64)
-        self._gate = threading.Condition()
-        self._paused = False
-        self._populating = 0
         self._workers = [threading.Thread(target=self._populate_units, daemon=True,
                                           name=f"offload-bg-prefault-{i}")
                          for i in range(max(1, threads))]
@@ -294,8 +262,7 @@ class BackgroundSetup:
             self._native.offload_populate_units(
                 self._base, self._ranges.ctypes.data, self._first.ctypes.data,
                 len(self._units), self._counter.ctypes.data, self._state.ctypes.data,
-                self._stop_flag.ctypes.data, PIECE_BYTES,
-                self._pause.ctypes.data, self._inflight.ctypes.data)
+                self._stop_flag.ctypes.data)
             self.populated_s = time.perf_counter() - self.started  # no unit left to take
             return
         while not self._stop_flag[0]:
@@ -304,29 +271,13 @@ class BackgroundSetup:
                 return
             try:
                 for r in self._units[i].ranges:
-                    with self._gate:
-                        while self._paused:
-                            self._gate.wait()
-                        self._populating += 1
-                    try:
-                        self._populator.run(r)
-                    finally:
-                        with self._gate:
-                            self._populating -= 1
-                            self._gate.notify_all()
+                    self._populator.run(r)
                 self.populated_s = time.perf_counter() - self.started
                 self._state[i] = 1
             except BaseException as exc:
                 self._failed[i] = exc
                 self._state[i] = -1
                 self._halt_workers()  # later units are moot: set-up stops at this one
-
-    def _populating_left(self, first: int) -> bool:
-        """Some unit from ``first`` on is still to be populated: none has failed (which stops
-        the pre-fault threads) and one has no state yet.  Read from the units, not from the
-        threads: an idle-priority thread done with its last unit may take long to exit on a
-        busy host."""
-        return not self._stop_flag[0] and bool((self._state[first:] == 0).any())
 
     def _poll(self, done: Callable[[], bool]) -> bool:
         """Wait until ``done()`` or `stop` was called; whether it is done and `stop` was not
@@ -354,58 +305,22 @@ class BackgroundSetup:
             raise RuntimeError(f"unit {i} failed to populate and left no error")
         raise failure
 
-    @contextlib.contextmanager
-    def _populate_held(self) -> Iterator[None]:
-        """The pre-fault threads start no piece inside, and those in flight finish
-        first, for `DRAIN_WAIT_S` at most (`undrained` counts the holds that gave up waiting).
-        A registration beside them took up to 30-100 ms where alone it took 3-4 ms (the NOTE
-        above `REGISTER_BATCH_S`), and holds the CUDA driver all along."""
-        if self._native is not None:
-            drained = self._native.offload_pause_populate(
-                self._pause.ctypes.data, self._inflight.ctypes.data, int(DRAIN_WAIT_S * 1e9))
-        else:
-            with self._gate:
-                self._paused = True
-                drained = self._gate.wait_for(lambda: not self._populating, DRAIN_WAIT_S)
-        self.undrained += not drained
-        self.holds += 1
-        try:
-            yield
-        finally:
-            if self._native is not None:
-                self._native.offload_resume_populate(self._pause.ctypes.data)
-            else:
-                with self._gate:
-                    self._paused = False
-                    self._gate.notify_all()
-
-    def _register_batch(self, first: int) -> tuple[int, bool]:
-        """Register unit ``first`` (populated) and the populated units after it, in order and
-        announcing each, with populating held (`_populate_held`) for `REGISTER_BATCH_S` at
-        most; return the next unit and whether the limit cut the batch short."""
-        i = first
-        with self._populate_held():
-            batch_began = time.perf_counter()
-            while True:
-                unit = self._units[i]
-                for r in unit.ranges:
-                    began = time.perf_counter()
-                    self._pinner.pin(r)
-                    took = time.perf_counter() - began
-                    self.calls.append((began, took))
-                    self.busy_s += took
-                    self.longest_call_s = max(self.longest_call_s, took)
-                if unit.rows_end > self.ready_rows:  # a row's last piece (or whole rows)
-                    self.ready_rows = unit.rows_end
-                    if self.first_ready_s is None:
-                        self.first_ready_s = time.perf_counter() - self.started
-                    self._on_ready(self.ready_rows, False)
-                self._registered_bytes += unit.length
-                i += 1
-                if i == len(self._units) or self._state[i] != 1 or self._stopping.is_set():
-                    return i, False
-                if time.perf_counter() - batch_began >= REGISTER_BATCH_S:
-                    return i, True
+    def _register_unit(self, i: int) -> None:
+        """Register unit ``i`` (populated) and announce the rows it completes."""
+        unit = self._units[i]
+        for r in unit.ranges:
+            began = time.perf_counter()
+            self._pinner.pin(r)
+            took = time.perf_counter() - began
+            self.calls.append((began, took))
+            self.busy_s += took
+            self.longest_call_s = max(self.longest_call_s, took)
+        if unit.rows_end > self.ready_rows:  # a row's last piece (or whole rows)
+            self.ready_rows = unit.rows_end
+            if self.first_ready_s is None:
+                self.first_ready_s = time.perf_counter() - self.started
+            self._on_ready(self.ready_rows, False)
+        self._registered_bytes += unit.length
 
     def _register(self) -> None:
         try:
@@ -415,19 +330,13 @@ class BackgroundSetup:
             if not self._begin():
                 return
             last_log = self.started
-            i = 0
-            while i < len(self._units):
+            for i in range(len(self._units)):
                 if not self._wait_populated(i):
                     return
                 self._populated(i)
                 if self._stopping.is_set():
                     return
-                i, cut_short = self._register_batch(i)
-                if cut_short and self._populating_left(i):
-                    # the pre-fault threads' turn (they look every 100 us); once they are
-                    # done, the backlog is registered without pauses
-                    self.turns += 1
-                    self._stopping.wait(REGISTER_BATCH_S)
+                self._register_unit(i)
                 now = time.perf_counter()
                 if self._progress is not None and now - last_log >= PROGRESS_INTERVAL_S:
                     self._progress(self._registered_bytes, self.total_bytes, now - self.started)

@@ -123,9 +123,6 @@ class RegionStats:
     numa_bytes: int | None = None  # bytes of the region this rank maps found on that node
     background: bool = False  # pre-fault and registration ran behind `create` (section 3.9)
     longest_registration_s: float | None = None  # background: the longest registration call
-    undrained_batches: int | None = None  # background: registration batches beside populating
-    populate_turns: int | None = None  # background: registration batches that gave way to it
-    registration_batches: int | None = None  # background: holds of populating to register
     timings_s: dict[str, float] = field(default_factory=dict)
 
 
@@ -307,9 +304,6 @@ class HostRegion:
         if reservation is not None and reservation.finished_s is not None:
             self.stats.timings_s["reserve"] = reservation.finished_s
         self.stats.longest_registration_s = setup.longest_call_s
-        self.stats.undrained_batches = setup.undrained
-        self.stats.populate_turns = setup.turns
-        self.stats.registration_batches = setup.holds
         self.stats.registrations = len(pinner.registered)
         self.stats.pinned_bytes = pinner.pinned_bytes
         self.stats.pin_error = setup.error

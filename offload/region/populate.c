@@ -2,11 +2,11 @@
  * loaded by offload/region/background.py (why: its docstring).
  *
  * Each worker thread makes one call and stays in C until every unit is taken or `stop` is set:
- * it takes the next unit from the shared counter, populates the unit's ranges in pieces of at
- * most `step` bytes, and publishes the unit's state.  Python's threads would instead take the
- * GIL back after every piece, and a pool of them hands the GIL around the engine's own threads.
+ * it takes the next unit from the shared counter, populates the unit's ranges, and publishes
+ * the unit's state.  Python's threads would instead take the GIL back after every unit, and a
+ * pool of them hands the GIL around the engine's own threads.
  *
- * A piece is populated by write faults, one per page (an atomic OR of 0: a write access that
+ * A unit is populated by write faults, one per page (an atomic OR of 0: a write access that
  * changes no byte, whoever else writes the page), not by MADV_POPULATE_WRITE.  The advice holds
  * the process's mmap lock for reading for the whole call, and every thread of the engine that
  * maps, unmaps or protects memory (malloc growing an arena does) waits for the calls in flight:
@@ -25,60 +25,15 @@
  * which waits for items in order and stops at the first failure, never waits for one nobody
  * took.
  *
- * `pause` and `inflight` keep the pin thread's registrations apart from the populating: a
- * worker counts itself in `inflight` for the length of each piece and starts none while `pause`
- * is set, and the pin thread sets `pause` and waits for `inflight` to drain before it registers
- * (offload_pause_populate).  A registration beside populating threads of the same process took
- * up to 30-100 ms where alone it took 3-4 ms, and holds the CUDA driver all along.  The wait is
- * bounded: an idle-priority worker preempted inside its piece may not finish it for long, and
- * rows already populated should not wait for it.
+ * The pin thread registers beside the workers, unit by unit as each is populated: write faults
+ * take no lock that a registration waits for, and the two overlapping is what makes background
+ * set-up as fast as the blocking create (docs/BENCHMARKS.md, "Registering beside write faults").
  */
 #define _GNU_SOURCE /* fallocate(2) */
 #include <errno.h>
 #include <fcntl.h>
 #include <stdint.h>
-#include <time.h>
 #include <unistd.h>
-
-static void nap(long nanoseconds) {
-    struct timespec t = {0, nanoseconds};
-    nanosleep(&t, NULL);
-}
-
-/* Count this worker in for one piece once no pause is asked.  Sequentially consistent
- * both sides: either the pin thread sees the count, or the worker sees the pause and backs out. */
-static void enter(const int32_t *pause, int64_t *inflight) {
-    for (;;) {
-        if (!__atomic_load_n(pause, __ATOMIC_SEQ_CST)) {
-            __atomic_fetch_add(inflight, 1, __ATOMIC_SEQ_CST);
-            if (!__atomic_load_n(pause, __ATOMIC_SEQ_CST))
-                return;
-            __atomic_fetch_sub(inflight, 1, __ATOMIC_SEQ_CST);
-        }
-        nap(100000);
-    }
-}
-
-static int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
-/* The pin thread's side: no piece starts after this returns.  Returns 1 once none is in
- * flight, 0 if some still were after `wait_ns` (the caller registers beside them). */
-int32_t offload_pause_populate(int32_t *pause, const int64_t *inflight, int64_t wait_ns) {
-    __atomic_store_n(pause, 1, __ATOMIC_SEQ_CST);
-    int64_t deadline = now_ns() + wait_ns;
-    while (__atomic_load_n(inflight, __ATOMIC_SEQ_CST) > 0) {
-        if (now_ns() >= deadline)
-            return 0;
-        nap(50000);
-    }
-    return 1;
-}
-
-void offload_resume_populate(int32_t *pause) { __atomic_store_n(pause, 0, __ATOMIC_SEQ_CST); }
 
 /* The next item for this worker from the shared counter, or -1 once `stop` is set or none is
  * left.  Items are taken in order: every item below a taken one was taken. */
@@ -112,20 +67,12 @@ static void touch_pages(uintptr_t start, int64_t length, uintptr_t page) {
 }
 
 int64_t offload_populate_units(uint64_t base, const int64_t *ranges, const int64_t *first,
-                               int64_t units, int64_t *next, int32_t *state, int32_t *stop,
-                               int64_t step, const int32_t *pause, int64_t *inflight) {
+                               int64_t units, int64_t *next, int32_t *state, int32_t *stop) {
     uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
     int64_t done = 0;
     for (int64_t i; (i = take(next, stop, units)) >= 0; done++) {
-        for (int64_t r = first[i]; r < first[i + 1]; r++) {
-            int64_t offset = ranges[2 * r], length = ranges[2 * r + 1];
-            for (int64_t at = 0; at < length; at += step) {
-                int64_t piece = length - at < step ? length - at : step;
-                enter(pause, inflight);
-                touch_pages((uintptr_t)(base + (uint64_t)(offset + at)), piece, page);
-                __atomic_fetch_sub(inflight, 1, __ATOMIC_SEQ_CST);
-            }
-        }
+        for (int64_t r = first[i]; r < first[i + 1]; r++)
+            touch_pages((uintptr_t)(base + (uint64_t)ranges[2 * r]), ranges[2 * r + 1], page);
         publish(state, stop, i, 1);
     }
     return done;
