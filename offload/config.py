@@ -151,9 +151,12 @@ class TierConfig:
     p99 during set-up 0.4 against 0.9 ms; with registrations beside populating (as now)
     0.9-1.0 against 3.8-3.9 ms, and 0.2-0.4% of launches over 2 ms against 3.6-4.2%
     (docs/BENCHMARKS.md, "Registering beside write faults").  It costs about 260 MiB of GPU
-    memory per rank for the tier's life; the context is made on the set-up's own thread,
-    beside the copy kernel's JIT.  False (``--no-setup-context``) registers in the engine's
-    context.  Without ``background`` nothing registers beside the engine: this is moot."""
+    memory per rank for the tier's life, taken as set-up starts (on its own thread, beside the
+    copy kernel's JIT, after ``create`` returned): an engine that sizes later allocations from
+    the free GPU memory should leave that much, or the context cannot be made and set-up
+    registers in the engine's context with a warning.  False (``--no-setup-context``)
+    registers in the engine's context.  Without ``background`` nothing registers beside the
+    engine: this is moot."""
 
     metrics_port: int | None = None
     """Serve live Prometheus metrics (``offload_*``, `offload.metrics`) on this port plus the

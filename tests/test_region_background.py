@@ -565,7 +565,7 @@ def test_the_c_loop_populates_while_a_unit_is_registered() -> None:
     made every row ready up to 2x later.  The oracle is the mapping's own residency: row 0's
     registration returns only once later rows were populated meanwhile (a set-up that held the
     workers back for it would never see them grow, and fails on the deadline)."""
-    rows = 64
+    rows = 16
     geometry = _private_geometry(rows, 2 << 20)
     units = setup_units(geometry, TierConfig(cpu_bytes_per_node=1 << 30), 2 << 20)
     mapping = Mapping.anonymous(geometry.total_bytes)

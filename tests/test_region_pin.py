@@ -280,3 +280,17 @@ def test_an_unprepared_own_context_registrar_makes_its_context_on_first_use() ->
     assert not unused.own_context
     with pytest.raises(RuntimeError, match="closed"):
         unused.register(host.data_ptr(), 4096)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_closing_a_primary_context_registrar_leaves_it_usable() -> None:
+    """The primary context outlives the tier: a second closer still unpinning after the first
+    closed the registrar (the file tier's late closer beside an exit handler) must succeed."""
+    host = torch.empty(4 * MiB, dtype=torch.uint8)
+    registrar = CudaRegistrar(torch.device("cuda"))
+    registrar.register(host.data_ptr(), 4 * MiB)
+    registrar.close()
+    assert host.is_pinned() and not registrar.own_context
+    registrar.unregister(host.data_ptr())
+    assert not host.is_pinned()

@@ -324,6 +324,8 @@ class BackgroundSetup:
 
     def _register(self) -> None:
         try:
+            if self._stopping.is_set():  # closed at once: no context to make for nothing
+                return
             # a registration context of its own takes a few tenths of a second to make
             # (`CudaRegistrar.prepare`): here, beside the JIT that `_begin` waits for
             self._pinner.registrar.prepare()

@@ -13,14 +13,15 @@ driver lock for the whole call: a kernel launch of the engine waits behind it.  
 with ``PORTABLE``: the memory is pinned and mapped for the engine's (primary) context all the
 same, and the engine's launches need not wait for it.  Measured on its own on an H200 host,
 beside populating threads and a thread mapping memory every millisecond (8 MiB registrations of
-up to 15 ms): the engine's longest launch took 0.58 ms, against 6.9 ms with the registrations in
-the engine's context, and copies from the memory ran at 54.8 GB/s (docs/BENCHMARKS.md, "What
-the engine's launches wait for during set-up").  Inside the tier it halved the launch p99 during
-set-up, but the worst waits still overlapped registrations ("The own-context registrar inside
-the tier"), so it is off by default.  The context costs GPU memory (about 260 MiB with
-its stack, printf and heap limits at 0) and lives as long as the registrations: destroying it
-unregisters them.  Where a second context cannot be made (a GPU in exclusive-process mode) the
-registrar falls back to the primary context and says so.
+up to 15 ms): the engine's longest launch took 0.58 ms, against 6.9 ms with the registrations
+in the engine's context, and copies from the memory ran at 54.8 GB/s (docs/BENCHMARKS.md, "What
+the engine's launches wait for during set-up").  Inside the tier, with registrations beside
+populating, it cut the launch p99 during set-up from 3.8-3.9 to 0.9-1.0 ms ("Registering beside
+write faults"), so background set-up uses it by default.  The context costs GPU memory (about
+260 MiB with its stack, printf and heap limits at 0), is made as set-up starts (`prepare`), and
+lives as long as the registrations: destroying it unregisters them.  Where a second context
+cannot be made (a GPU in exclusive-process mode) the registrar falls back to the primary
+context and says so.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ class CudaRegistrar:
         # context while a call is inside it
         self._lock = threading.Lock()
         self._context = ctypes.c_void_p()  # None until resolved, and again once closed
-        self._closed = False
+        self._closed = False  # an own context was destroyed, or never will be made
         self._wants_own = own_context
         self.own_context = False  # registers in a context of its own (once `prepare`d)
         if not own_context:
@@ -188,15 +189,18 @@ class CudaRegistrar:
             check(self._unregister(address), f"cuMemHostUnregister at {address:#x}")
 
     def close(self) -> None:
-        """Destroy the registrar's own context, if it made one; no call is made after
-        (idempotent).  Call it once every range is unregistered: destroying the context
-        unregisters what is left."""
+        """Destroy the registrar's own context, if it made one, and make none after: no call
+        runs in it any more (idempotent).  Call it once every range is unregistered: destroying
+        the context unregisters what is left.  In the primary context (the default, or the
+        fallback) it does nothing: that context outlives the tier, and a second closer still
+        unpinning (the file tier's late closer beside an exit handler) must be able to."""
         with self._lock:
-            if self._closed:
+            if not self._wants_own or self._closed or (self._context.value
+                                                        and not self.own_context):
                 return
             self._closed = True
             context, self._context = self._context, ctypes.c_void_p()
-            if self.own_context and context.value:
+            if context.value:
                 check(require_libcuda().cuCtxDestroy_v2(context), "cuCtxDestroy")
 
     @contextlib.contextmanager
