@@ -139,6 +139,7 @@ def test_background_set_up_serves_while_rows_come_online_and_reports_readiness(
         assert rank["background"] and rank["setup_error"] is None
         assert rank["ready_rows"] == report["plan"]["chunk_count"]
         assert rank["registrations"] > 0
+        assert rank["own_registration_context"] is False  # no CUDA here: nothing to make
     assert "readiness (background set-up)" in proc.stdout
 
 

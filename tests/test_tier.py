@@ -550,6 +550,7 @@ class _PinnedStandIn:
 
     name = "stand-in"
     counts_as_pinned = True
+    own_context = False
 
     def __init__(self, fail: bool) -> None:
         self.fail = fail

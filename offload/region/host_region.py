@@ -123,6 +123,7 @@ class RegionStats:
     numa_bytes: int | None = None  # bytes of the region this rank maps found on that node
     background: bool = False  # pre-fault and registration ran behind `create` (section 3.9)
     longest_registration_s: float | None = None  # background: the longest registration call
+    own_context: bool | None = None  # background: registered in a CUDA context of its own
     timings_s: dict[str, float] = field(default_factory=dict)
 
 
@@ -304,6 +305,7 @@ class HostRegion:
         if reservation is not None and reservation.finished_s is not None:
             self.stats.timings_s["reserve"] = reservation.finished_s
         self.stats.longest_registration_s = setup.longest_call_s
+        self.stats.own_context = self.registrar.own_context
         self.stats.registrations = len(pinner.registered)
         self.stats.pinned_bytes = pinner.pinned_bytes
         self.stats.pin_error = setup.error

@@ -54,6 +54,7 @@ class Registrar(Protocol):
 
     name: str
     counts_as_pinned: bool
+    own_context: bool  # registers in a CUDA context of its own (known once prepared)
 
     def prepare(self) -> None:
         """Make ready what the first registration needs (a context of its own), so that
@@ -72,6 +73,7 @@ class RecordingRegistrar:
 
     name = "recording"
     counts_as_pinned = False
+    own_context = False
 
     def __init__(self) -> None:
         self.registered: dict[int, int] = {}

@@ -200,8 +200,8 @@ def test_background_set_up_serves_ready_rows_on_cuda_while_the_rest_is_registere
         same = all(torch.equal(a, b) for a, b in zip(kv, original, strict=True))
         tier.wait_ready(120)
         row = tier.actor.report()
-        # set-up registered in a context of its own exactly when asked to
-        own = tier.actor.region.registrar.own_context
+        # set-up registered in a context of its own exactly when asked to, and says so
+        own = (tier.actor.region.registrar.own_context, row["own_registration_context"])
         tier.close()
         return (created.rows < created.total, seen.rows < seen.total, refused, outcome,
                 same, row["pinned"], row["pinned_bytes"], row["pin_plan_bytes"],
@@ -211,7 +211,7 @@ def test_background_set_up_serves_ready_rows_on_cuda_while_the_rest_is_registere
     assert all(o.ok for o in out), [o.error for o in out]
     for (early, partial, refused, outcome, same, pinned, pinned_bytes, plan_bytes, error,
          longest, own) in (o.value for o in out):
-        assert own is setup_context
+        assert own == (setup_context, setup_context)
         assert early and partial  # create returned, and the jobs ran, before set-up finished
         assert refused  # every rank refuses a row it has not registered yet
         assert "job 99" in outcome and "not ready" in outcome  # decided failed everywhere
