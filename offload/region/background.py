@@ -43,7 +43,7 @@ import numpy as np
 
 from offload.build_cache import SOURCES, load
 from offload.errors import one_line
-from offload.geometry import SetupUnit
+from offload.geometry import SetupUnits
 from offload.region.pin import Pinner
 from offload.region.prefault import (
     PopulateFn,
@@ -134,11 +134,11 @@ class BackgroundSetup:
     """Populates and registers ``units`` (offsets from ``base``) on its own threads once
     `start` is called.  Read ``ready_rows`` / ``error`` / ``done`` from any thread."""
 
-    def __init__(self, base: int, units: Sequence[SetupUnit], pinner: Pinner, threads: int,
+    def __init__(self, base: int, units: SetupUnits, pinner: Pinner, threads: int,
                  on_ready: ReadyFn, *, populate: PopulateFn = madvise_populate,
                  on_thread_start: Callable[[], None] | None = None,
                  progress: ProgressFn | None = None) -> None:
-        self._units = list(units)
+        self._units = units
         self._pinner = pinner
         self._on_ready = on_ready
         self._progress = progress
@@ -163,7 +163,7 @@ class BackgroundSetup:
         # every registration call: (perf_counter when it began, seconds it took); what a
         # benchmark lines the engine's launch waits up against
         self.calls: list[tuple[float, float]] = []
-        self.total_bytes = sum(u.length for u in self._units)
+        self.total_bytes = units.total_bytes
         # unit i: _state[i] is 0 while pending, 1 once populated, -1 when the Python loop
         # failed on it (the error in _failed[i]; the C loop's faults do not fail, they do not
         # return).  Written by the pre-fault threads, read by the pin thread.
@@ -176,10 +176,7 @@ class BackgroundSetup:
         # compiler, the Python loop (the advice, or `Populator`'s touch fallback)
         self._native = native_populator() if populate is madvise_populate else None
         self._base = base
-        if self._native is not None:  # populate.c's tables: ranges, each unit's first range
-            self._ranges = np.array([(r.offset, r.length) for u in self._units for r in u.ranges],
-                                    dtype=np.int64).reshape(-1, 2)
-            self._first = np.cumsum([0] + [len(u.ranges) for u in self._units], dtype=np.int64)
+        if self._native is not None:  # populate.c reads the units' own arrays
             self._counter = np.zeros(1, dtype=np.int64)  # the next unit to take (atomic in C)
         self._next_unit = itertools.count()  # the Python loop's shared counter (atomic)
         self._workers = [threading.Thread(target=self._populate_units, daemon=True,
@@ -260,7 +257,7 @@ class BackgroundSetup:
                 log.exception("background set-up: placing a pre-fault thread failed")
         if self._native is not None:
             self._native.offload_populate_units(
-                self._base, self._ranges.ctypes.data, self._first.ctypes.data,
+                self._base, self._units.ranges.ctypes.data, self._units.first.ctypes.data,
                 len(self._units), self._counter.ctypes.data, self._state.ctypes.data,
                 self._stop_flag.ctypes.data)
             self.populated_s = time.perf_counter() - self.started  # no unit left to take

@@ -269,8 +269,8 @@ class HostRegion:
         units = setup_units(self.geometry, config, UNIT_BYTES, self.cuts)
         self.stats.background = True
         # a unit populates exactly the bytes it registers: the blocking path's registrations
-        self.stats.prefault_bytes = self.stats.pin_plan_bytes = sum(u.length for u in units)
-        self.pinned = self.registrar.counts_as_pinned and bool(units)
+        self.stats.prefault_bytes = self.stats.pin_plan_bytes = units.total_bytes
+        self.pinned = self.registrar.counts_as_pinned and len(units) > 0
         pinner = self._pinner = Pinner(self.registrar, self.address)
         placement = Placement.for_node(self.plan.slots[topology.rank].numa_node)
         if placement is not None:
