@@ -8,6 +8,7 @@ the rules of DESIGN.md sections 4 and 5 are tested exhaustively without touching
 from __future__ import annotations
 
 import bisect
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import overload
@@ -174,6 +175,7 @@ class SetupUnits(Sequence[SetupUnit]):
     def __getitem__(self, i: int | slice) -> SetupUnit | Sequence[SetupUnit]:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
+        i = operator.index(i)
         if not -len(self) <= i < len(self):
             raise IndexError(f"unit {i} of {len(self)}")
         i %= len(self)
@@ -185,12 +187,25 @@ class SetupUnits(Sequence[SetupUnit]):
     def total_bytes(self) -> int:
         return int(self.ranges[:, 1].sum())
 
+    @property
+    def rows(self) -> int:
+        """The rows usable once every unit is done (0 without units)."""
+        return int(self.rows_end[-1]) if len(self.rows_end) else 0
+
     @classmethod
     def of(cls, offsets: np.ndarray, lengths: np.ndarray, first: np.ndarray,
            rows_end: np.ndarray) -> SetupUnits:
-        as_int64 = np.ascontiguousarray
-        return cls(as_int64(np.stack([offsets, lengths], axis=1), dtype=np.int64),
-                   as_int64(first, dtype=np.int64), as_int64(rows_end, dtype=np.int64))
+        """Own, read-only, contiguous int64 copies: ``populate.c`` reads them raw, from
+        threads that outlive the caller's arrays."""
+        arrays = [np.array(a, dtype=np.int64, order="C")
+                  for a in (np.stack([offsets, lengths], axis=1), first, rows_end)]
+        for a in arrays:
+            a.flags.writeable = False
+        ranges, first, rows_end = arrays
+        if len(first) != len(rows_end) + 1 or first[0] != 0 or first[-1] != len(ranges):
+            raise ValueError(f"unit bounds {first[:3]}..{first[-1:]} do not index "
+                             f"{len(ranges)} ranges in {len(rows_end)} units")
+        return cls(ranges, first, rows_end)
 
 
 def registered_span(geometry: RegionGeometry, config: TierConfig) -> ByteRange:

@@ -18,6 +18,7 @@ from offload.geometry import (
     ByteRange,
     RegionGeometry,
     SetupUnit,
+    SetupUnits,
     interleave_by_segment,
     merge_ranges,
     prefault_ranges,
@@ -507,6 +508,13 @@ def test_setup_units_index_like_a_list_and_allocate_no_object_per_unit() -> None
     assert list(units[3:6]) == [units[3], units[4], units[5]]
     with pytest.raises(IndexError):
         units[len(units)]
+    # what populate.c reads raw cannot change under it, and bounds that do not index the
+    # ranges are refused before any thread could read past them
+    assert units.rows == 2560 and not units.ranges.flags.writeable
+    assert not units.first.flags.writeable
+    one = np.zeros(1, dtype=np.int64)
+    with pytest.raises(ValueError, match="do not index 1 ranges"):
+        SetupUnits.of(one, one, np.array([0, 2]), one)
 
 
 def test_a_node_row_registered_whole_is_cut_among_the_other_slots_too() -> None:

@@ -349,7 +349,7 @@ class BackgroundSetup:
             if not self._stopping.is_set():
                 self.error = one_line(exc)
                 log.error("background set-up stopped at row %d of %d: %s", self.ready_rows,
-                          self._units[-1].rows_end, self.error)
+                          self._units.rows, self.error)
                 self._on_ready(self.ready_rows, True)
         finally:
             self.done.set()
