@@ -46,12 +46,6 @@ def madvise_populate(address: int, length: int) -> int:
     return ctypes.get_errno()
 
 
-def populate_supported() -> bool:
-    """Whether this kernel takes MADV_POPULATE_WRITE (5.14+): the advice is checked before the
-    range, so an empty range at 0 answers without touching anything."""
-    return libc.madvise(None, 0, MADV_POPULATE_WRITE) == 0
-
-
 def touch_pages(address: int, length: int) -> None:
     """Write-fault every system page of the range by rewriting its first byte in place (a
     strided view copied onto a clone of itself: one torch op, GIL released)."""
