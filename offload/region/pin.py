@@ -128,7 +128,6 @@ class CudaRegistrar:
         self._lock = threading.Lock()
         self._context = ctypes.c_void_p()  # None until resolved, and again once closed
         self._closed = False  # an own context was destroyed, or never will be made
-        self._wants_own = own_context
         self.own_context = False  # registers in a context of its own (once `prepare`d)
         if not own_context:
             self._retain_primary()
@@ -197,8 +196,8 @@ class CudaRegistrar:
         fallback) it does nothing: that context outlives the tier, and a second closer still
         unpinning (the file tier's late closer beside an exit handler) must be able to."""
         with self._lock:
-            if not self._wants_own or self._closed or (self._context.value
-                                                        and not self.own_context):
+            in_primary = self._context.value and not self.own_context
+            if self._closed or in_primary:
                 return
             self._closed = True
             context, self._context = self._context, ctypes.c_void_p()
