@@ -402,6 +402,7 @@ class RankActor:
             "setup_error": stats.pin_error if stats.background else None,
             "longest_registration_s": stats.longest_registration_s,
             "own_registration_context": stats.own_context,
+            "setup_threads": stats.setup_threads,
             "ready_s": (None if self.ready_at is None
                         else round(self.ready_at - self.created_at, 6)),
             "engine": self.engine.name if self.engine else None,

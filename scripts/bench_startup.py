@@ -94,7 +94,8 @@ def ours(rank: int, world: int, args: argparse.Namespace, layout: str) -> dict[s
     config = TierConfig(cpu_bytes_per_node=args.cpu_bytes, layout=layout.split(":")[-1],
                         blocks_per_chunk=args.blocks_per_chunk, tp=tp, pp=args.pp,
                         prefault_threads=args.threads, timeout_s=600, shm_dir=args.shm_dir,
-                        background=background, setup_context=background and args.setup_context)
+                        background=background, setup_context=background and args.setup_context,
+                        private_memory=args.private_memory)
     start, baseline = begin(rank)
     sampler = StackSampler().start() if args.stack_samples else None
     tier = HostTier.create(kv, config)
@@ -175,6 +176,7 @@ def timed_job(tier: Any, job: Any, nbytes: int) -> float:
 
 
 JOB_IDS = itertools.count(1_000_000)
+SLOW_CALL_S = 0.02  # a registration this long is listed with when it came (call index, time)
 
 
 def store_and_load(tier: Any, blocks: int, payload: int, rates: dict[str, list[float]]) -> None:
@@ -323,6 +325,9 @@ class LaunchProbe:
                 "beside_max_ms": 1e3 * max(free, default=0.0),
                 "before_max_ms": 1e3 * max(before, default=0.0),
                 "mmap_max_ms": 1e3 * max(self.maps, default=0.0),
+                # when the long registrations came: (call, of calls, s after set-up began, ms)
+                "slow_calls": [(k, len(calls), b - since, 1e3 * took)
+                               for k, (b, took) in enumerate(calls) if took > SLOW_CALL_S],
                 **({"where": where} if where is not None else {})}
 
     def _where(self, since: float) -> dict[str, Any]:
@@ -506,6 +511,7 @@ def run_variant(world: int, fn: Callable[..., dict[str, Any]], *extra: Any) -> d
         where = [(p["where"], p["idle"].get("where")) for p in probes if "where" in p]
         if where:  # per rank: during set-up, and once every row was ready
             stages["where"] = where
+        stages["slow_calls"] = [p.get("slow_calls", []) for p in probes]
     rated = [r["jobs"] for r in results.values() if r.get("jobs")]
     if rated:  # the slowest rank's
         stages["store_GBps"] = min(j["store_GBps"] for j in rated)
@@ -598,7 +604,12 @@ def main() -> None:
     p.add_argument("--tensors", type=int, default=2,
                    help="KV tensors the per-block payload is split into (160 with "
                         "--kv-bytes-per-block 2560KiB: 16 KiB pages, engine-shaped)")
-    p.add_argument("--threads", type=int, default=16, help="pre-fault threads per rank")
+    p.add_argument("--threads", type=int, default=16,
+                   help="pre-fault threads per rank (background set-up: at most half the CPUs "
+                        "over the ranks)")
+    p.add_argument("--private-memory", choices=("anonymous", "memfd"), default="anonymous",
+                   help="what our private layout's regions are made of (TierConfig."
+                        "private_memory)")
     p.add_argument("--job-blocks", type=int, default=128,
                    help="our layouts: once every row is ready, time stores and loads of this "
                         "many blocks in whole chunks (0: none)")
@@ -768,6 +779,12 @@ def print_table(report: dict[str, Any]) -> None:
                     f"{what} x{count}" for what, count in list(idle["seen"].items())[:3]))
             for line in during["worst"][:3]:
                 print("  worst: " + line)
+    for name, r in staged.items():
+        for rank, slow in enumerate(r.get("slow_calls", [])):
+            if slow:
+                print(f"{name}, rank {rank}: registrations over {1e3 * SLOW_CALL_S:.0f} ms: "
+                      + "; ".join(f"call {k} of {n} at {t:.2f} s: {ms:.1f} ms"
+                                  for k, n, t, ms in slow[:8]))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from offload.config import TierConfig
 from offload.geometry import ByteRange, RegionGeometry, setup_units
@@ -281,6 +283,27 @@ def test_nothing_is_populated_or_registered_before_the_kernel_is_compiled() -> N
         setup.stop()
         pinner.unpin_all()
         mapping.close()
+
+
+@given(requested=st.integers(1, 64), local_ranks=st.integers(1, 16), cpus=st.integers(1, 512))
+def test_set_up_leaves_at_least_half_the_cpus(requested: int, local_ranks: int,
+                                             cpus: int) -> None:
+    """Each rank runs what was asked, but the node's ranks together at most half the CPUs
+    (never none)."""
+    threads = background.setup_threads(requested, local_ranks, cpus)
+    assert 1 <= threads <= requested
+    assert threads == 1 or threads * local_ranks <= cpus // 2
+    if requested * local_ranks <= cpus // 2:
+        assert threads == requested  # room for all of them: nothing taken away
+    else:  # the most that fit
+        assert threads == max(1, cpus // (2 * local_ranks))
+
+
+def test_set_up_threads_on_the_hosts_measured() -> None:
+    assert background.setup_threads(8, 2, 16) == 4  # the H200 host: 2 ranks of 16 cores
+    assert background.setup_threads(8, 1, 16) == 8
+    assert background.setup_threads(8, 8, 128) == 8
+    assert background.setup_threads(8, 2, 2) == 1  # the CI machine
 
 
 def test_a_registrar_that_cannot_be_prepared_stops_set_up_and_says_why() -> None:

@@ -490,8 +490,9 @@ def test_background_set_up_starts_once_the_engine_is_built() -> None:
         assert after_engine_s >= 0 and timed
 
 
-def _reserved_where(rank: int, mode: str, shm_dir: str) -> object:
-    """Background set-up of a region of 5 files: what the leader's `BackgroundReservation` did
+def _reserved_where(rank: int, mode: str, shm_dir: str, layout: str = "shared") -> object:
+    """Background set-up of a region of 5 files (``layout`` shared: the node's; private: each
+    rank's own memfds): what the creator's `BackgroundReservation` did
     (each file's state), and which threads called ``posix_fallocate`` (the reservation in
     `create`, or the Python loop's).  ``mode``: "ok"; "full" (the Python loop, whose every
     reservation fails with ENOSPC); "strict" (a host that refuses to overcommit, where a write
@@ -517,7 +518,9 @@ def _reserved_where(rank: int, mode: str, shm_dir: str) -> object:
     if mode == "full":
         background.native_populator = lambda: None
     files = {"shm_dir": shm_dir} if mode == "named" else {}
-    tier = _background_tier(rank, "shared", RecordingRegistrar(), min_segment_bytes=64 << 10,
+    if layout == "private":
+        files["private_memory"] = "memfd"
+    tier = _background_tier(rank, layout, RecordingRegistrar(), min_segment_bytes=64 << 10,
                             segment_threshold=128 << 10, **files)
     full = tier.wait_ready(20).full
     segments = tier.actor.report()["segments"]
@@ -554,6 +557,56 @@ def test_the_leader_reserves_the_node_files_behind_create(mode: str, shm_dir) ->
         assert 1 <= len(calls) <= segments
         assert all(name.startswith("offload-bg-reserve") for name in calls)
         assert error is not None and "No space left" in error
+
+
+def _set_up_threads(rank: int, layout: str) -> object:
+    """A background tier asking for 8 pre-fault threads a rank on a node of 8 usable CPUs:
+    the threads its set-up and the leader's reservation started, and what the report says."""
+    import offload.region.host_region as host_region
+
+    host_region.usable_cpus = lambda: 8
+    tier = _background_tier(rank, layout, RecordingRegistrar(), prefault_threads=8,
+                            min_segment_bytes=64 << 10, segment_threshold=128 << 10)
+    try:
+        region = tier.actor.region
+        setup = region.background_setup
+        assert setup is not None
+        workers = sorted(role for role in setup.thread_ids().values())
+        reservation = region._reservation
+        reserving = len(reservation._threads) if reservation is not None else 0
+        assert tier.wait_ready(20).full
+        return workers.count("prefault"), reserving, tier.actor.report()["setup_threads"]
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("layout", ["private", "shared"])
+def test_background_set_up_leaves_half_the_cpus_to_the_engine(layout: str) -> None:
+    """2 ranks on 8 CPUs: 2 pre-fault threads each, not the 8 asked for (and as many
+    reserving the leader's memfds), so set-up never takes more than half the CPUs."""
+    outcomes = run_group(_set_up_threads, 2, args=(layout,), timeout=90)
+    for o in outcomes:
+        assert o.ok, o.error
+    (workers0, reserving0, reported0), (workers1, reserving1, reported1) = (
+        o.value for o in outcomes)
+    assert workers0 == workers1 == reported0 == reported1 == 2
+    assert reserving0 == (2 if layout == "shared" else 0) and reserving1 == 0
+
+
+@pytest.mark.parametrize("mode", ["ok", "strict"])
+def test_a_private_ranks_memfds_are_reserved_behind_create(mode: str, shm_dir) -> None:
+    """Private regions of memfds (``private_memory="memfd"``): each rank reserves its own files
+    on its own threads behind `create`, as a node leader does; on a host that refuses to
+    overcommit, in `create`."""
+    outcomes = run_group(_reserved_where, 2, args=(mode, str(shm_dir), "private"), timeout=90)
+    for o in outcomes:
+        assert o.ok, o.error
+        calls, full, error, segments, states = o.value
+        assert full and segments >= 2
+        if mode == "strict":
+            assert states is None and len(calls) == segments
+        else:
+            assert calls == [] and states == [1] * segments and error is None
 
 
 def _blocking_jit_order(rank: int, layout: str) -> object:

@@ -92,7 +92,31 @@ RESERVE_BYTES = 256 << 20
 # one run each, 48 GiB over 2 ranks on an H200 host: the JIT took 1.5-3.6 s beside one
 # populating thread and 0.6-0.9 s alone; the first job was decided 1.7-3.7 -> 0.8-1.0 s after
 # create began, and every row was ready no later (docs/BENCHMARKS.md, "Set-up after the JIT").
+# NOTE: background set-up leaves at least half of the CPUs to the engine (`setup_threads`).
+# Idle priority alone does not keep its launches from waiting: beside 8 idle-priority write-
+# faulting threads per rank (2 ranks, 16 cores) the probe's launching thread sat runnable, not
+# running, for 2-7 ms a few times a run, and registrations took 7-8 ms against 3-5 ms.  Measured
+# in one call, 48 GiB over 2 ranks on an H200 host, private and shared, twice each: 4 threads a
+# rank made the worst launch wait 1.4-1.9 ms with none of ~13,700 over 2 ms, against 1.8-6.9 ms
+# and 10 of ~12,100 with 8, every row ready 0.87-1.24x as late (docs/BENCHMARKS.md, "Fewer
+# pre-fault threads bound the launch waits").
 PROGRESS_INTERVAL_S = 2.0
+
+
+def setup_threads(requested: int, local_ranks: int, cpus: int) -> int:
+    """Pre-fault threads of one rank's background set-up: ``requested``
+    (`TierConfig.prefault_threads`), but together over the node's ``local_ranks`` at most half
+    of ``cpus``, and at least one."""
+    return max(1, min(requested, cpus // (2 * max(1, local_ranks))))
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's cpuset, a launcher's
+    binding), else the host's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def yield_cpu() -> None:
@@ -356,8 +380,9 @@ class BackgroundSetup:
 
 
 class BackgroundReservation:
-    """The node leader's reservation of a node region's memfds, on its own threads, in file
-    (row) order, while the ranks' set-up populates them: `create` then costs no reservation.
+    """The reservation of a region's memfds by the rank that created them (a node region's
+    leader, or a private rank), on its own threads, in file (row) order, while set-up populates
+    them: `create` then costs no reservation.
 
     Nothing waits for it.  A page the ranks' pre-fault reaches first is allocated by the fault
     and skipped by the reservation, and the other way round; reserving files in parallel ahead
@@ -430,9 +455,9 @@ class BackgroundReservation:
                 i = failed[0]
                 err = -int(self._state[i])
                 self.error = f"reserving file {i}: {os.strerror(err)}"
-                log.warning("reserving the node region in the background stopped at file %d "
-                            "of %d (pre-fault allocates the rest): %s", i, len(self._fds),
-                            self.error)
+                log.warning("reserving the region's memfds in the background stopped at "
+                            "file %d of %d (pre-fault allocates the rest): %s", i,
+                            len(self._fds), self.error)
             if self.finished_s is None and bool((self._state == 1).all()):
                 self.finished_s = time.perf_counter() - self.started
 

@@ -34,7 +34,8 @@ pre-fault").
 
 With ``background`` set-up, `create` returns once the region is mapped on every rank of the node;
 a `BackgroundSetup` then populates and registers it unit by unit in row order
-(`geometry.setup_units`), announcing through ``on_ready`` how far it got.
+(`geometry.setup_units`), announcing through ``on_ready`` how far it got, and memfds are
+reserved behind it by the rank that created them (`BackgroundReservation`).
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ from offload.region.background import (
     BackgroundReservation,
     BackgroundSetup,
     ReadyFn,
+    setup_threads,
+    usable_cpus,
 )
 from offload.region.hugepages import shmem_huge_mode, small_page_hint
 from offload.region.nameless import (
@@ -124,6 +127,7 @@ class RegionStats:
     background: bool = False  # pre-fault and registration ran behind `create` (section 3.9)
     longest_registration_s: float | None = None  # background: the longest registration call
     own_context: bool | None = None  # background: registered in a CUDA context of its own
+    setup_threads: int | None = None  # background: pre-fault (and reservation) threads
     timings_s: dict[str, float] = field(default_factory=dict)
 
 
@@ -165,7 +169,8 @@ class HostRegion:
         self._pinner: Pinner | None = None
         self._pipeline: PinPipeline | None = None
         self._setup: BackgroundSetup | None = None
-        self._reservation: BackgroundReservation | None = None  # the leader's, background
+        # background set-up of memfds: the reservation of the files this rank created
+        self._reservation: BackgroundReservation | None = None
         # row-relative offsets where a registration may begin inside a row (background
         # set-up's pieces below one row); every copy is split there (`SlotLayout.cuts`)
         self.cuts: tuple[int, ...] = ()
@@ -185,10 +190,10 @@ class HostRegion:
 
     def start_setup(self, after: threading.Event | None = None) -> None:
         """Start the background set-up `create` prepared (idempotent; nothing without one):
-        the leader's reservation at once, the pre-fault and registration once ``after`` is set
-        (the copy kernel's JIT, `BackgroundSetup.start`).  The tier starts it once its engine
-        is built: a registration holds the CUDA driver, and the engine's own allocations would
-        otherwise queue behind every unit's."""
+        the reservation of this rank's memfds at once, the pre-fault and registration once
+        ``after`` is set (the copy kernel's JIT, `BackgroundSetup.start`).  The tier starts it
+        once its engine is built: a registration holds the CUDA driver, and the engine's own
+        allocations would otherwise queue behind every unit's."""
         if self._setup is not None and not self._setup.launched:
             if self._reservation is not None:
                 self._reservation.start()
@@ -238,6 +243,9 @@ class HostRegion:
         self._paths = files.paths()
         sync = NodeSync(topology)
         needed = self._node_bytes(topology)
+        if config.background:  # at most half the CPUs, over the node's ranks
+            self.stats.setup_threads = setup_threads(
+                config.prefault_threads, topology.local_world_size, usable_cpus())
 
         def check() -> None:
             check_space(config.shm_dir, needed)
@@ -287,7 +295,8 @@ class HostRegion:
             if on_ready is not None:
                 on_ready(rows, stopped)
 
-        self._setup = BackgroundSetup(self.address, units, pinner, config.prefault_threads,
+        assert self.stats.setup_threads is not None  # set in `_build`
+        self._setup = BackgroundSetup(self.address, units, pinner, self.stats.setup_threads,
                                       announce, progress=progress,
                                       on_thread_start=placement.enter if placement else None)
 
@@ -326,7 +335,7 @@ class HostRegion:
             self.tensor = self._mapping.tensor
             self.stats.memory, self.stats.segments = "anonymous", 1
             return
-        fds = files.create(self._paths, unlink=True)
+        fds = self._create_files(files, unlink=True)
         self._paths = []
         try:
             self._attach(fds, files)
@@ -339,20 +348,12 @@ class HostRegion:
         offer: list[FdOffer] = []
         peers = sync.topology.local_world_size - 1
 
-        # background set-up: memfds are reserved behind `create`, on the leader's threads (not
-        # named files, whose file system may lack fallocate: `BackgroundReservation`; nor on a
-        # host that refuses to overcommit, where set-up's write fault on a page not yet
-        # reserved would be a SIGBUS: `space.strict_overcommit`)
-        deferred = files.config.background and files.nameless and not strict_overcommit()
 
         def create() -> str | None:
             check()
             if files.nameless:  # bound before the exchange that tells peers its name
                 offer.append(FdOffer(new_socket_name(files.tier_id, files.tag), peers))
-            fds.extend(files.create(self._paths, reserved=not deferred))
-            if deferred:
-                self._reservation = BackgroundReservation(_duplicates(fds), files.lengths,
-                                                          files.config.prefault_threads)
+            fds.extend(self._create_files(files))
             return offer[0].name if offer else None
 
         def hand_over_and_map() -> None:
@@ -379,6 +380,25 @@ class HostRegion:
         for path in self._paths:
             unlink_quiet(path)
         self._paths = []
+
+    def _create_files(self, files: _Files, unlink: bool = False) -> list[int]:
+        """Create this region's files (the node leader's, or a private rank's own).  With
+        background set-up memfds are left unreserved and a `BackgroundReservation` of this
+        rank's reserves them behind `create`, on its own threads: reserving 100 GiB is seconds
+        `create` would otherwise spend.  Not named files, whose file system may lack fallocate,
+        nor memfds on a host that refuses to overcommit, where set-up's write fault on a page
+        not yet reserved would be a SIGBUS (`space.strict_overcommit`)."""
+        deferred = files.config.background and files.nameless and not strict_overcommit()
+        fds = files.create(self._paths, unlink=unlink, reserved=not deferred)
+        if deferred:
+            try:
+                assert self.stats.setup_threads is not None  # set with background
+                self._reservation = BackgroundReservation(_duplicates(fds), files.lengths,
+                                                          self.stats.setup_threads)
+            except BaseException:
+                close_fds(fds)
+                raise
+        return fds
 
     def _attach(self, fds: list[int], files: _Files) -> None:
         self._mapping = Mapping(fds, files.lengths)
