@@ -78,7 +78,7 @@ UNIT_BYTES = 8 << 20
 # The background reservation's piece: what `close` may wait for (one `fallocate` per thread).
 RESERVE_BYTES = 256 << 20
 # NOTE: set-up runs beside the engine's own threads (weights, graph capture, the scheduler), so
-# its C pre-fault threads (`TierConfig.prefault_threads` of them) run under SCHED_IDLE: they take
+# its C pre-fault threads (`setup_threads` of them, below) run under SCHED_IDLE: they take
 # only CPU time nothing else wants (on a host whose every CPU is busy, set-up waits), and any
 # engine thread that wakes preempts them at once.  Measured with Python workers, 2 ranks on 16
 # cores, 16 such threads per rank: a thread launching a tiny kernel every millisecond waited
@@ -96,10 +96,11 @@ RESERVE_BYTES = 256 << 20
 # Idle priority alone does not keep its launches from waiting: beside 8 idle-priority write-
 # faulting threads per rank (2 ranks, 16 cores) the probe's launching thread sat runnable, not
 # running, for 2-7 ms a few times a run, and registrations took 7-8 ms against 3-5 ms.  Measured
-# in one call, 48 GiB over 2 ranks on an H200 host, private and shared, twice each: 4 threads a
-# rank made the worst launch wait 1.4-1.9 ms with none of ~13,700 over 2 ms, against 1.8-6.9 ms
-# and 10 of ~12,100 with 8, every row ready 0.87-1.24x as late (docs/BENCHMARKS.md, "Fewer
-# pre-fault threads bound the launch waits").
+# on an H200 host, 48 GiB over 2 ranks, alternated within each call: with 4 threads a rank the
+# worst launch wait was at most 1.9 ms in 17 of 19 layout runs, with 8 in 4 of 18 (up to 6.9
+# ms); every row ready as soon (private) to 1.24x (shared) and 1.7x (replicated, whose ranks
+# each walk the stage's rows) as late (docs/BENCHMARKS.md, "Fewer pre-fault threads bound the
+# launch waits").
 PROGRESS_INTERVAL_S = 2.0
 
 
