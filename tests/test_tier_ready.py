@@ -11,6 +11,7 @@ exactly how far each rank gets.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
@@ -209,9 +210,32 @@ def test_a_rank_whose_set_up_fails_stops_the_tier_where_it_is_and_wait_ready_say
         assert ("stand-in registration refused" in outcome) == (rank == 1)
 
 
-def _close_during_set_up(rank: int, gate: str, shm_dir: str | None) -> object:
+def _open_memfds() -> list[str]:
+    """This process's descriptors of the tier's memfds."""
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed since
+            names.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return [name for name in names if name.startswith("/memfd:offload")]
+
+
+def _close_during_set_up(rank: int, gate: str, layout: str, shm_dir: str | None) -> object:
+    import offload.region.background as background
+
+    fallocate = os.posix_fallocate
+
+    def slow(fd: int, offset: int, length: int) -> None:
+        time.sleep(0.2)
+        fallocate(fd, offset, length)
+
+    # the Python loop, reserving slowly: the reservation of memfds is still in flight at close
+    os.posix_fallocate = slow
+    background.native_populator = lambda: None
     registrar = GatedRegistrar(gate, free=10 ** 6, delay_s=0.05)
-    tier = _background_tier(rank, "shared", registrar, shm_dir=shm_dir)
+    memory = {"private_memory": "memfd"} if layout == "private" else {}
+    # several files: a background reservation of nameless memfds still has some in hand
+    tier = _background_tier(rank, layout, registrar, shm_dir=shm_dir, min_segment_bytes=64 << 10,
+                            segment_threshold=128 << 10, **memory)
     _wait_rows(tier, 1)
     began = time.perf_counter()
     ready = tier.actor.ready_rows
@@ -219,18 +243,24 @@ def _close_during_set_up(rank: int, gate: str, shm_dir: str | None) -> object:
     took = time.perf_counter() - began
     threads = [t.name for t in threading.enumerate()
                if t.name.startswith(("offload-bg", "offload-jit"))]
-    return ready, tier.plan.chunk_count, took, dict(registrar.registered), threads
+    return (ready, tier.plan.chunk_count, took, dict(registrar.registered), threads,
+            _open_memfds())
 
 
-def test_close_during_background_set_up_stops_it_unpins_and_leaves_nothing(tmp_path, shm_dir):
-    outcomes = run_group(_close_during_set_up, 2, args=(str(tmp_path / "gate"), shm_dir),
-                         timeout=90)
+@pytest.mark.parametrize(("layout", "named"), [("shared", True), ("shared", False),
+                                               ("private", False)])
+def test_close_during_background_set_up_stops_it_unpins_and_leaves_nothing(
+        tmp_path, shm_dir, layout: str, named: bool):
+    """Named files, and nameless memfds (a node region's, a private rank's) whose reservation
+    runs behind `create`: closed mid-set-up, nothing registered, no thread, no descriptor."""
+    outcomes = run_group(_close_during_set_up, 2, args=(
+        str(tmp_path / "gate"), layout, str(shm_dir) if named else None), timeout=90)
     for o in outcomes:
         assert o.ok, o.error
-        ready, total, took, registered, threads = o.value
+        ready, total, took, registered, threads, memfds = o.value
         assert ready < total  # closed while set-up was still running
         assert took < 5, took  # close waits for one registration, not for the region
-        assert registered == {} and threads == []
+        assert registered == {} and threads == [] and memfds == []
     assert os.listdir(shm_dir) == []
 
 
