@@ -164,6 +164,14 @@ def build_nodes(places: Sequence[RankPlace]) -> tuple[NodeInfo, ...]:
     return nodes
 
 
+def processes_on_node() -> int | None:
+    """``LOCAL_WORLD_SIZE`` as the launcher (torchrun) set it: the job's processes on this node,
+    those of other groups (other DP replicas) too; None where it is unset or no positive
+    integer."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(value) if value.isdecimal() and int(value) > 0 else None
+
+
 def discover(tp: int | None = None, pp: int = 1, timeout_s: float | None = None,
              group: Any = None) -> Topology:
     """Collective over ``group`` (None: the default group): publish places, build nodes, and,
@@ -184,8 +192,7 @@ def discover(tp: int | None = None, pp: int = 1, timeout_s: float | None = None,
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     tp = world // pp if tp is None else tp
     check_grid(world, tp, pp)
-    lws = os.environ.get("LOCAL_WORLD_SIZE")  # counts the whole node, other groups' ranks too
-    mine = RankPlace(rank, local_node_id(), int(lws) if lws and group is None else None,
+    mine = RankPlace(rank, local_node_id(), processes_on_node() if group is None else None,
                      os.getpid(), pid_namespace())
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine, group=group)

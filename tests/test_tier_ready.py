@@ -623,6 +623,36 @@ def test_background_set_up_leaves_half_the_cpus_to_the_engine(layout: str) -> No
     assert reserving0 == (2 if layout == "shared" else 0) and reserving1 == 0
 
 
+def _replica_set_up_threads(rank: int) -> object:
+    """Two DP replicas of one rank each on one node of 8 usable CPUs: the pre-fault threads
+    each replica's tier ran (its own group sees one rank on the node; torchrun's
+    ``LOCAL_WORLD_SIZE`` says two processes run here)."""
+    import torch.distributed as dist
+
+    import offload.region.host_region as host_region
+    from offload import HostTier
+
+    host_region.usable_cpus = lambda: 8
+    groups = [dist.new_group([r]) for r in range(2)]  # collective: every rank makes both
+    config = TierConfig(cpu_bytes_per_node=40 * PAGE, layout="private", blocks_per_chunk=1,
+                        tp=1, timeout_s=20, background=True, prefault_threads=8)
+    tier = HostTier.create(_kv(rank), config, group=groups[rank],
+                           registrar_factory=lambda device: RecordingRegistrar())
+    try:
+        assert tier.wait_ready(20).full
+        return os.environ["LOCAL_WORLD_SIZE"], tier.actor.report()["setup_threads"]
+    finally:
+        tier.close()
+
+
+def test_dp_replicas_on_one_node_share_half_its_cpus() -> None:
+    """Each replica's tier counts every process on the node, not only its group's ranks:
+    2 threads each (8 CPUs, 2 processes), not 4."""
+    for o in run_group(_replica_set_up_threads, 2, timeout=90):
+        assert o.ok, o.error
+        assert o.value == ("2", 2)
+
+
 @pytest.mark.parametrize("mode", ["ok", "strict"])
 def test_a_private_ranks_memfds_are_reserved_behind_create(mode: str, shm_dir) -> None:
     """Private regions of memfds (``private_memory="memfd"``): each rank reserves its own files

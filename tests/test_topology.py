@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from offload.errors import OffloadError
-from offload.topology import NodeInfo, RankPlace, Topology, build_nodes, check_grid, discover
+from offload.topology import (
+    NodeInfo,
+    RankPlace,
+    Topology,
+    build_nodes,
+    check_grid,
+    discover,
+    processes_on_node,
+)
 from tests.harness import run_group
 
 
@@ -20,6 +28,17 @@ def test_local_world_size_must_match_observation() -> None:
     places = [RankPlace(0, "a", 2), RankPlace(1, "a", 2), RankPlace(2, "b", 2)]
     with pytest.raises(OffloadError, match=r"rank 2 has LOCAL_WORLD_SIZE=2 but 1 ranks"):
         build_nodes(places)
+
+
+@pytest.mark.parametrize(("value", "processes"), [("4", 4), ("1", 1), (None, None), ("", None),
+                                                  ("0", None), ("-2", None), ("two", None)])
+def test_processes_on_node_reads_the_launchers_local_world_size(
+        monkeypatch: pytest.MonkeyPatch, value: str | None, processes: int | None) -> None:
+    if value is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
+    assert processes_on_node() == processes
 
 
 @pytest.mark.parametrize("tp,pp,nodes,writers", [

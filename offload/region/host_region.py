@@ -98,7 +98,7 @@ from offload.region.shm import (
 )
 from offload.region.space import check_space, strict_overcommit
 from offload.region.sync import NodeSync
-from offload.topology import Topology
+from offload.topology import Topology, processes_on_node
 
 log = logging.getLogger(__name__)
 
@@ -243,9 +243,11 @@ class HostRegion:
         self._paths = files.paths()
         sync = NodeSync(topology)
         needed = self._node_bytes(topology)
-        if config.background:  # at most half the CPUs, over the node's ranks
-            self.stats.setup_threads = setup_threads(
-                config.prefault_threads, topology.local_world_size, usable_cpus())
+        if config.background:  # at most half the CPUs, over every process of the job here
+            # (other DP replicas' too: their tiers set up beside this one)
+            here = max(topology.local_world_size, processes_on_node() or 0)
+            self.stats.setup_threads = setup_threads(config.prefault_threads, here,
+                                                     usable_cpus())
 
         def check() -> None:
             check_space(config.shm_dir, needed)
