@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "memfd (default: anonymous)")
     p.add_argument("--prefault-threads", type=int, default=8,
                    help="threads populating each rank's region (with --background-setup at idle "
-                        "CPU priority, and at most half the CPUs over the node's ranks)")
+                        "CPU priority, and with the ranks sharing its CPUs on at most half "
+                        "of them)")
     p.add_argument("--segment-bytes", default="1GiB", metavar="SIZE",
                    help="target size of one shm file; regions of 2 x this and more are split")
     p.add_argument("--timeout", type=float, default=300.0,

@@ -83,9 +83,9 @@ class TierConfig:
 
     prefault_threads: int = 8
     """Threads per rank that pre-fault its region (``--prefault-threads``).  With ``background``
-    they run under SCHED_IDLE, using only CPU time the engine leaves, and the node's ranks use
-    at most half of the CPUs they may run on between them (fewer threads per rank where that
-    is fewer; DESIGN.md section 3.9)."""
+    they run under SCHED_IDLE, using only CPU time the engine leaves, and the ranks whose
+    set-up runs on the same CPUs use at most half of them between them (fewer threads per
+    rank where that is fewer; DESIGN.md section 3.9)."""
 
     timeout_s: float = 300.0
     """Seconds a rank waits for a peer (``--timeout``) -- an RPC reply, a hand-off, a job's

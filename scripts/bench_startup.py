@@ -605,8 +605,8 @@ def main() -> None:
                    help="KV tensors the per-block payload is split into (160 with "
                         "--kv-bytes-per-block 2560KiB: 16 KiB pages, engine-shaped)")
     p.add_argument("--threads", type=int, default=16,
-                   help="pre-fault threads per rank (background set-up: at most half the CPUs "
-                        "over the ranks)")
+                   help="pre-fault threads per rank (background set-up: with the ranks "
+                        "sharing its CPUs, at most half of them)")
     p.add_argument("--private-memory", choices=("anonymous", "memfd"), default="anonymous",
                    help="what our private layout's regions are made of (TierConfig."
                         "private_memory)")

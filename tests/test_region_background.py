@@ -285,18 +285,44 @@ def test_nothing_is_populated_or_registered_before_the_kernel_is_compiled() -> N
         mapping.close()
 
 
-@given(requested=st.integers(1, 64), local_ranks=st.integers(1, 16), cpus=st.integers(1, 512))
-def test_set_up_leaves_at_least_half_the_cpus(requested: int, local_ranks: int,
-                                             cpus: int) -> None:
-    """Each rank runs what was asked, but the node's ranks together at most half the CPUs
-    (never none)."""
-    threads = background.setup_threads(requested, local_ranks, cpus)
+@given(requested=st.integers(1, 64), sharing=st.integers(1, 16), cpus=st.integers(1, 512))
+def test_set_up_leaves_at_least_half_the_cpus(requested: int, sharing: int, cpus: int) -> None:
+    """Each rank runs what was asked, but the processes sharing the CPUs together at most half
+    of them (never none)."""
+    threads = background.setup_threads(requested, sharing, cpus)
     assert 1 <= threads <= requested
-    assert threads == 1 or threads * local_ranks <= cpus // 2
-    if requested * local_ranks <= cpus // 2:
+    assert threads == 1 or threads * sharing <= cpus // 2
+    if requested * sharing <= cpus // 2:
         assert threads == requested  # room for all of them: nothing taken away
     else:  # the most that fit
-        assert threads == max(1, cpus // (2 * local_ranks))
+        assert threads == max(1, cpus // (2 * sharing))
+
+
+def _cpus(*ranges: tuple[int, int]) -> frozenset[int]:
+    return frozenset(c for a, b in ranges for c in range(a, b))
+
+
+@pytest.mark.parametrize(("mine", "node", "processes", "sharing"), [
+    (_cpus((0, 16)), [_cpus((0, 16)), _cpus((0, 16))], 2, 2),   # one set for both ranks
+    (_cpus((0, 8)), [_cpus((0, 8)), _cpus((8, 16))], 2, 1),     # bound: a set each
+    (_cpus((0, 16)), [_cpus((0, 16))] * 2, 4, 4),               # two DP replicas alike
+    (_cpus((0, 8)), [_cpus((0, 8)), _cpus((8, 16))], 4, 1),     # bound replicas: still one
+    (_cpus((0, 16)), [_cpus((0, 16))], 2, 2),                    # alone in its tier: assume
+    (_cpus((0, 16)), [_cpus((0, 16))], 1, 1),                    # shared with the others
+    (_cpus((0, 8)), [_cpus((0, 8)), _cpus((4, 12)), _cpus((8, 16))], 3, 2),  # overlaps count
+])
+def test_sharing_processes_tells_one_cpu_set_from_bound_ranks(
+        mine: frozenset[int], node: list[frozenset[int]], processes: int, sharing: int) -> None:
+    lists = [sorted(cpus) for cpus in node]
+    assert background.sharing_processes(mine, lists, processes) == sharing
+
+
+def test_set_up_runs_on_the_placements_cpus_within_the_process_affinity() -> None:
+    affinity = frozenset(os.sched_getaffinity(0))
+    assert background.setup_cpus() == affinity
+    first = min(affinity)
+    assert background.setup_cpus(frozenset({first, 10 ** 6})) == {first}
+    assert background.setup_cpus(frozenset({10 ** 6})) == affinity  # none there: all of them
 
 
 def test_set_up_threads_on_the_hosts_measured() -> None:

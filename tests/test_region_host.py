@@ -487,6 +487,31 @@ def test_a_peer_killed_before_fetching_fails_the_leader_at_once(job: str) -> Non
     assert "stopped answering while handing the node's region over" in errors(out)[0]
 
 
+def _dies_before_sharing_cpus_body(rank: int, job_id: str) -> None:
+    import offload.region.host_region as hr
+
+    if rank == 1:
+        def die(*args: Any, **kwargs: Any) -> frozenset[int]:
+            os.kill(os.getpid(), signal.SIGKILL)
+            raise AssertionError("unreachable")
+
+        hr.setup_cpus = die
+    region, _, _ = group_region(rank, job_id, "shared", 2 * MiB, timeout_s=60, background=True)
+    region.close()
+
+
+def test_a_peer_killed_before_background_set_up_shares_its_cpus_fails_the_others(
+        job: str) -> None:
+    """Background set-up's exchange of the ranks' CPUs: a rank that dies before it fails its
+    peers there at once (the collective breaks), never a hang."""
+    start = time.monotonic()
+    out = run_group(_dies_before_sharing_cpus_body, 2, args=(job,), pg_timeout=10, timeout=40)
+    assert time.monotonic() - start < 20
+    assert out[1].exitcode == -signal.SIGKILL
+    assert out[0].error_type == "PeerError"
+    assert "stopped answering while sharing out the node's CPUs" in errors(out)[0]
+
+
 def _too_big_body(rank: int, job_id: str, budget: int, mode: dict[str, Any]) -> None:
     group_region(rank, job_id, "shared", budget, max_segments=32, **mode)
 

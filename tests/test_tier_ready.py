@@ -589,14 +589,17 @@ def test_the_leader_reserves_the_node_files_behind_create(mode: str, shm_dir) ->
         assert error is not None and "No space left" in error
 
 
-def _set_up_threads(rank: int, layout: str) -> object:
-    """A background tier asking for 8 pre-fault threads a rank on a node of 8 usable CPUs:
-    the threads its set-up and the leader's reservation started, and what the report says."""
+def _set_up_threads(rank: int, layout: str, bound: bool) -> object:
+    """A background tier asking for 8 pre-fault threads a rank, both ranks' set-up on the same
+    8 CPUs, or (``bound``) each rank on 8 of its own: the threads its set-up and the creator's
+    reservation started, and what the report says."""
     import offload.region.host_region as host_region
 
-    host_region.usable_cpus = lambda: 8
+    cpus = frozenset(range(8 * rank, 8 * rank + 8) if bound else range(8))
+    host_region.setup_cpus = lambda placement_cpus=frozenset(): cpus
+    memory = {"private_memory": "memfd"} if layout == "private" else {}
     tier = _background_tier(rank, layout, RecordingRegistrar(), prefault_threads=8,
-                            min_segment_bytes=64 << 10, segment_threshold=128 << 10)
+                            min_segment_bytes=64 << 10, segment_threshold=128 << 10, **memory)
     try:
         region = tier.actor.region
         setup = region.background_setup
@@ -605,22 +608,28 @@ def _set_up_threads(rank: int, layout: str) -> object:
         reservation = region._reservation
         reserving = len(reservation._threads) if reservation is not None else 0
         assert tier.wait_ready(20).full
-        return workers.count("prefault"), reserving, tier.actor.report()["setup_threads"]
+        report = tier.actor.report()
+        return workers.count("prefault"), reserving, report["setup_threads"], report["segments"]
     finally:
         tier.close()
 
 
+@pytest.mark.parametrize("bound", [False, True])
 @pytest.mark.parametrize("layout", ["private", "shared"])
-def test_background_set_up_leaves_half_the_cpus_to_the_engine(layout: str) -> None:
-    """2 ranks on 8 CPUs: 2 pre-fault threads each, not the 8 asked for (and as many
-    reserving the leader's memfds), so set-up never takes more than half the CPUs."""
-    outcomes = run_group(_set_up_threads, 2, args=(layout,), timeout=90)
+def test_background_set_up_leaves_half_the_cpus_to_the_engine(layout: str, bound: bool) -> None:
+    """Two ranks whose set-up runs on the same 8 CPUs: 2 pre-fault threads each, not the 8
+    asked for; bound to 8 CPUs each: 4 each.  The rank that created memfds (each private rank
+    of memfds, a node region's leader) reserves them on as many threads again, while that
+    lasts."""
+    outcomes = run_group(_set_up_threads, 2, args=(layout, bound), timeout=90)
     for o in outcomes:
         assert o.ok, o.error
-    (workers0, reserving0, reported0), (workers1, reserving1, reported1) = (
+    (workers0, reserving0, reported0, files0), (workers1, reserving1, reported1, files1) = (
         o.value for o in outcomes)
-    assert workers0 == workers1 == reported0 == reported1 == 2
-    assert reserving0 == (2 if layout == "shared" else 0) and reserving1 == 0
+    threads = 4 if bound else 2
+    assert workers0 == workers1 == reported0 == reported1 == threads
+    assert reserving0 == min(threads, files0)  # one thread a file at most
+    assert reserving1 == (min(threads, files1) if layout == "private" else 0)
 
 
 def _replica_set_up_threads(rank: int) -> object:
@@ -632,7 +641,7 @@ def _replica_set_up_threads(rank: int) -> object:
     import offload.region.host_region as host_region
     from offload import HostTier
 
-    host_region.usable_cpus = lambda: 8
+    host_region.setup_cpus = lambda placement_cpus=frozenset(): frozenset(range(8))
     groups = [dist.new_group([r]) for r in range(2)]  # collective: every rank makes both
     config = TierConfig(cpu_bytes_per_node=40 * PAGE, layout="private", blocks_per_chunk=1,
                         tp=1, timeout_s=20, background=True, prefault_threads=8)

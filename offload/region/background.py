@@ -92,7 +92,7 @@ RESERVE_BYTES = 256 << 20
 # one run each, 48 GiB over 2 ranks on an H200 host: the JIT took 1.5-3.6 s beside one
 # populating thread and 0.6-0.9 s alone; the first job was decided 1.7-3.7 -> 0.8-1.0 s after
 # create began, and every row was ready no later (docs/BENCHMARKS.md, "Set-up after the JIT").
-# NOTE: background set-up leaves at least half of the CPUs to the engine (`setup_threads`).
+# NOTE: background set-up leaves at least half of its CPUs to the engine (`setup_threads`).
 # Idle priority alone does not keep its launches from waiting: beside 8 idle-priority write-
 # faulting threads per rank (2 ranks, 16 cores) the probe's launching thread sat runnable, not
 # running, for 2-7 ms a few times a run, and registrations took 7-8 ms against 3-5 ms.  Measured
@@ -104,20 +104,37 @@ RESERVE_BYTES = 256 << 20
 PROGRESS_INTERVAL_S = 2.0
 
 
-def setup_threads(requested: int, local_ranks: int, cpus: int) -> int:
+def setup_threads(requested: int, sharing: int, cpus: int) -> int:
     """Pre-fault threads of one rank's background set-up: ``requested``
-    (`TierConfig.prefault_threads`), but together over the node's ``local_ranks`` at most half
-    of ``cpus``, and at least one."""
-    return max(1, min(requested, cpus // (2 * max(1, local_ranks))))
+    (`TierConfig.prefault_threads`), but together with the ``sharing`` processes whose set-up
+    runs on the same ``cpus`` CPUs (this one included) at most half of them, and at least one."""
+    return max(1, min(requested, cpus // (2 * max(1, sharing))))
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity: a container's cpuset, a launcher's
-    binding), else the host's."""
+def setup_cpus(placement_cpus: frozenset[int] = frozenset()) -> frozenset[int]:
+    """The CPUs set-up's threads will run on: this process's (its affinity: a container's
+    cpuset, a launcher's binding) within its GPU's NUMA node's ``placement_cpus`` where it has
+    some there (`Placement.enter` binds the threads to those), else all of the process's."""
     try:
-        return len(os.sched_getaffinity(0))
+        mine = frozenset(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
+        mine = frozenset(range(os.cpu_count() or 1))
+    return (mine & placement_cpus) or mine
+
+
+def sharing_processes(mine: frozenset[int], node: Sequence[Sequence[int]], processes: int
+                      ) -> int:
+    """How many processes set up on CPUs of ``mine``: the tier's ranks on this node whose
+    set-up CPUs (``node``, this rank's among them) overlap it, and where those share CPUs, as
+    many of the node's other ``processes`` (other DP replicas' ranks, which the tier cannot
+    ask) as the tier's ranks' share would suggest.  Ranks bound to CPUs of their own (a
+    launcher's binding) count only themselves."""
+    sharing = sum(1 for cpus in node if mine.intersection(cpus))
+    if len(node) == 1:  # nothing tells shared CPUs from bound ones: assume shared
+        return max(1, processes)
+    if sharing == 1:
+        return 1
+    return max(sharing, -(-sharing * processes // len(node)))
 
 
 def yield_cpu() -> None:

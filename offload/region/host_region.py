@@ -71,8 +71,9 @@ from offload.region.background import (
     BackgroundReservation,
     BackgroundSetup,
     ReadyFn,
+    setup_cpus,
     setup_threads,
-    usable_cpus,
+    sharing_processes,
 )
 from offload.region.hugepages import shmem_huge_mode, small_page_hint
 from offload.region.nameless import (
@@ -243,11 +244,8 @@ class HostRegion:
         self._paths = files.paths()
         sync = NodeSync(topology)
         needed = self._node_bytes(topology)
-        if config.background:  # at most half the CPUs, over every process of the job here
-            # (other DP replicas' too: their tiers set up beside this one)
-            here = max(topology.local_world_size, processes_on_node() or 0)
-            self.stats.setup_threads = setup_threads(config.prefault_threads, here,
-                                                     usable_cpus())
+        if config.background:
+            self.stats.setup_threads = self._setup_threads(sync, topology, config)
 
         def check() -> None:
             check_space(config.shm_dir, needed)
@@ -302,6 +300,18 @@ class HostRegion:
                                       announce, progress=progress,
                                       on_thread_start=placement.enter if placement else None)
 
+    def _setup_threads(self, sync: NodeSync, topology: Topology, config: TierConfig) -> int:
+        """Background set-up's pre-fault threads on this rank: the processes whose set-up
+        runs on the same CPUs use at most half of them together (`setup_threads`).  The node's
+        ranks exchange the CPUs their set-up threads will run on: a launcher may bind each to
+        its own, or leave them all on one set (`sharing_processes`)."""
+        placement = Placement.for_node(self.plan.slots[topology.rank].numa_node)
+        mine = setup_cpus(placement.cpus if placement is not None else frozenset())
+        node = sync.gather("sharing out the node's CPUs", sorted(mine))
+        sharing = sharing_processes(mine, node,
+                                    processes_on_node() or topology.local_world_size)
+        return setup_threads(config.prefault_threads, sharing, len(mine))
+
     def _finish_background_stats(self) -> None:
         """Called on the pin thread once set-up ended (every row, or an error): what the
         blocking path records at the end of `create`."""
@@ -350,7 +360,6 @@ class HostRegion:
         offer: list[FdOffer] = []
         peers = sync.topology.local_world_size - 1
 
-
         def create() -> str | None:
             check()
             if files.nameless:  # bound before the exchange that tells peers its name
@@ -393,12 +402,17 @@ class HostRegion:
         deferred = files.config.background and files.nameless and not strict_overcommit()
         fds = files.create(self._paths, unlink=unlink, reserved=not deferred)
         if deferred:
+            assert self.stats.setup_threads is not None  # set with background
             try:
-                assert self.stats.setup_threads is not None  # set with background
-                self._reservation = BackgroundReservation(_duplicates(fds), files.lengths,
-                                                          self.stats.setup_threads)
+                duplicates = _duplicates(fds)
             except BaseException:
                 close_fds(fds)
+                raise
+            try:
+                self._reservation = BackgroundReservation(duplicates, files.lengths,
+                                                          self.stats.setup_threads)
+            except BaseException:
+                close_fds(duplicates + fds)
                 raise
         return fds
 

@@ -74,3 +74,20 @@ class NodeSync:
             return next(outcomes[i][1] for i, r in zip(mine, t.node.ranks, strict=True)
                         if r == t.node.leader_rank)
         return result
+
+    def gather(self, what: str, value: Any) -> list[Any]:
+        """Every rank of the node offers ``value`` (small, picklable); each gets all of them,
+        in the node's rank order (this rank's among them).  A rank alone gets its own."""
+        t = self.topology
+        if (t.local_world_size if t.node_group is not None else t.world_size) == 1:
+            return [value]
+        group, mine = ((t.node_group, range(t.local_world_size)) if t.node_group is not None
+                       else (t.group, t.node.ranks))
+        outcomes: list[Any] = [None] * (t.local_world_size if t.node_group is not None
+                                        else t.world_size)
+        try:
+            dist.all_gather_object(outcomes, value, group=group)
+        except Exception as exc:
+            raise PeerError(f"rank {t.rank}: peers on node {t.node_id} stopped answering while "
+                            f"{what} (a rank died or timed out): {one_line(exc)}") from exc
+        return [outcomes[i] for i in mine]
