@@ -7,6 +7,7 @@ shm directory (``--shm-dir``); each checks that nothing of its job is left after
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import logging
@@ -510,6 +511,35 @@ def test_a_peer_killed_before_background_set_up_shares_its_cpus_fails_the_others
     assert out[1].exitcode == -signal.SIGKILL
     assert out[0].error_type == "PeerError"
     assert "stopped answering while sharing out the node's CPUs" in errors(out)[0]
+
+
+def _reservation_refused_body(rank: int, job_id: str) -> object:
+    import offload.region.host_region as hr
+
+    def refused(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("stand-in: no reservation")
+
+    hr.BackgroundReservation = refused
+    try:
+        group_region(rank, job_id, "private", 2 * MiB, background=True, private_memory="memfd",
+                     min_segment_bytes=64 << 10, segment_threshold=128 << 10)
+    except RuntimeError as exc:
+        error = str(exc)
+    else:
+        raise AssertionError("create went on without its reservation")
+    left = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            left.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return error, [name for name in left if name.startswith("/memfd:offload")]
+
+
+def test_a_reservation_that_cannot_be_made_leaves_no_descriptor(job: str) -> None:
+    """The memfds and their duplicates for the reservation are all closed when the
+    reservation itself cannot be made (an exception, an interrupt)."""
+    for o in run_group(_reservation_refused_body, 1, args=(job,), timeout=60):
+        assert o.ok, o.error
+        assert o.value == ("stand-in: no reservation", [])
 
 
 def _too_big_body(rank: int, job_id: str, budget: int, mode: dict[str, Any]) -> None:
