@@ -177,3 +177,24 @@ def test_the_wait_sampler_reads_the_other_threads_at_each_long_step() -> None:
     assert beside and sum(line.startswith("nap S1; spin R1") for line in beside) > len(beside) // 2
     where = sampler.where(step)
     assert "; beside: nap S1; spin R1 (" in where and " | spin R" in where, where
+
+
+def test_bench_registrations_registers_in_order_and_lists_the_slow_calls(tmp_path: Path) -> None:
+    """With the recording stand-in: the whole range once, then each unit size in order, every
+    call listed (``--slow-ms -1``) with its index and the bytes before it, and a bad size is
+    one line naming it."""
+    out = tmp_path / "registrations.json"
+    run = [sys.executable, str(ROOT / "scripts" / "bench_registrations.py"), "--device", "cpu",
+           "--bytes", "8MiB", "--threads", "2"]
+    proc = subprocess.run([*run, "--units", "1MiB,4MiB", "--memory", "memfd", "--slow-ms", "-1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert proc.returncode == 0, tail(proc, 2000)
+    report = json.loads(out.read_text())
+    assert report["whole"]["calls"] == 1
+    assert [(r["unit"], r["calls"]) for r in report["units"]] == [(1 << 20, 8), (4 << 20, 2)]
+    assert [(i, before) for i, before, _ in report["units"][0]["slow"]] == [
+        (i, i << 20) for i in range(8)]
+    proc = subprocess.run([*run, "--units", "3KiB"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "3072 is not; give e.g. 8MiB" in proc.stderr

@@ -1,0 +1,181 @@
+"""Host registrations one after another, each timed: does a process's Nth registration cost
+more than its first?
+
+Background set-up registers a region in units of ~8 MiB, one call each (DESIGN.md section
+3.9).  At 100 GiB on one rank (12,790 calls) one call per set-up took 84-168 ms, at the
+7,070th-8,744th call, whatever the unit's size (docs/BENCHMARKS.md, "One long registration per
+100 GiB set-up").  This script does what set-up does without the tier -- no populating beside
+it, no engine, no probe -- so a stall it shows is the driver's: it maps ``--bytes`` of anonymous
+memory (or one memfd with ``--memory memfd``), populates every page, then registers it in
+``--unit`` pieces in order, timing each call, and lists the calls over ``--slow-ms`` with
+their index and the bytes registered before them.  Its baseline, in the same run and the same
+memory, is one registration of the whole range (as the blocking create registers a private
+region), and each unit's GiB/s is printed against it.  Every range is unregistered before the
+next unit size is tried, and the memory is unmapped at the end.
+
+    python3 scripts/bench_registrations.py --bytes 64GiB --units 4MiB,8MiB,16MiB
+
+On a machine without CUDA (``--device cpu``) the registrations are the recording stand-in:
+it checks the script, not the driver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from offload.errors import OffloadError  # noqa: E402
+from offload.region.nameless import create_memfds  # noqa: E402
+from offload.region.pin import Registrar, choose_registrar  # noqa: E402
+from offload.region.prefault import madvise_populate, touch_pages  # noqa: E402
+from offload.region.shm import Mapping, close_fds  # noqa: E402
+from offload.sizes import format_size, parse_size  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
+                          else "cpu" if args.device == "auto" else args.device)
+    mapping = _map(args.bytes, args.memory)
+    try:
+        began = time.perf_counter()
+        _populate(mapping, args.threads)
+        populate_s = time.perf_counter() - began
+        print(f"{format_size(mapping.size)} of {args.memory} memory populated in "
+              f"{populate_s:.2f} s; registering on {device}"
+              f"{' in a context of its own' if args.own_context and device.type == 'cuda' else ''}",
+              flush=True)
+        registrar = choose_registrar(device, own_context=args.own_context)
+        registrar.prepare()
+        try:
+            whole = _register(registrar, mapping, mapping.size, args.slow_ms)
+            runs = [_register(registrar, mapping, unit, args.slow_ms) for unit in args.units]
+        finally:
+            registrar.close()
+    finally:
+        mapping.close()
+    _print(whole, runs, args.slow_ms)
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"bytes": args.bytes, "memory": args.memory, "device": str(device),
+             "own_context": args.own_context, "populate_s": populate_s, "whole": whole,
+             "units": runs}, indent=1))
+    return 0
+
+
+def _map(size: int, memory: str) -> Mapping:
+    if memory == "anonymous":
+        return Mapping.anonymous(size)
+    fds = create_memfds("bench-registrations", [size], threads=8)
+    try:
+        return Mapping(fds, [size])
+    finally:
+        close_fds(fds)
+
+
+def _populate(mapping: Mapping, threads: int) -> None:
+    """Every page, from ``threads`` threads in 1 GiB pieces (ctypes lets go of the GIL)."""
+    piece = 1 << 30
+
+    def populate(offset: int) -> None:
+        length = min(piece, mapping.size - offset)
+        if madvise_populate(mapping.address + offset, length) != 0:
+            touch_pages(mapping.address + offset, length)  # kernels without the advice
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(populate, range(0, mapping.size, piece)))
+
+
+def _register(registrar: Registrar, mapping: Mapping, unit: int, slow_ms: float
+              ) -> dict[str, Any]:
+    """Register the mapping in ``unit`` pieces, in order, each call timed; then unregister
+    every piece (timed as a whole)."""
+    calls: list[float] = []
+    done: list[int] = []
+    try:
+        began = time.perf_counter()
+        for offset in range(0, mapping.size, unit):
+            length = min(unit, mapping.size - offset)
+            start = time.perf_counter()
+            registrar.register(mapping.address + offset, length)
+            calls.append(time.perf_counter() - start)
+            done.append(offset)
+        seconds = time.perf_counter() - began
+    finally:
+        unregistered = time.perf_counter()
+        for offset in reversed(done):
+            registrar.unregister(mapping.address + offset)
+        unregister_s = time.perf_counter() - unregistered
+    ordered = sorted(calls)
+    slow = [(i, i * unit, 1e3 * took) for i, took in enumerate(calls) if 1e3 * took > slow_ms]
+    return {"unit": unit, "calls": len(calls), "seconds": seconds,
+            "GiBps": mapping.size / seconds / (1 << 30) if seconds > 0 else float("inf"),
+            "p50_ms": 1e3 * ordered[len(ordered) // 2], "max_ms": 1e3 * ordered[-1],
+            "unregister_s": unregister_s, "slow": slow}
+
+
+def _print(whole: dict[str, Any], runs: list[dict[str, Any]], slow_ms: float) -> None:
+    """One row per unit size, the whole-range registration first; GiB/s against it."""
+    print(f"\n{'unit':>10}{'calls':>8}{'seconds':>9}{'GiB/s':>8}{'x whole':>9}{'p50 ms':>8}"
+          f"{'max ms':>8}{'unreg s':>9}  calls over {slow_ms:g} ms (index, registered before)")
+    for run in [whole, *runs]:
+        ratio = run["GiBps"] / whole["GiBps"] if whole["GiBps"] else float("nan")
+        slow = "; ".join(f"{i} ({format_size(before)}): {ms:.1f}"
+                         for i, before, ms in run["slow"][:6])
+        more = f" and {len(run['slow']) - 6} more" if len(run["slow"]) > 6 else ""
+        name = "whole" if run is whole else format_size(run["unit"])
+        print(f"{name:>10}{run['calls']:>8}{run['seconds']:>9.2f}{run['GiBps']:>8.1f}"
+              f"{ratio:>9.2f}{run['p50_ms']:>8.2f}{run['max_ms']:>8.1f}"
+              f"{run['unregister_s']:>9.2f}  {slow or '-'}{more}")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except OffloadError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bytes", type=_size, default=parse_size("64GiB"),
+                   help="memory to register (default 64GiB)")
+    p.add_argument("--units", default="4MiB,8MiB,16MiB",
+                   help="registration sizes to try, in order, comma-separated")
+    p.add_argument("--memory", choices=("anonymous", "memfd"), default="anonymous",
+                   help="anonymous memory (a private region) or one memfd (a node region)")
+    p.add_argument("--own-context", action=argparse.BooleanOptionalAction, default=True,
+                   help="register in a CUDA context of the script's own, as background set-up "
+                        "does (--no-own-context: the primary context)")
+    p.add_argument("--threads", type=int, default=8, help="threads populating the memory")
+    p.add_argument("--slow-ms", type=float, default=20.0,
+                   help="list the calls that took longer (default 20)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="cpu: the recording stand-in, to check the script without CUDA")
+    p.add_argument("--json", default=None, help="write every figure there")
+    args = p.parse_args(argv)
+    try:
+        args.units = [parse_size(u) for u in args.units.split(",") if u]
+    except OffloadError as exc:
+        p.error(f"--units: {exc}")
+    page = 4096
+    bad = [u for u in args.units if u <= 0 or u % page] + (
+        [args.bytes] if args.bytes <= 0 or args.bytes % page else [])
+    if bad:
+        p.error(f"sizes must be positive multiples of {page} B: {bad[0]} is not; give e.g. "
+                "8MiB")
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(main())
