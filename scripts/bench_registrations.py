@@ -7,13 +7,15 @@ Background set-up registers a region in units of ~8 MiB, one call each (DESIGN.m
 100 GiB set-up").  This script does what set-up does without the tier -- no populating beside
 it, no engine, no probe -- so a stall it shows is the driver's: it maps ``--bytes`` of anonymous
 memory (or one memfd with ``--memory memfd``), populates every page, then registers it in
-``--unit`` pieces in order, timing each call, and lists the calls over ``--slow-ms`` with
-their index and the bytes registered before them.  Its baseline, in the same run and the same
-memory, is one registration of the whole range (as the blocking create registers a private
-region), and each unit's GiB/s is printed against it.  Every range is unregistered before the
-next unit size is tried, and the memory is unmapped at the end.
+pieces of each of ``--units`` in order, timing each call, and lists the calls over
+``--slow-ms`` with their number among the process's registrations (from 1, the baseline's
+first) and the bytes of that size registered before them.  Its baseline, in the same run and
+the same memory, is one registration of the whole range (as the blocking create registers a
+private region), and each unit's GiB/s is printed against it.  Every range is unregistered
+before the next unit size is tried, and the memory is unmapped at the end.  A driver table
+grown by one size may stay grown for the next: to compare sizes, run one per process.
 
-    python3 scripts/bench_registrations.py --bytes 64GiB --units 4MiB,8MiB,16MiB
+    python3 scripts/bench_registrations.py --bytes 64GiB --units 4MiB
 
 On a machine without CUDA (``--device cpu``) the registrations are the recording stand-in:
 it checks the script, not the driver.
@@ -22,9 +24,13 @@ it checks the script, not the driver.
 from __future__ import annotations
 
 import argparse
+import errno
+import itertools
 import json
+import os
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -34,10 +40,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offload.errors import OffloadError  # noqa: E402
-from offload.region.nameless import create_memfds  # noqa: E402
-from offload.region.pin import Registrar, choose_registrar  # noqa: E402
+from offload.geometry import ByteRange  # noqa: E402
+from offload.region.nameless import memfd_mapping  # noqa: E402
+from offload.region.pin import Pinner, Registrar, choose_registrar  # noqa: E402
 from offload.region.prefault import madvise_populate, touch_pages  # noqa: E402
-from offload.region.shm import Mapping, close_fds  # noqa: E402
+from offload.region.shm import Mapping  # noqa: E402
 from offload.sizes import format_size, parse_size  # noqa: E402
 
 
@@ -45,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else "cpu" if args.device == "auto" else args.device)
-    mapping = _map(args.bytes, args.memory)
+    mapping = (Mapping.anonymous(args.bytes) if args.memory == "anonymous"
+               else memfd_mapping("bench-registrations", args.bytes, args.threads))
     try:
         began = time.perf_counter()
         _populate(mapping, args.threads)
@@ -55,10 +63,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{' in a context of its own' if args.own_context and device.type == 'cuda' else ''}",
               flush=True)
         registrar = choose_registrar(device, own_context=args.own_context)
-        registrar.prepare()
+        count = itertools.count(1)  # the process's registrations, the baseline's first
         try:
-            whole = _register(registrar, mapping, mapping.size, args.slow_ms)
-            runs = [_register(registrar, mapping, unit, args.slow_ms) for unit in args.units]
+            registrar.prepare()
+            whole = _register(registrar, mapping, mapping.size, args.slow_ms, count)
+            runs = [_register(registrar, mapping, unit, args.slow_ms, count)
+                    for unit in args.units]
+            own_context = registrar.own_context
         finally:
             registrar.close()
     finally:
@@ -67,19 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"bytes": args.bytes, "memory": args.memory, "device": str(device),
-             "own_context": args.own_context, "populate_s": populate_s, "whole": whole,
+             "own_context": own_context, "populate_s": populate_s, "whole": whole,
              "units": runs}, indent=1))
     return 0
-
-
-def _map(size: int, memory: str) -> Mapping:
-    if memory == "anonymous":
-        return Mapping.anonymous(size)
-    fds = create_memfds("bench-registrations", [size], threads=8)
-    try:
-        return Mapping(fds, [size])
-    finally:
-        close_fds(fds)
 
 
 def _populate(mapping: Mapping, threads: int) -> None:
@@ -88,35 +89,36 @@ def _populate(mapping: Mapping, threads: int) -> None:
 
     def populate(offset: int) -> None:
         length = min(piece, mapping.size - offset)
-        if madvise_populate(mapping.address + offset, length) != 0:
-            touch_pages(mapping.address + offset, length)  # kernels without the advice
+        err = madvise_populate(mapping.address + offset, length)
+        if err == errno.EINVAL:  # a kernel without the advice
+            touch_pages(mapping.address + offset, length)
+        elif err:
+            raise OSError(err, f"populating the memory: {os.strerror(err)}")
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(populate, range(0, mapping.size, piece)))
 
 
-def _register(registrar: Registrar, mapping: Mapping, unit: int, slow_ms: float
-              ) -> dict[str, Any]:
-    """Register the mapping in ``unit`` pieces, in order, each call timed; then unregister
-    every piece (timed as a whole)."""
-    calls: list[float] = []
-    done: list[int] = []
+def _register(registrar: Registrar, mapping: Mapping, unit: int, slow_ms: float,
+              count: Iterator[int]) -> dict[str, Any]:
+    """Register the mapping in ``unit`` pieces, in order, each call timed and numbered from
+    ``count``; then unregister every piece (timed as a whole; all of them, whatever fails)."""
+    calls: list[tuple[int, float]] = []
+    pinner = Pinner(registrar, mapping.address)
     try:
         began = time.perf_counter()
         for offset in range(0, mapping.size, unit):
-            length = min(unit, mapping.size - offset)
             start = time.perf_counter()
-            registrar.register(mapping.address + offset, length)
-            calls.append(time.perf_counter() - start)
-            done.append(offset)
+            pinner.pin(ByteRange(offset, min(unit, mapping.size - offset)))
+            calls.append((next(count), time.perf_counter() - start))
         seconds = time.perf_counter() - began
     finally:
         unregistered = time.perf_counter()
-        for offset in reversed(done):
-            registrar.unregister(mapping.address + offset)
+        pinner.unpin_all()
         unregister_s = time.perf_counter() - unregistered
-    ordered = sorted(calls)
-    slow = [(i, i * unit, 1e3 * took) for i, took in enumerate(calls) if 1e3 * took > slow_ms]
+    ordered = sorted(took for _, took in calls)
+    slow = [(n, i * unit, 1e3 * took) for i, (n, took) in enumerate(calls)
+            if 1e3 * took > slow_ms]
     return {"unit": unit, "calls": len(calls), "seconds": seconds,
             "GiBps": mapping.size / seconds / (1 << 30) if seconds > 0 else float("inf"),
             "p50_ms": 1e3 * ordered[len(ordered) // 2], "max_ms": 1e3 * ordered[-1],
@@ -126,7 +128,8 @@ def _register(registrar: Registrar, mapping: Mapping, unit: int, slow_ms: float
 def _print(whole: dict[str, Any], runs: list[dict[str, Any]], slow_ms: float) -> None:
     """One row per unit size, the whole-range registration first; GiB/s against it."""
     print(f"\n{'unit':>10}{'calls':>8}{'seconds':>9}{'GiB/s':>8}{'x whole':>9}{'p50 ms':>8}"
-          f"{'max ms':>8}{'unreg s':>9}  calls over {slow_ms:g} ms (index, registered before)")
+          f"{'max ms':>8}{'unreg s':>9}  calls over {slow_ms:g} ms: the process's call number "
+          "(this size registered before)")
     for run in [whole, *runs]:
         ratio = run["GiBps"] / whole["GiBps"] if whole["GiBps"] else float("nan")
         slow = "; ".join(f"{i} ({format_size(before)}): {ms:.1f}"
@@ -150,8 +153,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bytes", type=_size, default=parse_size("64GiB"),
                    help="memory to register (default 64GiB)")
-    p.add_argument("--units", default="4MiB,8MiB,16MiB",
-                   help="registration sizes to try, in order, comma-separated")
+    p.add_argument("--units", default="8MiB",
+                   help="registration sizes to try after the whole range, in order, "
+                        "comma-separated (default 8MiB, background set-up's)")
     p.add_argument("--memory", choices=("anonymous", "memfd"), default="anonymous",
                    help="anonymous memory (a private region) or one memfd (a node region)")
     p.add_argument("--own-context", action=argparse.BooleanOptionalAction, default=True,

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.harness import tail
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,8 +183,8 @@ def test_the_wait_sampler_reads_the_other_threads_at_each_long_step() -> None:
 
 def test_bench_registrations_registers_in_order_and_lists_the_slow_calls(tmp_path: Path) -> None:
     """With the recording stand-in: the whole range once, then each unit size in order, every
-    call listed (``--slow-ms -1``) with its index and the bytes before it, and a bad size is
-    one line naming it."""
+    call listed (``--slow-ms -1``) with its number among the process's registrations and the
+    bytes of its size before it, and a bad size is one line naming it."""
     out = tmp_path / "registrations.json"
     run = [sys.executable, str(ROOT / "scripts" / "bench_registrations.py"), "--device", "cpu",
            "--bytes", "8MiB", "--threads", "2"]
@@ -191,10 +193,44 @@ def test_bench_registrations_registers_in_order_and_lists_the_slow_calls(tmp_pat
                           cwd=ROOT)
     assert proc.returncode == 0, tail(proc, 2000)
     report = json.loads(out.read_text())
-    assert report["whole"]["calls"] == 1
+    assert report["whole"]["calls"] == 1 and report["whole"]["slow"][0][:2] == [1, 0]
     assert [(r["unit"], r["calls"]) for r in report["units"]] == [(1 << 20, 8), (4 << 20, 2)]
-    assert [(i, before) for i, before, _ in report["units"][0]["slow"]] == [
-        (i, i << 20) for i in range(8)]
+    assert [(n, before) for n, before, _ in report["units"][0]["slow"]] == [
+        (2 + i, i << 20) for i in range(8)]
+    assert [n for n, _, _ in report["units"][1]["slow"]] == [10, 11]
     proc = subprocess.run([*run, "--units", "3KiB"], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "3072 is not; give e.g. 8MiB" in proc.stderr
+
+
+def test_bench_registrations_unregisters_everything_when_a_call_fails(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A registration refused part-way (the 6th call of the process): every range registered
+    is unregistered, the registrar closed, the memory unmapped, and the error raised."""
+    import bench_registrations
+
+    from offload.region.pin import RecordingRegistrar
+    from offload.region.shm import Mapping
+
+    class Refusing(RecordingRegistrar):
+        closed = False
+
+        def register(self, address: int, length: int) -> None:
+            if self.calls == 5:
+                raise RuntimeError("stand-in: refused")
+            super().register(address, length)
+
+        def close(self) -> None:
+            self.closed = True
+
+    registrar = Refusing()
+    monkeypatch.setattr(bench_registrations, "choose_registrar", lambda *a, **k: registrar)
+    mappings: list[Mapping] = []
+    anonymous = Mapping.anonymous
+    monkeypatch.setattr(Mapping, "anonymous",
+                        lambda size: mappings.append(anonymous(size)) or mappings[-1])
+    with pytest.raises(RuntimeError, match="stand-in: refused"):
+        bench_registrations.main(["--device", "cpu", "--bytes", "8MiB", "--units", "1MiB",
+                                  "--threads", "2"])
+    assert registrar.calls == 5 and registrar.registered == {} and registrar.closed
+    assert [m.size for m in mappings] == [0]  # unmapped

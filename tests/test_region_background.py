@@ -302,27 +302,35 @@ def _cpus(*ranges: tuple[int, int]) -> frozenset[int]:
     return frozenset(c for a, b in ranges for c in range(a, b))
 
 
-@pytest.mark.parametrize(("mine", "node", "processes", "sharing"), [
-    (_cpus((0, 16)), [_cpus((0, 16)), _cpus((0, 16))], 2, 2),   # one set for both ranks
-    (_cpus((0, 8)), [_cpus((0, 8)), _cpus((8, 16))], 2, 1),     # bound: a set each
-    (_cpus((0, 16)), [_cpus((0, 16))] * 2, 4, 4),               # two DP replicas alike
-    (_cpus((0, 8)), [_cpus((0, 8)), _cpus((8, 16))], 4, 1),     # bound replicas: still one
-    (_cpus((0, 16)), [_cpus((0, 16))], 2, 2),                    # alone in its tier: assume
-    (_cpus((0, 16)), [_cpus((0, 16))], 1, 1),                    # shared with the others
-    (_cpus((0, 8)), [_cpus((0, 8)), _cpus((4, 12)), _cpus((8, 16))], 3, 2),  # overlaps count
+ALL, LOW, HIGH = _cpus((0, 16)), _cpus((0, 8)), _cpus((8, 16))
+
+
+@pytest.mark.parametrize(("node", "processes", "sharing"), [
+    ([(ALL, ALL), (ALL, ALL)], 2, 2),       # one set for both ranks
+    ([(LOW, LOW), (HIGH, HIGH)], 2, 1),     # a launcher bound each rank to its own
+    ([(ALL, ALL), (ALL, ALL)], 4, 4),       # two DP replicas alike
+    ([(LOW, LOW), (HIGH, HIGH)], 4, 1),     # bound replicas: each on its own still
+    ([(LOW, ALL), (HIGH, ALL)], 4, 2),      # NUMA nodes apart, the CPUs shared: replicas too
+    ([(LOW, ALL), (LOW, ALL)], 4, 4),       # one NUMA node, shared
+    ([(ALL, ALL)], 2, 2),                   # alone in its tier: assume the node shared
+    ([(ALL, ALL)], 1, 1),
+    ([(LOW, LOW), (_cpus((4, 12)), _cpus((4, 12))), (HIGH, HIGH)], 3, 2),  # overlaps count
 ])
 def test_sharing_processes_tells_one_cpu_set_from_bound_ranks(
-        mine: frozenset[int], node: list[frozenset[int]], processes: int, sharing: int) -> None:
-    lists = [sorted(cpus) for cpus in node]
-    assert background.sharing_processes(mine, lists, processes) == sharing
+        node: list[tuple[frozenset[int], frozenset[int]]], processes: int, sharing: int
+) -> None:
+    """Rank 0's view: the ranks and processes whose set-up runs on its CPUs."""
+    lists = [(sorted(cpus), sorted(affinity)) for cpus, affinity in node]
+    assert background.sharing_processes(node[0], lists, processes) == sharing
 
 
 def test_set_up_runs_on_the_placements_cpus_within_the_process_affinity() -> None:
-    affinity = frozenset(os.sched_getaffinity(0))
-    assert background.setup_cpus() == affinity
+    affinity = background.process_cpus()
+    assert affinity == frozenset(os.sched_getaffinity(0))
+    assert background.setup_cpus(affinity) == affinity
     first = min(affinity)
-    assert background.setup_cpus(frozenset({first, 10 ** 6})) == {first}
-    assert background.setup_cpus(frozenset({10 ** 6})) == affinity  # none there: all of them
+    assert background.setup_cpus(affinity, frozenset({first, 10 ** 6})) == {first}
+    assert background.setup_cpus(affinity, frozenset({10 ** 6})) == affinity  # none there
 
 
 def test_set_up_threads_on_the_hosts_measured() -> None:

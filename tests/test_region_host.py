@@ -506,11 +506,34 @@ def test_a_peer_killed_before_background_set_up_shares_its_cpus_fails_the_others
     """Background set-up's exchange of the ranks' CPUs: a rank that dies before it fails its
     peers there at once (the collective breaks), never a hang."""
     start = time.monotonic()
-    out = run_group(_dies_before_sharing_cpus_body, 2, args=(job,), pg_timeout=10, timeout=40)
-    assert time.monotonic() - start < 20
+    out = run_group(_dies_before_sharing_cpus_body, 2, args=(job,), pg_timeout=60, timeout=90)
+    assert time.monotonic() - start < 20  # the collective broke: no group timeout waited out
     assert out[1].exitcode == -signal.SIGKILL
     assert out[0].error_type == "PeerError"
     assert "stopped answering while sharing out the node's CPUs" in errors(out)[0]
+
+
+def _cpus_unreadable_body(rank: int, job_id: str) -> None:
+    import offload.region.host_region as hr
+
+    if rank == 1:
+        def unreadable() -> frozenset[int]:
+            raise OSError("stand-in: no affinity")
+
+        hr.process_cpus = unreadable
+    region, _, _ = group_region(rank, job_id, "shared", 2 * MiB, timeout_s=60, background=True)
+    region.close()
+
+
+def test_a_rank_that_cannot_say_its_cpus_fails_every_rank_at_once(job: str) -> None:
+    """The CPU exchange is agreed like every node step: the rank whose part failed raises its
+    error, its peers a `PeerError` naming it, without waiting out any timeout."""
+    start = time.monotonic()
+    out = run_group(_cpus_unreadable_body, 2, args=(job,), pg_timeout=60, timeout=90)
+    assert time.monotonic() - start < 20
+    assert out[1].error_type == "OSError" and "stand-in: no affinity" in errors(out)[1]
+    assert out[0].error_type == "PeerError"
+    assert "rank 1 failed while sharing out the node's CPUs" in errors(out)[0]
 
 
 def _reservation_refused_body(rank: int, job_id: str) -> object:

@@ -155,3 +155,22 @@ def test_a_refused_policy_is_said_once_and_changes_nothing(caplog: pytest.LogCap
         thread.join()
     refusals = [r for r in caplog.records if "set_mempolicy refused" in r.getMessage()]
     assert len(refusals) == 1 and os.sched_getaffinity(0) == before
+
+
+def test_entering_a_placement_never_widens_the_threads_cpus() -> None:
+    """A thread bound to some CPUs (a launcher's binding) keeps to those of the node's among
+    them, and to all of its own where the node has none of them; never the node's others."""
+    affinity = sorted(os.sched_getaffinity(0))
+    seen: dict[str, set[int]] = {}
+
+    def bound_then_placed(name: str, node_cpus: frozenset[int]) -> None:
+        os.sched_setaffinity(0, {affinity[0]})  # this thread only
+        Placement(0, node_cpus).enter()
+        seen[name] = os.sched_getaffinity(0)
+
+    cases = {"within": frozenset(affinity), "elsewhere": frozenset({10 ** 4})}
+    for name, cpus in cases.items():
+        thread = threading.Thread(target=bound_then_placed, args=(name, cpus))
+        thread.start()
+        thread.join()
+    assert seen == {"within": {affinity[0]}, "elsewhere": {affinity[0]}}

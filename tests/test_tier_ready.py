@@ -596,7 +596,7 @@ def _set_up_threads(rank: int, layout: str, bound: bool) -> object:
     import offload.region.host_region as host_region
 
     cpus = frozenset(range(8 * rank, 8 * rank + 8) if bound else range(8))
-    host_region.setup_cpus = lambda placement_cpus=frozenset(): cpus
+    host_region.process_cpus = lambda: cpus  # the process's affinity
     memory = {"private_memory": "memfd"} if layout == "private" else {}
     tier = _background_tier(rank, layout, RecordingRegistrar(), prefault_threads=8,
                             min_segment_bytes=64 << 10, segment_threshold=128 << 10, **memory)
@@ -641,7 +641,7 @@ def _replica_set_up_threads(rank: int) -> object:
     import offload.region.host_region as host_region
     from offload import HostTier
 
-    host_region.setup_cpus = lambda placement_cpus=frozenset(): frozenset(range(8))
+    host_region.process_cpus = lambda: frozenset(range(8))
     groups = [dist.new_group([r]) for r in range(2)]  # collective: every rank makes both
     config = TierConfig(cpu_bytes_per_node=40 * PAGE, layout="private", blocks_per_chunk=1,
                         tp=1, timeout_s=20, background=True, prefault_threads=8)

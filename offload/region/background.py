@@ -111,29 +111,39 @@ def setup_threads(requested: int, sharing: int, cpus: int) -> int:
     return max(1, min(requested, cpus // (2 * max(1, sharing))))
 
 
-def setup_cpus(placement_cpus: frozenset[int] = frozenset()) -> frozenset[int]:
-    """The CPUs set-up's threads will run on: this process's (its affinity: a container's
-    cpuset, a launcher's binding) within its GPU's NUMA node's ``placement_cpus`` where it has
-    some there (`Placement.enter` binds the threads to those), else all of the process's."""
+def process_cpus() -> frozenset[int]:
+    """The CPUs this process may run on: its affinity (a container's cpuset, a launcher's
+    binding), else the host's."""
     try:
-        mine = frozenset(os.sched_getaffinity(0))
+        return frozenset(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
-        mine = frozenset(range(os.cpu_count() or 1))
-    return (mine & placement_cpus) or mine
+        return frozenset(range(os.cpu_count() or 1))
 
 
-def sharing_processes(mine: frozenset[int], node: Sequence[Sequence[int]], processes: int
-                      ) -> int:
-    """How many processes set up on CPUs of ``mine``: the tier's ranks on this node whose
-    set-up CPUs (``node``, this rank's among them) overlap it, and where those share CPUs, as
-    many of the node's other ``processes`` (other DP replicas' ranks, which the tier cannot
-    ask) as the tier's ranks' share would suggest.  Ranks bound to CPUs of their own (a
-    launcher's binding) count only themselves."""
-    sharing = sum(1 for cpus in node if mine.intersection(cpus))
+def setup_cpus(affinity: frozenset[int], placement_cpus: frozenset[int] = frozenset()
+               ) -> frozenset[int]:
+    """The CPUs set-up's threads will run on: those of ``affinity`` on the GPU's NUMA node
+    (``placement_cpus``) where it has some there, as `Placement.enter` binds them, else all of
+    ``affinity``."""
+    return (affinity & placement_cpus) or affinity
+
+
+def sharing_processes(mine: tuple[frozenset[int], frozenset[int]],
+                      node: Sequence[tuple[Sequence[int], Sequence[int]]],
+                      processes: int) -> int:
+    """How many processes run set-up on this rank's CPUs.  ``mine`` and each entry of
+    ``node`` (the tier's ranks on this node, this one among them) are (set-up CPUs, process
+    affinity).  The ranks whose set-up CPUs overlap this rank's count; where the processes'
+    affinities overlap too (no launcher bound each to CPUs of its own), so do the node's other
+    ``processes`` (other DP replicas' ranks, which the tier cannot ask) in proportion.
+    Ranks bound to CPUs of their own count only those that share them."""
+    cpus, affinity = mine
+    sharing = sum(1 for setup, _ in node if cpus.intersection(setup))
     if len(node) == 1:  # nothing tells shared CPUs from bound ones: assume shared
         return max(1, processes)
-    if sharing == 1:
-        return 1
+    bound = sum(1 for _, other in node if affinity.intersection(other)) == 1
+    if bound:
+        return sharing
     return max(sharing, -(-sharing * processes // len(node)))
 
 

@@ -71,6 +71,7 @@ from offload.region.background import (
     BackgroundReservation,
     BackgroundSetup,
     ReadyFn,
+    process_cpus,
     setup_cpus,
     setup_threads,
     sharing_processes,
@@ -305,12 +306,18 @@ class HostRegion:
         runs on the same CPUs use at most half of them together (`setup_threads`).  The node's
         ranks exchange the CPUs their set-up threads will run on: a launcher may bind each to
         its own, or leave them all on one set (`sharing_processes`)."""
-        placement = Placement.for_node(self.plan.slots[topology.rank].numa_node)
-        mine = setup_cpus(placement.cpus if placement is not None else frozenset())
-        node = sync.gather("sharing out the node's CPUs", sorted(mine))
-        sharing = sharing_processes(mine, node,
+
+        def mine() -> tuple[list[int], list[int]]:  # inside the exchange: a failure is agreed
+            placement = Placement.for_node(self.plan.slots[topology.rank].numa_node)
+            affinity = process_cpus()
+            cpus = setup_cpus(affinity, placement.cpus if placement is not None else frozenset())
+            return sorted(cpus), sorted(affinity)
+
+        node = sync.gather("sharing out the node's CPUs", mine)
+        cpus, affinity = (frozenset(c) for c in node[topology.node.ranks.index(topology.rank)])
+        sharing = sharing_processes((cpus, affinity), node,
                                     processes_on_node() or topology.local_world_size)
-        return setup_threads(config.prefault_threads, sharing, len(mine))
+        return setup_threads(config.prefault_threads, sharing, len(cpus))
 
     def _finish_background_stats(self) -> None:
         """Called on the pin thread once set-up ended (every row, or an error): what the
@@ -400,17 +407,16 @@ class HostRegion:
         nor memfds on a host that refuses to overcommit, where set-up's write fault on a page
         not yet reserved would be a SIGBUS (`space.strict_overcommit`)."""
         deferred = files.config.background and files.nameless and not strict_overcommit()
+        threads = self.stats.setup_threads or 1  # set in `_build` with background
         fds = files.create(self._paths, unlink=unlink, reserved=not deferred)
         if deferred:
-            assert self.stats.setup_threads is not None  # set with background
             try:
                 duplicates = _duplicates(fds)
             except BaseException:
                 close_fds(fds)
                 raise
             try:
-                self._reservation = BackgroundReservation(duplicates, files.lengths,
-                                                          self.stats.setup_threads)
+                self._reservation = BackgroundReservation(duplicates, files.lengths, threads)
             except BaseException:
                 close_fds(duplicates + fds)
                 raise

@@ -99,12 +99,14 @@ class Placement:
         return None if node is None else cls(node, node_cpus(node, sysfs))
 
     def enter(self) -> None:
-        """Bind the calling thread: its CPUs to the node's (where sysfs lists them) and its
-        memory policy to prefer the node.  Best effort: a refusal (a container without the
-        capability, a kernel without NUMA) leaves the thread as it was."""
-        if self.cpus:
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(0, self.cpus)  # 0: this thread on Linux
+        """Bind the calling thread: its CPUs to those of the node's it may already run on (a
+        launcher's binding or a container's cpuset is kept: setting the node's own would widen
+        it; none there leaves them as they are) and its memory policy to prefer the node.  Best
+        effort: a refusal (a kernel without NUMA) leaves the thread as it was."""
+        with contextlib.suppress(OSError):  # 0: this thread on Linux
+            allowed = self.cpus & frozenset(os.sched_getaffinity(0))
+            if allowed:
+                os.sched_setaffinity(0, allowed)
         number = _SET_MEMPOLICY.get(platform.machine())
         if number is None:
             return

@@ -11,7 +11,7 @@ other rank raises ``PeerError`` naming it.  A rank that died makes the collectiv
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 
@@ -37,12 +37,29 @@ class NodeSync:
         ``share``, every rank of the node returns what the node leader's action returned (a
         small picklable value, e.g. the name of a socket it bound), carried by the same
         exchange over the process group."""
+        result, values = self._agree(what, action, carry=share)
+        if share and values is not None:
+            return values[self.topology.node.ranks.index(self.topology.node.leader_rank)]
+        return result
+
+    def gather(self, what: str, action: Callable[[], T]) -> list[T]:
+        """Run ``action`` on every rank of the node and return all of their results (small,
+        picklable), in the node's rank order; agreed like `step`: a rank whose action failed
+        fails its peers at once, naming it.  A rank alone gets its own."""
+        result, values = self._agree(what, action, carry=True)
+        return [cast(T, result)] if values is None else values
+
+    def _agree(self, what: str, action: Callable[[], T] | None, carry: bool
+               ) -> tuple[T | None, list[Any] | None]:
+        """Run ``action``, exchange its outcome over the node (with ``carry``, its value too)
+        and raise this rank's error or a `PeerError` naming the first rank that failed; this
+        rank's result and, unless it is alone, the node's carried values in rank order."""
         t = self.topology
         group, mine = ((t.node_group, range(t.local_world_size)) if t.node_group is not None
                        else (t.group, t.node.ranks))
         size = t.local_world_size if t.node_group is not None else t.world_size
         if size == 1:
-            return action() if action is not None else None
+            return (action() if action is not None else None), None
         error: Exception | None = None
         result = None
         try:
@@ -51,7 +68,7 @@ class NodeSync:
             error = exc
         outcomes: list[Any] = [None] * size
         try:
-            dist.all_gather_object(outcomes, (None, result if share else None)
+            dist.all_gather_object(outcomes, (None, result if carry else None)
                                    if error is None else (one_line(error), None), group=group)
         except Exception as exc:
             if error is not None:
@@ -70,24 +87,4 @@ class NodeSync:
             rank, msg = failed[0]
             others = f" (ranks {[r for r, _ in failed[1:]]} failed too)" if failed[1:] else ""
             raise PeerError(f"rank {rank} failed while {what}: {msg}{others}")
-        if share:
-            return next(outcomes[i][1] for i, r in zip(mine, t.node.ranks, strict=True)
-                        if r == t.node.leader_rank)
-        return result
-
-    def gather(self, what: str, value: Any) -> list[Any]:
-        """Every rank of the node offers ``value`` (small, picklable); each gets all of them,
-        in the node's rank order (this rank's among them).  A rank alone gets its own."""
-        t = self.topology
-        if (t.local_world_size if t.node_group is not None else t.world_size) == 1:
-            return [value]
-        group, mine = ((t.node_group, range(t.local_world_size)) if t.node_group is not None
-                       else (t.group, t.node.ranks))
-        outcomes: list[Any] = [None] * (t.local_world_size if t.node_group is not None
-                                        else t.world_size)
-        try:
-            dist.all_gather_object(outcomes, value, group=group)
-        except Exception as exc:
-            raise PeerError(f"rank {t.rank}: peers on node {t.node_id} stopped answering while "
-                            f"{what} (a rank died or timed out): {one_line(exc)}") from exc
-        return [outcomes[i] for i in mine]
+        return result, [outcomes[i][1] for i in mine]
