@@ -410,12 +410,9 @@ class HostRegion:
         threads = self.stats.setup_threads or 1  # set in `_build` with background
         fds = files.create(self._paths, unlink=unlink, reserved=not deferred)
         if deferred:
+            duplicates: list[int] = []
             try:
                 duplicates = _duplicates(fds)
-            except BaseException:
-                close_fds(fds)
-                raise
-            try:
                 self._reservation = BackgroundReservation(duplicates, files.lengths, threads)
             except BaseException:
                 close_fds(duplicates + fds)
