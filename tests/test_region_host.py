@@ -465,40 +465,31 @@ def test_a_leader_killed_mid_protocol_leaves_nothing(job: str, mode: dict[str, A
     # named: the peer removes the dead leader's files (the shm_dir fixture checks)
 
 
-def _peer_dies_body(rank: int, job_id: str) -> None:
+def _rank_1_dies_in(rank: int, job_id: str, name: str, overrides: dict[str, Any]) -> None:
+    """Rank 1 is SIGKILLed where ``host_region`` calls its ``name``; both build a shared
+    region (with ``overrides``)."""
     import offload.region.host_region as hr
 
     if rank == 1:
-        def die(*args: Any, **kwargs: Any) -> list[int]:
+        def die(*args: Any, **kwargs: Any) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
             raise AssertionError("unreachable")
 
-        hr.fetch_fds = die
-    group_region(rank, job_id, "shared", 2 * MiB, timeout_s=60)
+        setattr(hr, name, die)
+    region, _, _ = group_region(rank, job_id, "shared", 2 * MiB, timeout_s=60, **overrides)
+    region.close()
 
 
 def test_a_peer_killed_before_fetching_fails_the_leader_at_once(job: str) -> None:
     """The leader serves the hand-off on a thread and learns from the node exchange, not from
     waiting out its hand-off timeout (here 60 s)."""
     start = time.monotonic()
-    out = run_group(_peer_dies_body, 2, args=(job,), pg_timeout=10, timeout=40)
+    out = run_group(_rank_1_dies_in, 2, args=(job, "fetch_fds", {}), pg_timeout=10,
+                    timeout=40)
     assert time.monotonic() - start < 20
     assert out[1].exitcode == -signal.SIGKILL
     assert out[0].error_type == "PeerError"
     assert "stopped answering while handing the node's region over" in errors(out)[0]
-
-
-def _dies_before_sharing_cpus_body(rank: int, job_id: str) -> None:
-    import offload.region.host_region as hr
-
-    if rank == 1:
-        def die(*args: Any, **kwargs: Any) -> frozenset[int]:
-            os.kill(os.getpid(), signal.SIGKILL)
-            raise AssertionError("unreachable")
-
-        hr.setup_cpus = die
-    region, _, _ = group_region(rank, job_id, "shared", 2 * MiB, timeout_s=60, background=True)
-    region.close()
 
 
 def test_a_peer_killed_before_background_set_up_shares_its_cpus_fails_the_others(
@@ -506,7 +497,8 @@ def test_a_peer_killed_before_background_set_up_shares_its_cpus_fails_the_others
     """Background set-up's exchange of the ranks' CPUs: a rank that dies before it fails its
     peers there at once (the collective breaks), never a hang."""
     start = time.monotonic()
-    out = run_group(_dies_before_sharing_cpus_body, 2, args=(job,), pg_timeout=60, timeout=90)
+    out = run_group(_rank_1_dies_in, 2, args=(job, "setup_cpus", {"background": True}),
+                    pg_timeout=60, timeout=90)
     assert time.monotonic() - start < 20  # the collective broke: no group timeout waited out
     assert out[1].exitcode == -signal.SIGKILL
     assert out[0].error_type == "PeerError"
