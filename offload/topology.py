@@ -109,6 +109,12 @@ class Topology:
         return min(r for r in node.ranks if r // self.tp == rank // self.tp)
 
     @property
+    def stage_peers(self) -> tuple[int, ...]:
+        """This rank's pipeline stage on its node, ascending (the writer first): in the
+        replicated layout these ranks register the same slot of the node's rows."""
+        return tuple(r for r in self.node.ranks if r // self.tp == self.pp_rank)
+
+    @property
     def stage_writers(self) -> tuple[int, ...]:
         """Every (node, pipeline stage)'s writer, ascending."""
         return tuple(sorted({self.stage_writer_of(r) for r in range(self.world_size)}))

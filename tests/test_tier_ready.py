@@ -151,7 +151,8 @@ def _not_ready_everywhere(rank: int, layout: str, gate: str, pieces: bool) -> ob
             all(ok for _, ok, _, _ in loaded), "exact": exact,
             "report": (report["background"], report["ready_rows"], report["ready_s"] is not None),
             "cuts": tier.actor.region.cuts, "registrations": registrar.calls,
-            "slot_offset": tier.plan.slots[rank].slot_offset}
+            "slot_offset": tier.plan.slots[rank].slot_offset,
+            "share": tier.actor.region.background_setup.share}
 
 
 @pytest.mark.parametrize(("layout", "pieces"), [("private", False), ("shared", False),
@@ -180,6 +181,9 @@ def test_a_row_not_ready_on_one_rank_fails_the_job_on_every_rank_and_nothing_is_
         # pieces: each row's page, then its trailer (a page further), registered apart
         assert v["cuts"] == ((v["slot_offset"] + PAGE,) if pieces else ())
         assert v["registrations"] == total * (2 if pieces else 1)
+    # a replicated stage's ranks populate the same pages: each writes its own share first
+    assert [v["share"] for v in values] == ([(0, 2), (1, 2)] if layout == "replicated"
+                                            else [(0, 1)] * 2)
 
 
 def _stops_on_error(rank: int, gate: str) -> object:

@@ -56,6 +56,19 @@ def test_stage_writers_are_the_lowest_rank_of_each_node_and_stage(
     for t in views:
         writer = t.stage_writer_of(t.rank)
         assert writer // tp == t.pp_rank and writer in t.node.ranks and writer <= t.rank
+        assert t.stage_peers[0] == writer and t.rank in t.stage_peers
+
+
+@pytest.mark.parametrize("tp,pp,nodes,peers", [
+    (2, 2, [(0, 1, 2, 3)], [(0, 1), (0, 1), (2, 3), (2, 3)]),
+    (4, 1, [(0, 1), (2, 3)], [(0, 1), (0, 1), (2, 3), (2, 3)]),   # a stage split over nodes
+    (2, 2, [(0, 3), (1, 2)], [(0,), (1,), (2,), (3,)]),          # no stage twice on a node
+    (1, 4, [(0, 1, 2, 3)], [(0,), (1,), (2,), (3,)]),
+])
+def test_stage_peers_are_the_ranks_of_one_stage_on_one_node(
+        tp: int, pp: int, nodes: list[tuple[int, ...]], peers: list[tuple[int, ...]]) -> None:
+    infos = tuple(NodeInfo(f"n{i}", ranks) for i, ranks in enumerate(nodes))
+    assert [Topology(r, tp * pp, tp, pp, infos).stage_peers for r in range(tp * pp)] == peers
 
 
 @pytest.mark.parametrize("tp,pp", [(3, 1), (2, 3), (0, 4), (4, 0)])

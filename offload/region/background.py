@@ -169,7 +169,8 @@ def native_populator() -> ctypes.CDLL | None:
     if lib is not None:
         pointer = ctypes.c_void_p
         lib.offload_populate_units.argtypes = [ctypes.c_uint64, pointer, pointer, ctypes.c_int64,
-                                               pointer, pointer, pointer]
+                                               pointer, pointer, pointer, ctypes.c_int64,
+                                               ctypes.c_int64]
         lib.offload_populate_units.restype = ctypes.c_int64
         lib.offload_reserve_files.argtypes = [pointer, pointer, ctypes.c_int64, pointer, pointer,
                                               pointer, ctypes.c_int64]
@@ -184,12 +185,22 @@ set-up ended on an error there."""
 
 class BackgroundSetup:
     """Populates and registers ``units`` (offsets from ``base``) on its own threads once
-    `start` is called.  Read ``ready_rows`` / ``error`` / ``done`` from any thread."""
+    `start` is called.  Read ``ready_rows`` / ``error`` / ``done`` from any thread.
+
+    ``share`` is (this process's index, count) among the processes that populate the same
+    shared pages -- the replicated layout's ranks of one stage on a node, which all register the
+    stage's slots.  The C loop then writes its own share of each range first and maps the rest,
+    which the others write meanwhile, mostly by fault-around (`populate.c`); each page still
+    gets mapped by every process, so no unit waits for a peer."""
 
     def __init__(self, base: int, units: SetupUnits, pinner: Pinner, threads: int,
                  on_ready: ReadyFn, *, populate: PopulateFn = madvise_populate,
                  on_thread_start: Callable[[], None] | None = None,
-                 progress: ProgressFn | None = None) -> None:
+                 progress: ProgressFn | None = None, share: tuple[int, int] = (0, 1)) -> None:
+        index, count = share
+        if not 0 <= index < count:
+            raise ValueError(f"share {share}: want (index, count) with 0 <= index < count")
+        self._share = share
         self._units = units
         self._pinner = pinner
         self._on_ready = on_ready
@@ -254,6 +265,11 @@ class BackgroundSetup:
         self._go.set()
         return self
 
+    @property
+    def share(self) -> tuple[int, int]:
+        """(this process's index, count) among those populating the same pages."""
+        return self._share
+
     def thread_ids(self) -> dict[int, str]:
         """The kernel thread ids of the started set-up threads and their roles (``pin``,
         ``prefault``), for tools that watch them (`scripts/wait_sampler.py`)."""
@@ -311,7 +327,7 @@ class BackgroundSetup:
             self._native.offload_populate_units(
                 self._base, self._units.ranges.ctypes.data, self._units.first.ctypes.data,
                 len(self._units), self._counter.ctypes.data, self._state.ctypes.data,
-                self._stop_flag.ctypes.data)
+                self._stop_flag.ctypes.data, *self._share)
             self.populated_s = time.perf_counter() - self.started  # no unit left to take
             return
         while not self._stop_flag[0]:

@@ -297,9 +297,12 @@ class HostRegion:
                 on_ready(rows, stopped)
 
         assert self.stats.setup_threads is not None  # set in `_build`
+        # the replicated layout's stage ranks on this node walk the same slots
+        peers = topology.stage_peers if self.plan.layout == "replicated" else (topology.rank,)
         self._setup = BackgroundSetup(self.address, units, pinner, self.stats.setup_threads,
                                       announce, progress=progress,
-                                      on_thread_start=placement.enter if placement else None)
+                                      on_thread_start=placement.enter if placement else None,
+                                      share=(peers.index(topology.rank), len(peers)))
 
     def _setup_threads(self, sync: NodeSync, topology: Topology, config: TierConfig) -> int:
         """Background set-up's pre-fault threads on this rank: the processes whose set-up
