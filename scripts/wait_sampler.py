@@ -32,6 +32,9 @@ import time
 from typing import Any
 
 STACK_FRAMES = 4  # innermost kernel frames kept per sample
+# The pin thread's stack is kept asleep too, and deeper: a registration that sleeps in the
+# kernel (state S) holds the driver all the same, and its innermost frames are the scheduler's.
+PIN_ROLE, PIN_FRAMES = "pin", 10
 BEGAN, PHASE, STOP, READY = range(4)  # the shared page's doubles
 
 
@@ -47,14 +50,14 @@ def _read(path: str) -> str:
         return ""
 
 
-def _sample(task: str) -> tuple[str, str, str]:
-    """(state, wait channel, innermost kernel frames) of one thread."""
+def _sample(task: str, frames: int = STACK_FRAMES) -> tuple[str, str, str]:
+    """(state, wait channel, the ``frames`` innermost kernel frames) of one thread."""
     stat = _read(f"{task}/stat")
     state = stat.rsplit(")", 1)[-1].split()[0] if ")" in stat else "?"
     wchan = _read(f"{task}/wchan").strip() or "-"
-    frames = [line.split("] ", 1)[-1].split("+", 1)[0]
-              for line in _read(f"{task}/stack").splitlines()[:STACK_FRAMES]]
-    return state, wchan, " < ".join(frames)
+    kept = [line.split("] ", 1)[-1].split("+", 1)[0]
+            for line in _read(f"{task}/stack").splitlines()[:frames]]
+    return state, wchan, " < ".join(kept)
 
 
 OTHERS_EVERY = 4  # a long step's samples between two reads of the other threads
@@ -62,14 +65,16 @@ OTHERS_EVERY = 4  # a long step's samples between two reads of the other threads
 
 def _others(pid: int, others: dict[str, str]) -> str:
     """One line on the ``others`` threads: per role the count in each state, then the role,
-    state and kernel stack of each one awake (not ``S``), e.g. ``pin D1; prefault R2 S6 | pin
-    D: gup_... < ...``."""
+    state and kernel stack of each one awake (not ``S``) and of the pin thread in any state,
+    e.g. ``pin D1; prefault R2 S6 | pin D: gup_... < ...``."""
     by_role: dict[str, collections.Counter[str]] = {}
     awake = []
     for tid, role in others.items():
-        state, wchan, stack = _sample(f"/proc/{pid}/task/{tid}")
+        pin = role == PIN_ROLE
+        state, wchan, stack = _sample(f"/proc/{pid}/task/{tid}", PIN_FRAMES if pin else
+                                      STACK_FRAMES)
         by_role.setdefault(role, collections.Counter())[state] += 1
-        if state not in ("S", "?"):
+        if state != "?" and (pin or state != "S"):
             awake.append(f"{role} {state}: {stack or wchan}")
     counts = "; ".join(f"{role} " + " ".join(f"{s}{n}" for s, n in sorted(c.items()))
                        for role, c in sorted(by_role.items()))

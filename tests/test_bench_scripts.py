@@ -140,7 +140,8 @@ def test_the_wait_sampler_says_what_a_long_step_waits_for_in_the_kernel() -> Non
 
 def test_the_wait_sampler_reads_the_other_threads_at_each_long_step() -> None:
     """Beside a long step, a spinning thread is seen awake (``R``, with its role) and a
-    sleeping one asleep, each counted under its role."""
+    sleeping one asleep, each counted under its role; the pin thread's wait is shown asleep
+    too (a registration sleeping in the kernel holds the driver all the same)."""
     import threading
     import time
 
@@ -148,7 +149,7 @@ def test_the_wait_sampler_reads_the_other_threads_at_each_long_step() -> None:
 
     stop = threading.Event()
     ids: dict[int, str] = {}
-    ready = threading.Barrier(3)
+    ready = threading.Barrier(4)
 
     def spin() -> None:
         ids[threading.get_native_id()] = "spin"
@@ -156,12 +157,13 @@ def test_the_wait_sampler_reads_the_other_threads_at_each_long_step() -> None:
         while not stop.is_set():
             pass
 
-    def nap() -> None:
-        ids[threading.get_native_id()] = "nap"
+    def nap(role: str) -> None:
+        ids[threading.get_native_id()] = role
         ready.wait()
         stop.wait()
 
-    threads = [threading.Thread(target=f, daemon=True) for f in (spin, nap)]
+    threads = [threading.Thread(target=f, args=a, daemon=True)
+               for f, a in ((spin, ()), (nap, ("nap",)), (nap, ("pin",)))]
     for t in threads:
         t.start()
     ready.wait()
@@ -176,9 +178,12 @@ def test_the_wait_sampler_reads_the_other_threads_at_each_long_step() -> None:
         for t in threads:
             t.join()
     beside = steps[step]["others"]  # (a sample as the step ends may catch the GIL's hand-off)
-    assert beside and sum(line.startswith("nap S1; spin R1") for line in beside) > len(beside) // 2
+    assert beside and sum(line.startswith("nap S1; pin S1; spin R1") for line in beside
+                          ) > len(beside) // 2
+    awake = [line.split(" | ", 1)[-1] for line in beside]
+    assert all("pin S: " in line and "nap S:" not in line for line in awake), beside
     where = sampler.where(step)
-    assert "; beside: nap S1; spin R1 (" in where and " | spin R" in where, where
+    assert "; beside: nap S1; pin S1; spin R1 (" in where and " | spin R" in where, where
 
 
 def test_bench_registrations_registers_in_order_and_lists_the_slow_calls(tmp_path: Path) -> None:
