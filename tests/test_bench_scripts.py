@@ -186,6 +186,33 @@ def test_the_wait_sampler_reads_the_other_threads_at_each_long_step() -> None:
     assert "; beside: nap S1; pin S1; spin R1 (" in where and " | spin R" in where, where
 
 
+def test_the_cuda_drivers_threads_are_found_by_name() -> None:
+    """`bench_startup.driver_threads`: the threads named ``cuda...`` (as the driver names its
+    own), none of the others."""
+    import threading
+
+    import bench_startup
+
+    named, stop = threading.Event(), threading.Event()
+    ids: list[int] = []
+
+    def driver_like() -> None:
+        ids.append(threading.get_native_id())
+        with open(f"/proc/self/task/{ids[0]}/comm", "w") as f:
+            f.write("cuda-EvtHandlr")
+        named.set()
+        stop.wait()
+
+    thread = threading.Thread(target=driver_like, daemon=True)
+    thread.start()
+    try:
+        assert named.wait(10)
+        assert bench_startup.driver_threads() == {ids[0]: "driver"}
+    finally:
+        stop.set()
+        thread.join()
+
+
 def test_bench_registrations_registers_in_order_and_lists_the_slow_calls(tmp_path: Path) -> None:
     """With the recording stand-in: the whole range once, then each unit size in order, every
     call listed (``--slow-ms -1``) with its number among the process's registrations and the
