@@ -73,15 +73,14 @@ def used_bytes() -> int:
     return info["MemTotal"] - info["MemFree"]
 
 
-def driver_threads() -> dict[int, str]:
-    """This process's threads that the CUDA driver started (named ``cuda...``), by thread id:
-    a registration that waits in the driver may be waiting for one of them."""
+def process_threads() -> dict[int, str]:
+    """This process's threads by thread id, as ``driver`` (those the CUDA driver started, named
+    ``cuda...``) or ``thread``: a registration that waits in the driver may be waiting for a
+    lock one of them holds."""
     found = {}
     for tid in os.listdir("/proc/self/task"):
         with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/comm") as f:
-            name = f.read().strip()
-        if name.startswith("cuda"):
-            found[int(tid)] = "driver"
+            found[int(tid)] = "driver" if f.read().startswith("cuda") else "thread"
     return found
 
 
@@ -117,7 +116,7 @@ def ours(rank: int, world: int, args: argparse.Namespace, layout: str) -> dict[s
     setup_threads = (tier.actor.region.background_setup.thread_ids()
                      if background and tier.actor.region is not None
                      and tier.actor.region.background_setup is not None else {})
-    probe = (LaunchProbe(device, args.probe_waits, {**driver_threads(), **setup_threads})
+    probe = (LaunchProbe(device, args.probe_waits, {**process_threads(), **setup_threads})
              if background and device.type == "cuda" else None)
     first, first_ready = first_job(tier, args.blocks_per_chunk)
     during = (jobs_during_setup(tier, args.job_blocks, payload)
@@ -641,8 +640,9 @@ def main() -> None:
                         "synchronisation or its 4 KiB mmap runs past 0.5 ms, read what its "
                         "thread waits for in the kernel (state, wait channel, kernel stack; "
                         "scripts/wait_sampler.py), and what set-up's pin and pre-fault threads "
-                        "and the CUDA driver's own were doing meanwhile (their states, the "
-                        "stacks of those awake and of the pin thread); print the worst "
+                        "and the process's others (the CUDA driver's own among them) were "
+                        "doing meanwhile (their states, the stacks of those awake and of the "
+                        "pin thread); print the worst "
                         "launches' and the most frequent")
     p.add_argument("--layouts", default="private,shared,replicated")
     p.add_argument("--variants", default="floor,ours,naive,pin_memory",

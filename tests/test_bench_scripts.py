@@ -186,9 +186,9 @@ def test_the_wait_sampler_reads_the_other_threads_at_each_long_step() -> None:
     assert "; beside: nap S1; pin S1; spin R1 (" in where and " | spin R" in where, where
 
 
-def test_the_cuda_drivers_threads_are_found_by_name() -> None:
-    """`bench_startup.driver_threads`: the threads named ``cuda...`` (as the driver names its
-    own), none of the others."""
+def test_the_cuda_drivers_threads_are_told_from_the_others_by_name() -> None:
+    """`bench_startup.process_threads`: every thread of the process, those named ``cuda...``
+    (as the driver names its own) as ``driver``."""
     import threading
 
     import bench_startup
@@ -207,7 +207,9 @@ def test_the_cuda_drivers_threads_are_found_by_name() -> None:
     thread.start()
     try:
         assert named.wait(10)
-        assert bench_startup.driver_threads() == {ids[0]: "driver"}
+        found = bench_startup.process_threads()
+        assert found[ids[0]] == "driver" and found[threading.get_native_id()] == "thread"
+        assert set(found) == {int(t) for t in os.listdir("/proc/self/task")}
     finally:
         stop.set()
         thread.join()
