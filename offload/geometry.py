@@ -290,9 +290,9 @@ def setup_units(geometry: RegionGeometry, config: TierConfig, unit_bytes: int,
     registrations and no registration is much longer than a unit where the cuts allow (a
     registration holds the CUDA driver for its whole duration, delaying the engine's own
     launches).  A rank populates exactly the bytes it registers, so a unit never waits for
-    another rank: in the replicated layout the stage's ranks each walk the stage's slots (the
-    pages are allocated once, by whichever rank comes first), where the blocking path splits
-    the population into node shards.  A row is usable after its last piece: ``rows_end``
+    another rank: in the replicated layout the stage's ranks each walk the stage's slots, each
+    writing its own share of every range first (`BackgroundSetup`'s ``share``), where the
+    blocking path splits the population into node shards.  A row is usable after its last piece: ``rows_end``
     repeats until then.
     """
     rows = np.arange(geometry.rows, dtype=np.int64)

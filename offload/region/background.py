@@ -98,9 +98,15 @@ RESERVE_BYTES = 256 << 20
 # running, for 2-7 ms a few times a run, and registrations took 7-8 ms against 3-5 ms.  Measured
 # on an H200 host, 48 GiB over 2 ranks, alternated within each call: with 4 threads a rank the
 # worst launch wait was at most 1.9 ms in 17 of 19 layout runs, with 8 in 4 of 18 (up to 6.9
-# ms); every row ready as soon (private) to 1.24x (shared) and 1.7x (replicated, whose ranks
-# each walk the stage's rows) as late (docs/BENCHMARKS.md, "Fewer pre-fault threads bound the
-# launch waits").
+# ms); every row ready as soon (private) to 1.24x (shared) as late (docs/BENCHMARKS.md, "Fewer
+# pre-fault threads bound the launch waits").
+# NOTE: a replicated stage's ranks each write their share of every range and map the rest by
+# read faults (``share``, `populate.c`).  Each writing every page, the two ranks of a stage took
+# 5.10-5.13 s to have every row of 48 GiB ready against 4.19-4.46 s for the blocking create, which
+# shards the writing; with shares 2.70-2.74 s, worst launch wait 0.8-2.0 ms (H200 host, old and
+# new alternated in one call; docs/BENCHMARKS.md, "A replicated stage's ranks share the
+# writing").  On the CI machine a rank mapping pages its peer wrote took 547 faults per 1,024
+# pages against 1,031 (`tests/test_region_background.py`).
 PROGRESS_INTERVAL_S = 2.0
 
 

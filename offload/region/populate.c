@@ -19,6 +19,12 @@
  * commit limit of a host that refuses to overcommit), so every page that could be a SIGBUS is
  * reserved before set-up touches it (named files in `create`; memfds there too on such hosts).
  *
+ * In the replicated layout a stage's ranks register, and so populate, the same pages.  Each
+ * writes its own share of every range first and then maps the rest by reading each page before
+ * writing it: a read fault maps a page another process populated together with its populated
+ * neighbours (fault-around), so a rank takes about one fault per page it writes and one per
+ * sixteen it maps, where writing every page made each rank fault every page of the stage.
+ *
  * state[i]: 0 while item i is pending, 1 once done; the reservation's items also -errno of the
  * call that failed.  A failure is final: the worker sets `stop`, so no thread takes a further
  * item.  Every item below a failed one was taken before it and gets a state, so the caller,
