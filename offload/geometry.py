@@ -292,8 +292,8 @@ def setup_units(geometry: RegionGeometry, config: TierConfig, unit_bytes: int,
     launches).  A rank populates exactly the bytes it registers, so a unit never waits for
     another rank: in the replicated layout the stage's ranks each walk the stage's slots, each
     writing its own share of every range first (`BackgroundSetup`'s ``share``), where the
-    blocking path splits the population into node shards.  A row is usable after its last piece: ``rows_end``
-    repeats until then.
+    blocking path splits the population into node shards.  A row is usable after its last
+    piece: ``rows_end`` repeats until then.
     """
     rows = np.arange(geometry.rows, dtype=np.int64)
     if geometry.rows == 0:
