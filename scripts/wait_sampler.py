@@ -32,9 +32,13 @@ import time
 from typing import Any
 
 STACK_FRAMES = 4  # innermost kernel frames kept per sample
-# The pin thread's stack is kept asleep too, and deeper: a registration that sleeps in the
-# kernel (state S) holds the driver all the same, and its innermost frames are the scheduler's.
-PIN_ROLE, PIN_FRAMES = "pin", 10
+# The stacks of the pin thread and the CUDA driver's own threads are kept asleep too, and
+# deeper: a registration that sleeps (state S) holds the driver all the same, it may be waiting
+# for one of the driver's threads, and the innermost frames of a sleeper are the scheduler's.
+ASLEEP_ROLES, ASLEEP_FRAMES = ("pin", "driver"), 10
+# Once a step has run this long, every other task on the host running or in uninterruptible
+# sleep (R, D) is read once: what a driver call waits for may be a kernel thread's work.
+HOST_AFTER_S = 0.02
 BEGAN, PHASE, STOP, READY = range(4)  # the shared page's doubles
 
 
@@ -65,20 +69,40 @@ OTHERS_EVERY = 4  # a long step's samples between two reads of the other threads
 
 def _others(pid: int, others: dict[str, str]) -> str:
     """One line on the ``others`` threads: per role the count in each state, then the role,
-    state and kernel stack of each one awake (not ``S``) and of the pin thread in any state,
-    e.g. ``pin D1; prefault R2 S6 | pin D: gup_... < ...``."""
+    state and kernel stack of each one awake (not ``S``) and of those of `ASLEEP_ROLES` in any
+    state, e.g. ``pin D1; prefault R2 S6 | pin D: gup_... < ...``."""
     by_role: dict[str, collections.Counter[str]] = {}
     awake = []
     for tid, role in others.items():
-        pin = role == PIN_ROLE
-        state, wchan, stack = _sample(f"/proc/{pid}/task/{tid}", PIN_FRAMES if pin else
-                                      STACK_FRAMES)
+        asleep_too = role in ASLEEP_ROLES
+        state, wchan, stack = _sample(f"/proc/{pid}/task/{tid}",
+                                      ASLEEP_FRAMES if asleep_too else STACK_FRAMES)
         by_role.setdefault(role, collections.Counter())[state] += 1
-        if state != "?" and (pin or state != "S"):
+        if state != "?" and (asleep_too or state != "S"):
             awake.append(f"{role} {state}: {stack or wchan}")
     counts = "; ".join(f"{role} " + " ".join(f"{s}{n}" for s, n in sorted(c.items()))
                        for role, c in sorted(by_role.items()))
     return counts + (" | " + " / ".join(awake) if awake else "")
+
+
+def _host(pid: int) -> list[str]:
+    """Every task of the host outside process ``pid`` and this one that runs or waits in
+    uninterruptible sleep (``R``, ``D``): ``comm state: kernel stack``."""
+    found = []
+    for proc in os.listdir("/proc"):
+        if not proc.isdigit() or int(proc) in (pid, os.getpid()):
+            continue
+        try:
+            tasks = os.listdir(f"/proc/{proc}/task")
+        except OSError:  # gone
+            continue
+        for tid in tasks:
+            task = f"/proc/{proc}/task/{tid}"
+            stat = _read(f"{task}/stat")
+            if ")" in stat and stat.rsplit(")", 1)[-1].split()[0] in ("R", "D"):
+                state, wchan, stack = _sample(task)
+                found.append(f"{_read(f'{task}/comm').strip()} {state}: {stack or wchan}")
+    return found
 
 
 def _watch(pid: int, tid: int, fd: int, after_s: float, interval_s: float,
@@ -97,8 +121,10 @@ def _watch(pid: int, tid: int, fd: int, after_s: float, interval_s: float,
             at = round(_now() - began, 6)
             if marker[BEGAN] == began:  # the step had not ended while we read
                 step = steps.setdefault(repr(began), {"phase": int(phase), "samples": [],
-                                                      "others": []})
+                                                      "others": [], "host": None})
                 step["samples"].append((at, state, wchan, stack))
+                if step["host"] is None and at >= HOST_AFTER_S:
+                    step["host"] = _host(pid)
                 # the others after the watched thread, and not at every sample: reading
                 # them takes ~1 ms, which would thin out the watched thread's own samples
                 if others and len(step["samples"]) % OTHERS_EVERY == 1:
@@ -161,7 +187,8 @@ class WaitSampler:
         """The step begun at ``began``, in words: its most frequent state and wait channel,
         how often of its samples, and the kernel stack seen with them ("no sample" when the
         sampler never saw it run long); with ``others``, then ``beside:`` their most frequent
-        state counts (how often of their reads) and the most frequent awake threads' stacks."""
+        state counts (how often of their reads) and the most frequent awake threads' stacks;
+        past `HOST_AFTER_S`, ``elsewhere:`` the host's other running or blocked tasks."""
         step = self.steps.get(began)
         if step is None or not step["samples"]:
             return "no sample"
@@ -178,6 +205,8 @@ class WaitSampler:
             summary, seen_n = counts.most_common(1)[0]
             also = f"; beside: {summary} ({seen_n} of {len(lines)})"
             also += f" | {awake.most_common(1)[0][0]}" if awake else ""
+        if step.get("host"):
+            also += "; elsewhere: " + " / ".join(step["host"])
         return f"{state} {wchan} ({count} of {len(step['samples'])}){top}{also}"
 
 

@@ -186,6 +186,31 @@ def test_the_wait_sampler_reads_the_other_threads_at_each_long_step() -> None:
     assert "; beside: nap S1; pin S1; spin R1 (" in where and " | spin R" in where, where
 
 
+def test_a_step_past_20_ms_reads_what_runs_elsewhere_on_the_host() -> None:
+    """Once a step has run `HOST_AFTER_S`, the sampler reads the host's other running tasks
+    once: a process spinning elsewhere is named with its state."""
+    import time
+
+    import wait_sampler
+
+    spinner = subprocess.Popen([sys.executable, "-c", "open('/proc/self/comm', 'w').write("
+                                "'spin-elsewhere'); print(flush=True)\nwhile True: pass"],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert spinner.stdout is not None and spinner.stdout.readline() == "\n"
+        sampler = wait_sampler.WaitSampler(after_s=0.002)
+        step = sampler.begin(1)
+        time.sleep(0.2)
+        sampler.end()
+        sampler.stop()
+    finally:
+        spinner.kill()
+        spinner.wait()
+    host = sampler.steps[step]["host"]
+    assert any(line.startswith("spin-elsewhere R") for line in host), host
+    assert "; elsewhere: " in sampler.where(step) and "spin-elsewhere R" in sampler.where(step)
+
+
 def test_the_cuda_drivers_threads_are_told_from_the_others_by_name() -> None:
     """`bench_startup.process_threads`: every thread of the process, those named ``cuda...``
     (as the driver names its own) as ``driver``."""
