@@ -79,8 +79,8 @@ def process_threads() -> dict[int, str]:
     lock one of them holds."""
     found = {}
     for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/comm") as f:
-            found[int(tid)] = "driver" if f.read().startswith("cuda") else "thread"
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/comm", "rb") as f:
+            found[int(tid)] = "driver" if f.read().startswith(b"cuda") else "thread"
     return found
 
 

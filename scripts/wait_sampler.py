@@ -39,6 +39,9 @@ ASLEEP_ROLES, ASLEEP_FRAMES = ("pin", "driver"), 10
 # Once a step has run this long, every other task on the host running or in uninterruptible
 # sleep (R, D) is read once: what a driver call waits for may be a kernel thread's work.
 HOST_AFTER_S = 0.02
+# ... for at most this long and this many tasks: the scan runs in the sampling loop (~35 us a
+# task), and a host of thousands of threads would otherwise leave the step unsampled meanwhile.
+HOST_SCAN_S, HOST_MOST = 0.02, 12
 BEGAN, PHASE, STOP, READY = range(4)  # the shared page's doubles
 
 
@@ -47,17 +50,24 @@ def _now() -> float:
 
 
 def _read(path: str) -> str:
+    """A /proc file's text, or "" once it is gone.  Any bytes: a task's name is whatever its
+    process set, cut at 15 bytes (maybe inside a character)."""
     try:
-        with open(path) as f:
-            return f.read()
+        with open(path, "rb") as f:
+            return f.read().decode(errors="replace")
     except OSError:
         return ""
 
 
+def _state(task: str) -> str:
+    """A thread's scheduler state (``R``, ``S``, ``D``, ...), ``?`` once it is gone."""
+    stat = _read(f"{task}/stat")
+    return stat.rsplit(")", 1)[-1].split()[0] if ")" in stat else "?"
+
+
 def _sample(task: str, frames: int = STACK_FRAMES) -> tuple[str, str, str]:
     """(state, wait channel, the ``frames`` innermost kernel frames) of one thread."""
-    stat = _read(f"{task}/stat")
-    state = stat.rsplit(")", 1)[-1].split()[0] if ")" in stat else "?"
+    state = _state(task)
     wchan = _read(f"{task}/wchan").strip() or "-"
     kept = [line.split("] ", 1)[-1].split("+", 1)[0]
             for line in _read(f"{task}/stack").splitlines()[:frames]]
@@ -74,11 +84,12 @@ def _others(pid: int, others: dict[str, str]) -> str:
     by_role: dict[str, collections.Counter[str]] = {}
     awake = []
     for tid, role in others.items():
-        asleep_too = role in ASLEEP_ROLES
-        state, wchan, stack = _sample(f"/proc/{pid}/task/{tid}",
-                                      ASLEEP_FRAMES if asleep_too else STACK_FRAMES)
+        task = f"/proc/{pid}/task/{tid}"
+        state = _state(task)  # the stack and wait channel only of those shown
         by_role.setdefault(role, collections.Counter())[state] += 1
-        if state != "?" and (asleep_too or state != "S"):
+        if state != "?" and (role in ASLEEP_ROLES or state != "S"):
+            _, wchan, stack = _sample(task, ASLEEP_FRAMES if role in ASLEEP_ROLES
+                                      else STACK_FRAMES)
             awake.append(f"{role} {state}: {stack or wchan}")
     counts = "; ".join(f"{role} " + " ".join(f"{s}{n}" for s, n in sorted(c.items()))
                        for role, c in sorted(by_role.items()))
@@ -86,9 +97,11 @@ def _others(pid: int, others: dict[str, str]) -> str:
 
 
 def _host(pid: int) -> list[str]:
-    """Every task of the host outside process ``pid`` and this one that runs or waits in
-    uninterruptible sleep (``R``, ``D``): ``comm state: kernel stack``."""
-    found = []
+    """The tasks of the host outside process ``pid`` and this one that run or wait in
+    uninterruptible sleep (``R``, ``D``): ``comm state: kernel stack``, at most `HOST_MOST`
+    of them and what `HOST_SCAN_S` finds (then a last entry says the scan was cut short)."""
+    found: list[str] = []
+    deadline = _now() + HOST_SCAN_S
     for proc in os.listdir("/proc"):
         if not proc.isdigit() or int(proc) in (pid, os.getpid()):
             continue
@@ -97,9 +110,10 @@ def _host(pid: int) -> list[str]:
         except OSError:  # gone
             continue
         for tid in tasks:
+            if len(found) >= HOST_MOST or _now() > deadline:
+                return [*found, "(scan cut short)"]
             task = f"/proc/{proc}/task/{tid}"
-            stat = _read(f"{task}/stat")
-            if ")" in stat and stat.rsplit(")", 1)[-1].split()[0] in ("R", "D"):
+            if _state(task) in ("R", "D"):
                 state, wchan, stack = _sample(task)
                 found.append(f"{_read(f'{task}/comm').strip()} {state}: {stack or wchan}")
     return found
@@ -126,7 +140,8 @@ def _watch(pid: int, tid: int, fd: int, after_s: float, interval_s: float,
                 if step["host"] is None and at >= HOST_AFTER_S:
                     step["host"] = _host(pid)
                 # the others after the watched thread, and not at every sample: reading
-                # them takes ~1 ms, which would thin out the watched thread's own samples
+                # them takes ~1 ms for a dozen threads (a state each, stacks of those shown),
+                # which would thin out the watched thread's own samples
                 if others and len(step["samples"]) % OTHERS_EVERY == 1:
                     beside = _others(pid, others)
                     if marker[BEGAN] == began:
