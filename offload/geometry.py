@@ -134,7 +134,14 @@ def registers_slots(geometry: RegionGeometry, config: TierConfig) -> bool:
     """Whether this rank registers one range per row over its slot (else whole rows)."""
     return (geometry.layout in ("shared", "replicated")
             and geometry.slot_bytes <= geometry.row_stride - geometry.page_size
-            and geometry.rows <= config.max_slot_rows)
+            and not node_registers_whole_rows(geometry, config))
+
+
+def node_registers_whole_rows(geometry: RegionGeometry, config: TierConfig) -> bool:
+    """Whether every rank of a node region registers whole rows: more rows than
+    ``config.max_slot_rows`` (a registration per row would be too many).  The rows are the
+    node's, so this holds for all of its ranks alike, which then populate the same pages."""
+    return geometry.layout in ("shared", "replicated") and geometry.rows > config.max_slot_rows
 
 
 @dataclass(frozen=True)

@@ -528,6 +528,40 @@ def test_a_rank_that_cannot_say_its_cpus_fails_every_rank_at_once(job: str) -> N
     assert "rank 1 failed while sharing out the node's CPUs" in errors(out)[0]
 
 
+def _populating_share_body(rank: int, job_id: str, layout: str, pp: int,
+                          max_slot_rows: int) -> object:
+    region, _, registrar = group_region(rank, job_id, layout, 2 * MiB, pp=pp, background=True,
+                                        max_slot_rows=max_slot_rows)
+    try:
+        setup = region.background_setup
+        assert setup is not None
+        region.start_setup()
+        assert setup.wait(30) and setup.error is None, setup.error
+        return setup.share, setup.ready_rows == region.plan.chunk_count
+    finally:
+        region.close()
+
+
+@pytest.mark.parametrize(("layout", "pp", "max_slot_rows", "shares"), [
+    ("replicated", 1, 65536, [(0, 2), (1, 2)]),  # one stage: both register its slots
+    ("replicated", 2, 65536, [(0, 1), (0, 1)]),  # a stage each: own slots, own pages
+    ("replicated", 2, 1, [(0, 2), (1, 2)]),      # whole rows: both stages' pages on each
+    ("shared", 1, 65536, [(0, 1), (0, 1)]),      # a slot each
+    ("shared", 1, 1, [(0, 2), (1, 2)]),          # whole rows: every rank every page
+    ("private", 1, 1, [(0, 1), (0, 1)]),
+])
+def test_background_set_up_shares_the_writing_among_the_ranks_populating_the_same_pages(
+        job: str, layout: str, pp: int, max_slot_rows: int, shares: list[tuple[int, int]]
+) -> None:
+    """Ranks that register the same pages (a replicated stage's, or a node's whose rows are
+    registered whole) each write their own share of every range first; set-up completes."""
+    out = run_group(_populating_share_body, 2, args=(job, layout, pp, max_slot_rows),
+                    timeout=120)
+    for o in out:
+        assert o.ok, o.error
+    assert [o.value for o in out] == [(share, True) for share in shares]
+
+
 def _reservation_refused_body(rank: int, job_id: str) -> object:
     import offload.region.host_region as hr
 

@@ -59,6 +59,7 @@ from offload.geometry import (
     RegionGeometry,
     copy_starts,
     merge_ranges,
+    node_registers_whole_rows,
     prefault_ranges,
     registration_cuts,
     registration_ranges,
@@ -297,12 +298,21 @@ class HostRegion:
                 on_ready(rows, stopped)
 
         assert self.stats.setup_threads is not None  # set in `_build`
-        # the replicated layout's stage ranks on this node walk the same slots
-        peers = topology.stage_peers if self.plan.layout == "replicated" else (topology.rank,)
+        peers = self._populating_peers(topology, config)
         self._setup = BackgroundSetup(self.address, units, pinner, self.stats.setup_threads,
                                       announce, progress=progress,
                                       on_thread_start=placement.enter if placement else None,
                                       share=(peers.index(topology.rank), len(peers)))
+
+    def _populating_peers(self, topology: Topology, config: TierConfig) -> tuple[int, ...]:
+        """The node's ranks that register, and so populate, the same pages as this one (it
+        among them): all of them where the node's rows are registered whole, the ranks of a
+        replicated stage (its slots), else this rank alone."""
+        if node_registers_whole_rows(self.geometry, config):
+            return topology.node.ranks
+        if self.plan.layout == "replicated":
+            return topology.stage_peers
+        return (topology.rank,)
 
     def _setup_threads(self, sync: NodeSync, topology: Topology, config: TierConfig) -> int:
         """Background set-up's pre-fault threads on this rank: the processes whose set-up

@@ -67,7 +67,10 @@ static volatile uint8_t zero;
  * it is written: a read fault on a shared memory page another process has already populated
  * maps it together with its populated neighbours (the kernel's fault-around, 64 KiB by
  * default), writable, so the write that follows does not fault and most pages cost no fault at
- * all; on a page nobody populated yet the read fault allocates it as the write would. */
+ * all; on a page nobody populated yet the read fault allocates it as the write would.  That is
+ * shared memory's (memfds, tmpfs); a file system that tracks writes (ramfs) maps a read fault's
+ * pages read-only, so each write faults again, and reading first costs what writing alone did
+ * plus ~5%. */
 static void touch_pages(uintptr_t start, uintptr_t end, uintptr_t page, uint64_t from,
                         uint64_t to, int map_first) {
     uintptr_t first = start & ~(page - 1);
@@ -89,6 +92,8 @@ static void touch_pages(uintptr_t start, uintptr_t end, uintptr_t page, uint64_t
  * above).  Alone (`shares` 1) the range is written in order, page by page. */
 static void populate_range(uintptr_t start, int64_t length, uintptr_t page, int64_t share,
                            int64_t shares) {
+    if (length <= 0)
+        return;
     uintptr_t end = start + (uintptr_t)length;
     uint64_t pages = (uint64_t)((end - (start & ~(page - 1)) + page - 1) / page);
     uint64_t own_from = pages * (uint64_t)share / (uint64_t)shares;
