@@ -2,20 +2,27 @@
 more than its first?
 
 Background set-up registers a region in units of ~8 MiB, one call each (DESIGN.md section
-3.9).  At 100 GiB on one rank (12,790 calls) one call per set-up took 84-168 ms, at the
-7,070th-8,744th call, whatever the unit's size (docs/BENCHMARKS.md, "One long registration per
-100 GiB set-up").  This script does what set-up does without the tier -- no populating beside
-it, no engine, no probe -- so a stall it shows is the driver's: it maps ``--bytes`` of anonymous
+3.9).  At 100 GiB on one rank (12,790 calls) one call per set-up took 35-168 ms, most often
+55-68 GiB in, whatever the unit's size (docs/BENCHMARKS.md, "The long registration waits for
+the GPU side, not for the host").  This script registers as set-up does without the tier -- no
+engine, no probe -- so a stall it shows is the driver's: it maps ``--bytes`` of anonymous
 memory (or one memfd with ``--memory memfd``), populates every page, then registers it in
 pieces of each of ``--units`` in order, timing each call, and lists the calls over
 ``--slow-ms`` with their number among the process's registrations (from 1, the baseline's
 first) and the bytes of that size registered before them.  Its baseline, in the same run and
 the same memory, is one registration of the whole range (as the blocking create registers a
 private region), and each unit's GiB/s is printed against it.  Every range is unregistered
-before the next unit size is tried, and the memory is unmapped at the end.  A driver table
-grown by one size may stay grown for the next: to compare sizes, run one per process.
+before the next unit size is tried, and the memory is unmapped at the end.  What one size left
+behind in the driver may change the next: to compare sizes, run one per process.
 
     python3 scripts/bench_registrations.py --bytes 64GiB --units 4MiB
+
+Set-up does two things this does not by default: it registers nothing larger first, and its
+pre-fault threads populate the units ahead while they are registered.  ``--no-whole`` leaves
+out the baseline; ``--populate beside`` runs set-up's own `BackgroundSetup` over the memory
+instead (one unit size, no baseline), so a stall that needs either shows here too:
+
+    python3 scripts/bench_registrations.py --bytes 100GiB --units 8MiB --populate beside
 
 On a machine without CUDA (``--device cpu``) the registrations are the recording stand-in:
 it checks the script, not the driver.
@@ -27,6 +34,7 @@ import argparse
 import errno
 import itertools
 import json
+import mmap
 import os
 import sys
 import time
@@ -39,8 +47,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from offload.config import TierConfig  # noqa: E402
 from offload.errors import OffloadError  # noqa: E402
-from offload.geometry import ByteRange  # noqa: E402
+from offload.geometry import ByteRange, RegionGeometry, setup_units  # noqa: E402
+from offload.region.background import BackgroundSetup  # noqa: E402
 from offload.region.nameless import memfd_mapping  # noqa: E402
 from offload.region.pin import Pinner, Registrar, choose_registrar  # noqa: E402
 from offload.region.prefault import madvise_populate, touch_pages  # noqa: E402
@@ -54,21 +64,31 @@ def main(argv: list[str] | None = None) -> int:
                           else "cpu" if args.device == "auto" else args.device)
     mapping = (Mapping.anonymous(args.bytes) if args.memory == "anonymous"
                else memfd_mapping("bench-registrations", args.bytes, args.threads))
+    where = (f"on {device}"
+             f"{' in a context of its own' if args.own_context and device.type == 'cuda' else ''}")
     try:
-        began = time.perf_counter()
-        _populate(mapping, args.threads)
-        populate_s = time.perf_counter() - began
-        print(f"{format_size(mapping.size)} of {args.memory} memory populated in "
-              f"{populate_s:.2f} s; registering on {device}"
-              f"{' in a context of its own' if args.own_context and device.type == 'cuda' else ''}",
-              flush=True)
+        populate_s = None
+        if args.populate == "first":
+            began = time.perf_counter()
+            _populate(mapping, args.threads)
+            populate_s = time.perf_counter() - began
+            print(f"{format_size(mapping.size)} of {args.memory} memory populated in "
+                  f"{populate_s:.2f} s; registering {where}", flush=True)
+        else:
+            print(f"{format_size(mapping.size)} of {args.memory} memory: populating and "
+                  f"registering it as background set-up does, {where}", flush=True)
         registrar = choose_registrar(device, own_context=args.own_context)
         count = itertools.count(1)  # the process's registrations, the baseline's first
         try:
             registrar.prepare()
-            whole = _register(registrar, mapping, mapping.size, args.slow_ms, count)
-            runs = [_register(registrar, mapping, unit, args.slow_ms, count)
-                    for unit in args.units]
+            whole = (_register(registrar, mapping, mapping.size, args.slow_ms, count)
+                     if args.whole else None)
+            if args.populate == "first":
+                runs = [_register(registrar, mapping, unit, args.slow_ms, count)
+                        for unit in args.units]
+            else:
+                runs = [_register_beside(registrar, mapping, args.units[0], args.threads,
+                                         args.slow_ms, count)]
             own_context = registrar.own_context
         finally:
             registrar.close()
@@ -78,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"bytes": args.bytes, "memory": args.memory, "device": str(device),
-             "own_context": own_context, "populate_s": populate_s, "whole": whole,
+             "own_context": own_context, "populate": args.populate, "populate_s": populate_s,
+             "whole": whole,
              "units": runs}, indent=1))
     return 0
 
@@ -116,22 +137,55 @@ def _register(registrar: Registrar, mapping: Mapping, unit: int, slow_ms: float,
         unregistered = time.perf_counter()
         pinner.unpin_all()
         unregister_s = time.perf_counter() - unregistered
+    return _figures(unit, calls, mapping.size, seconds, unregister_s, slow_ms)
+
+
+def _register_beside(registrar: Registrar, mapping: Mapping, unit: int, threads: int,
+                     slow_ms: float, count: Iterator[int]) -> dict[str, Any]:
+    """Populate and register the mapping (rows of ``unit``; a tail short of one is left out)
+    as background set-up does, with `BackgroundSetup` itself: ``threads`` pre-fault threads
+    write-fault units ahead at idle priority while its pin thread registers each unit once it
+    is populated.  Its calls, numbered from ``count``; then unregister every piece."""
+    rows = mapping.size // unit
+    geometry = RegionGeometry("private", rows, unit, 0, unit, mmap.PAGESIZE)
+    units = setup_units(geometry, TierConfig(cpu_bytes_per_node=mapping.size), unit)
+    pinner = Pinner(registrar, mapping.address)
+    setup = BackgroundSetup(mapping.address, units, pinner, threads, lambda rows, stop: None)
+    try:
+        began = time.perf_counter()
+        setup.start().wait()
+        seconds = time.perf_counter() - began
+        if setup.error is not None:
+            raise RuntimeError(f"background set-up stopped: {setup.error}")
+    finally:
+        setup.stop()
+        unregistered = time.perf_counter()
+        pinner.unpin_all()
+        unregister_s = time.perf_counter() - unregistered
+    calls = [(next(count), took) for _, took in setup.calls]
+    return _figures(unit, calls, geometry.total_bytes, seconds, unregister_s, slow_ms)
+
+
+def _figures(unit: int, calls: list[tuple[int, float]], nbytes: int, seconds: float,
+             unregister_s: float, slow_ms: float) -> dict[str, Any]:
+    """One unit size's figures from its calls: (the process's call number, seconds)."""
     ordered = sorted(took for _, took in calls)
     slow = [(n, i * unit, 1e3 * took) for i, (n, took) in enumerate(calls)
             if 1e3 * took > slow_ms]
     return {"unit": unit, "calls": len(calls), "seconds": seconds,
-            "GiBps": mapping.size / seconds / (1 << 30) if seconds > 0 else float("inf"),
+            "GiBps": nbytes / seconds / (1 << 30) if seconds > 0 else float("inf"),
             "p50_ms": 1e3 * ordered[len(ordered) // 2], "max_ms": 1e3 * ordered[-1],
             "unregister_s": unregister_s, "slow": slow}
 
 
-def _print(whole: dict[str, Any], runs: list[dict[str, Any]], slow_ms: float) -> None:
+def _print(whole: dict[str, Any] | None, runs: list[dict[str, Any]], slow_ms: float) -> None:
     """One row per unit size, the whole-range registration first; GiB/s against it."""
     print(f"\n{'unit':>10}{'calls':>8}{'seconds':>9}{'GiB/s':>8}{'x whole':>9}{'p50 ms':>8}"
           f"{'max ms':>8}{'unreg s':>9}  calls over {slow_ms:g} ms: the process's call number "
           "(this size registered before)")
-    for run in [whole, *runs]:
-        ratio = run["GiBps"] / whole["GiBps"] if whole["GiBps"] else float("nan")
+    for run in [whole, *runs] if whole is not None else runs:
+        ratio = (run["GiBps"] / whole["GiBps"] if whole is not None and whole["GiBps"]
+                 else float("nan"))
         slow = "; ".join(f"{i} ({format_size(before)}): {ms:.1f}"
                          for i, before, ms in run["slow"][:6])
         more = f" and {len(run['slow']) - 6} more" if len(run["slow"]) > 6 else ""
@@ -162,6 +216,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="register in a CUDA context of the script's own, as background set-up "
                         "does (--no-own-context: the primary context)")
     p.add_argument("--threads", type=int, default=8, help="threads populating the memory")
+    p.add_argument("--populate", choices=("first", "beside"), default="first",
+                   help="first: populate all the memory, then register it; beside: as "
+                        "background set-up does, its pre-fault threads populating units ahead "
+                        "while each is registered once populated (the first --units size only; "
+                        "no whole-range baseline)")
+    p.add_argument("--whole", action=argparse.BooleanOptionalAction, default=None,
+                   help="register the whole range first, as the baseline (the default with "
+                        "--populate first; --no-whole: the units are the process's first "
+                        "registrations)")
     p.add_argument("--slow-ms", type=float, default=20.0,
                    help="list the calls that took longer (default 20)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -172,6 +235,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         args.units = [parse_size(u) for u in args.units.split(",") if u]
     except OffloadError as exc:
         p.error(f"--units: {exc}")
+    if args.populate == "beside" and (args.whole or len(args.units) != 1):
+        p.error("--populate beside registers the memory as it is populated, once: give one "
+                "--units size and leave out --whole")
+    if args.whole is None:
+        args.whole = args.populate == "first"
     page = 4096
     bad = [u for u in args.units if u <= 0 or u % page] + (
         [args.bytes] if args.bytes <= 0 or args.bytes % page else [])

@@ -268,6 +268,19 @@ def test_bench_registrations_registers_in_order_and_lists_the_slow_calls(tmp_pat
     proc = subprocess.run([*run, "--units", "3KiB"], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "3072 is not; give e.g. 8MiB" in proc.stderr
+    # without the baseline, and populated beside as set-up does: the units come first
+    for mode in (["--no-whole"], ["--populate", "beside"]):
+        proc = subprocess.run([*run, "--units", "1MiB", "--slow-ms", "-1", "--json", str(out),
+                               *mode], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert proc.returncode == 0, tail(proc, 2000)
+        report = json.loads(out.read_text())
+        assert report["whole"] is None
+        assert report["populate"] == ("beside" if "beside" in mode else "first")
+        assert [(n, before) for n, before, _ in report["units"][0]["slow"]] == [
+            (1 + i, i << 20) for i in range(8)], mode
+    proc = subprocess.run([*run, "--units", "1MiB", "--populate", "beside", "--whole"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "give one --units size and leave out --whole" in proc.stderr
 
 
 def test_bench_registrations_unregisters_everything_when_a_call_fails(
