@@ -32,7 +32,9 @@ _SCRIPT = re.compile(r"(?<![\w/.-])((?:launch/)?prefix_reload\.py|launch/run\.py
 _WRAPPERS = {"scripts/run_job.sh": "launch/run.py", "scripts/two_nodes.sh": "launch/run.py",
              "prefix_reload.py": "launch/prefix_reload.py"}
 _FLAG = re.compile(r"(?<![\w-])--[A-Za-z][\w-]*")
-_OPTION = re.compile(r"^ {2}(?:-\w\S*, )?(--[A-Za-z][\w-]*)", re.M)  # argparse's option lines
+# argparse's option lines: every spelling before the help text ("--x, --no-x" included)
+_OPTION_LINE = re.compile(r"^ {2}(-[^\n]*?)(?: {2,}|$)", re.M)
+_LONG = re.compile(r"--[A-Za-z][\w-]*")
 _END = re.compile(r"\||;|&&|\s#")  # a table cell, the next command, a shell comment
 _FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.S | re.M)
 _SPAN = re.compile(r"`([^`]+)`")
@@ -95,7 +97,8 @@ def help_flags() -> dict[str, frozenset[str] | str]:
                               capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             return f"its --help exited {proc.returncode}: {proc.stderr.strip()[-200:]}"
-        return frozenset(_OPTION.findall(proc.stdout))
+        return frozenset(flag for line in _OPTION_LINE.findall(proc.stdout)
+                         for flag in _LONG.findall(line))
 
     with ThreadPoolExecutor(len(scripts)) as pool:
         return dict(zip(scripts, pool.map(run, scripts), strict=True))
