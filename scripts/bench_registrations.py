@@ -24,6 +24,11 @@ instead (one unit size, no baseline), so a stall that needs either shows here to
 
     python3 scripts/bench_registrations.py --bytes 100GiB --units 8MiB --populate beside
 
+In set-up the engine's own thread launches kernels beside the registrations; ``--probe`` runs
+`bench_startup.py`'s launch probe (a one-element kernel launched and waited for every
+millisecond, in the primary context) while the script registers, and prints its longest wait
+and the registration it overlapped.
+
 On a machine without CUDA (``--device cpu``) the registrations are the recording stand-in:
 it checks the script, not the driver.
 """
@@ -62,11 +67,19 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else "cpu" if args.device == "auto" else args.device)
+    if args.probe and device.type != "cuda":
+        print(f"bench_registrations.py: --probe launches kernels and needs CUDA, not {device}; "
+              "leave it out", file=sys.stderr)
+        return 2
     mapping = (Mapping.anonymous(args.bytes) if args.memory == "anonymous"
                else memfd_mapping("bench-registrations", args.bytes, args.threads))
     where = (f"on {device}"
              f"{' in a context of its own' if args.own_context and device.type == 'cuda' else ''}")
+    timed: list[tuple[float, float]] = []  # every registration call: (perf_counter, seconds)
+    probe = None
     try:
+        probe = _start_probe(device) if args.probe else None
+        probe_began = time.perf_counter()
         populate_s = None
         if args.populate == "first":
             began = time.perf_counter()
@@ -81,26 +94,28 @@ def main(argv: list[str] | None = None) -> int:
         count = itertools.count(1)  # the process's registrations, the baseline's first
         try:
             registrar.prepare()
-            whole = (_register(registrar, mapping, mapping.size, args.slow_ms, count)
+            whole = (_register(registrar, mapping, mapping.size, args.slow_ms, count, timed)
                      if args.whole else None)
             if args.populate == "first":
-                runs = [_register(registrar, mapping, unit, args.slow_ms, count)
+                runs = [_register(registrar, mapping, unit, args.slow_ms, count, timed)
                         for unit in args.units]
             else:
                 runs = [_register_beside(registrar, mapping, args.units[0], args.threads,
-                                         args.slow_ms, count)]
+                                         args.slow_ms, count, timed)]
             own_context = registrar.own_context
         finally:
             registrar.close()
     finally:
+        waits = probe.stop(timed, probe_began) if probe is not None else None
         mapping.close()
     _print(whole, runs, args.slow_ms)
+    if waits is not None:
+        _print_probe(waits)
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"bytes": args.bytes, "memory": args.memory, "device": str(device),
              "own_context": own_context, "populate": args.populate, "populate_s": populate_s,
-             "whole": whole,
-             "units": runs}, indent=1))
+             "whole": whole, "units": runs, "probe": waits}, indent=1))
     return 0
 
 
@@ -120,10 +135,19 @@ def _populate(mapping: Mapping, threads: int) -> None:
         list(pool.map(populate, range(0, mapping.size, piece)))
 
 
+def _start_probe(device: torch.device) -> Any:
+    """`bench_startup.py`'s launch probe on ``device``'s primary context (imported here: the
+    script runs without it on a machine without CUDA)."""
+    from bench_startup import LaunchProbe
+
+    return LaunchProbe(device)
+
+
 def _register(registrar: Registrar, mapping: Mapping, unit: int, slow_ms: float,
-              count: Iterator[int]) -> dict[str, Any]:
+              count: Iterator[int], timed: list[tuple[float, float]]) -> dict[str, Any]:
     """Register the mapping in ``unit`` pieces, in order, each call timed and numbered from
-    ``count``; then unregister every piece (timed as a whole; all of them, whatever fails)."""
+    ``count`` (and added to ``timed``); then unregister every piece (timed as a whole; all of
+    them, whatever fails)."""
     calls: list[tuple[int, float]] = []
     pinner = Pinner(registrar, mapping.address)
     try:
@@ -131,7 +155,9 @@ def _register(registrar: Registrar, mapping: Mapping, unit: int, slow_ms: float,
         for offset in range(0, mapping.size, unit):
             start = time.perf_counter()
             pinner.pin(ByteRange(offset, min(unit, mapping.size - offset)))
-            calls.append((next(count), time.perf_counter() - start))
+            took = time.perf_counter() - start
+            calls.append((next(count), took))
+            timed.append((start, took))
         seconds = time.perf_counter() - began
     finally:
         unregistered = time.perf_counter()
@@ -141,11 +167,13 @@ def _register(registrar: Registrar, mapping: Mapping, unit: int, slow_ms: float,
 
 
 def _register_beside(registrar: Registrar, mapping: Mapping, unit: int, threads: int,
-                     slow_ms: float, count: Iterator[int]) -> dict[str, Any]:
+                     slow_ms: float, count: Iterator[int], timed: list[tuple[float, float]]
+                     ) -> dict[str, Any]:
     """Populate and register the mapping (rows of ``unit``; a tail short of one is left out)
     as background set-up does, with `BackgroundSetup` itself: ``threads`` pre-fault threads
     write-fault units ahead at idle priority while its pin thread registers each unit once it
-    is populated.  Its calls, numbered from ``count``; then unregister every piece."""
+    is populated.  Its calls, numbered from ``count`` (and added to ``timed``); then unregister
+    every piece."""
     rows = mapping.size // unit
     geometry = RegionGeometry("private", rows, unit, 0, unit, mmap.PAGESIZE)
     units = setup_units(geometry, TierConfig(cpu_bytes_per_node=mapping.size), unit)
@@ -163,6 +191,7 @@ def _register_beside(registrar: Registrar, mapping: Mapping, unit: int, threads:
         pinner.unpin_all()
         unregister_s = time.perf_counter() - unregistered
     calls = [(next(count), took) for _, took in setup.calls]
+    timed.extend(setup.calls)
     return _figures(unit, calls, geometry.total_bytes, seconds, unregister_s, slow_ms)
 
 
@@ -193,6 +222,17 @@ def _print(whole: dict[str, Any] | None, runs: list[dict[str, Any]], slow_ms: fl
         print(f"{name:>10}{run['calls']:>8}{run['seconds']:>9.2f}{run['GiBps']:>8.1f}"
               f"{ratio:>9.2f}{run['p50_ms']:>8.2f}{run['max_ms']:>8.1f}"
               f"{run['unregister_s']:>9.2f}  {slow or '-'}{more}")
+
+
+def _print_probe(waits: dict[str, Any]) -> None:
+    """The launch probe's line: how long the engine's launches waited beside the calls."""
+    if not waits.get("count"):
+        print("\nprobe: no launch finished")
+        return
+    print(f"\nprobe (a one-element kernel launched and waited for every ms, primary context): "
+          f"{waits['count']} launches, p50 {waits['p50_ms']:.3f} ms, worst "
+          f"{waits['max_ms']:.1f} ms at {waits['worst_at_s']:.2f} s beside a registration of "
+          f"{waits['worst_call_ms']:.1f} ms, {waits['over_2ms']} over 2 ms")
 
 
 def _size(text: str) -> int:
@@ -227,6 +267,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         "registrations)")
     p.add_argument("--slow-ms", type=float, default=20.0,
                    help="list the calls that took longer (default 20)")
+    p.add_argument("--probe", action="store_true",
+                   help="launch a one-element kernel and wait for it every millisecond in the "
+                        "primary context while registering, as the engine's thread does in "
+                        "set-up, and print the longest wait (CUDA only)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cpu: the recording stand-in, to check the script without CUDA")
     p.add_argument("--json", default=None, help="write every figure there")
