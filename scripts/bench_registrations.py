@@ -140,6 +140,8 @@ def _start_probe(device: torch.device) -> Any:
     script runs without it on a machine without CUDA)."""
     from bench_startup import LaunchProbe
 
+    if device.index is None:  # the probe's thread sets its device: name it
+        device = torch.device(device.type, torch.cuda.current_device())
     return LaunchProbe(device)
 
 
