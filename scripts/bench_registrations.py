@@ -29,6 +29,12 @@ In set-up the engine's own thread launches kernels beside the registrations; ``-
 millisecond, in the primary context) while the script registers, and prints its longest wait
 and the registration it overlapped.
 
+``--triton`` compiles and loads a one-line Triton kernel in the process before anything is
+registered, as the tier's JIT does with its copy kernel; the stall needs it (docs/BENCHMARKS.md,
+"The registration stall follows Triton"):
+
+    python3 scripts/bench_registrations.py --bytes 100GiB --populate beside --probe --triton
+
 On a machine without CUDA (``--device cpu``) the registrations are the recording stand-in:
 it checks the script, not the driver.
 """
@@ -67,10 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else "cpu" if args.device == "auto" else args.device)
-    if args.probe and device.type != "cuda":
-        print(f"bench_registrations.py: --probe launches kernels and needs CUDA, not {device}; "
-              "leave it out", file=sys.stderr)
+    needs_cuda = [name for name in ("probe", "triton") if getattr(args, name)]
+    if needs_cuda and device.type != "cuda":
+        print(f"bench_registrations.py: --{needs_cuda[0]} launches kernels and needs CUDA, not "
+              f"{device}; leave it out", file=sys.stderr)
         return 2
+    if args.triton:
+        _load_triton_kernel(device)
     mapping = (Mapping.anonymous(args.bytes) if args.memory == "anonymous"
                else memfd_mapping("bench-registrations", args.bytes, args.threads))
     where = (f"on {device}"
@@ -115,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(
             {"bytes": args.bytes, "memory": args.memory, "device": str(device),
              "own_context": own_context, "populate": args.populate, "populate_s": populate_s,
-             "whole": whole, "units": runs, "probe": waits}, indent=1))
+             "whole": whole, "units": runs, "probe": waits, "triton": args.triton}, indent=1))
     return 0
 
 
@@ -133,6 +142,24 @@ def _populate(mapping: Mapping, threads: int) -> None:
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(populate, range(0, mapping.size, piece)))
+
+
+def _load_triton_kernel(device: torch.device) -> None:
+    """Compile a one-line Triton kernel and load it into ``device``'s primary context, as the
+    tier's JIT thread does with its copy kernel before set-up registers (imported here: the
+    script runs without Triton)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_one(x, n, BLOCK: tl.constexpr):  # Triton reads the hints: only its own
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x + i, tl.load(x + i, mask=i < n) + 1, mask=i < n)
+
+    values = torch.zeros(4096, device=device)
+    add_one[(4,)](values, values.numel(), BLOCK=1024)
+    torch.cuda.synchronize(device)
+    print("a Triton kernel compiled, loaded and run before registering", flush=True)
 
 
 def _start_probe(device: torch.device) -> Any:
@@ -273,6 +300,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="launch a one-element kernel and wait for it every millisecond in the "
                         "primary context while registering, as the engine's thread does in "
                         "set-up, and print the longest wait (CUDA only)")
+    p.add_argument("--triton", action="store_true",
+                   help="compile, load and run a one-line Triton kernel before registering, as "
+                        "the tier's JIT does with its copy kernel (CUDA only)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cpu: the recording stand-in, to check the script without CUDA")
     p.add_argument("--json", default=None, help="write every figure there")
