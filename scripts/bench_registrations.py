@@ -4,11 +4,11 @@ more than its first?
 Background set-up registers a region in units of ~8 MiB, one call each (DESIGN.md section
 3.9).  At 100 GiB on one rank (12,790 calls) one call per set-up took 35-168 ms, most often
 55-68 GiB in, whatever the unit's size (docs/BENCHMARKS.md, "The long registration waits for
-the GPU side, not for the host").  This script registers as set-up does without the tier -- no
-engine, no probe -- so a stall it shows is the driver's: it maps ``--bytes`` of anonymous
-memory (or one memfd with ``--memory memfd``), populates every page, then registers it in
-pieces of each of ``--units`` in order, timing each call, and lists the calls over
-``--slow-ms`` with their number among the process's registrations (from 1, the baseline's
+the GPU side, not for the host").  This script registers as set-up does without the tier -- by
+default no engine, no kernel, no probe -- so a stall it shows is the driver's: it maps
+``--bytes`` of anonymous memory (or one memfd with ``--memory memfd``), populates every page,
+then registers it in pieces of each of ``--units`` in order, timing each call, and lists the
+calls over ``--slow-ms`` with their number among the process's registrations (from 1, the baseline's
 first) and the bytes of that size registered before them.  Its baseline, in the same run and
 the same memory, is one registration of the whole range (as the blocking create registers a
 private region), and each unit's GiB/s is printed against it.  Every range is unregistered
@@ -29,11 +29,12 @@ In set-up the engine's own thread launches kernels beside the registrations; ``-
 millisecond, in the primary context) while the script registers, and prints its longest wait
 and the registration it overlapped.
 
-``--triton`` compiles and loads a one-line Triton kernel in the process before anything is
-registered, as the tier's JIT does with its copy kernel; the stall needs it (docs/BENCHMARKS.md,
-"The registration stall follows Triton"):
+``--before triton`` compiles, loads and runs a one-line Triton kernel in the process before
+anything is registered, as the tier's JIT does with its copy kernel; the stall needs it
+(docs/BENCHMARKS.md, "The registration stall follows Triton"), and the other choices of
+``--before`` take Triton's steps apart:
 
-    python3 scripts/bench_registrations.py --bytes 100GiB --populate beside --probe --triton
+    python3 scripts/bench_registrations.py --bytes 100GiB --populate beside --probe --before triton
 
 On a machine without CUDA (``--device cpu``) the registrations are the recording stand-in:
 it checks the script, not the driver.
@@ -42,6 +43,7 @@ it checks the script, not the driver.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import errno
 import itertools
 import json
@@ -59,6 +61,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offload.config import TierConfig  # noqa: E402
+from offload.cuda_driver import driver_call  # noqa: E402
 from offload.errors import OffloadError  # noqa: E402
 from offload.geometry import ByteRange, RegionGeometry, setup_units  # noqa: E402
 from offload.region.background import BackgroundSetup  # noqa: E402
@@ -73,13 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else "cpu" if args.device == "auto" else args.device)
-    needs_cuda = [name for name in ("probe", "triton") if getattr(args, name)]
+    needs_cuda = [name for name, given in (("probe", args.probe),
+                                           ("before", args.before != "nothing")) if given]
     if needs_cuda and device.type != "cuda":
         print(f"bench_registrations.py: --{needs_cuda[0]} launches kernels and needs CUDA, not "
               f"{device}; leave it out", file=sys.stderr)
         return 2
-    if args.triton:
-        _load_triton_kernel(device)
+    if args.before != "nothing":
+        _run_before(args.before, device)
     mapping = (Mapping.anonymous(args.bytes) if args.memory == "anonymous"
                else memfd_mapping("bench-registrations", args.bytes, args.threads))
     where = (f"on {device}"
@@ -124,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(
             {"bytes": args.bytes, "memory": args.memory, "device": str(device),
              "own_context": own_context, "populate": args.populate, "populate_s": populate_s,
-             "whole": whole, "units": runs, "probe": waits, "triton": args.triton}, indent=1))
+             "whole": whole, "units": runs, "probe": waits, "before": args.before}, indent=1))
     return 0
 
 
@@ -144,22 +148,33 @@ def _populate(mapping: Mapping, threads: int) -> None:
         list(pool.map(populate, range(0, mapping.size, piece)))
 
 
-def _load_triton_kernel(device: torch.device) -> None:
-    """Compile a one-line Triton kernel and load it into ``device``'s primary context, as the
-    tier's JIT thread does with its copy kernel before set-up registers (imported here: the
-    script runs without Triton)."""
-    import triton
-    import triton.language as tl
+def _run_before(before: str, device: torch.device) -> None:
+    """Do in this process what ``--before`` names, before anything is registered: what the
+    tier's process does that the script's does not (its JIT compiles its copy kernel with
+    Triton) and the alternatives to it."""
+    torch.zeros(1, device=device)  # the primary context, current on this thread
+    if before == "triton":  # compiled, loaded and run, as the tier's JIT does
+        import add_one_kernel
 
-    @triton.jit
-    def add_one(x, n, BLOCK: tl.constexpr):  # Triton reads the hints: only its own
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(x + i, tl.load(x + i, mask=i < n) + 1, mask=i < n)
+        add_one_kernel.run(device)
+    elif before == "triton-import":  # Triton's driver set up, nothing compiled
+        import triton
 
-    values = torch.zeros(4096, device=device)
-    add_one[(4,)](values, values.numel(), BLOCK=1024)
+        triton.runtime.driver.active.get_current_device()
+    elif before == "cubin":  # Triton's compiled form, loaded by the driver alone
+        import subprocess
+
+        child = Path(__file__).with_name("add_one_kernel.py")
+        cubin = subprocess.run([sys.executable, str(child)], check=True, capture_output=True,
+                               timeout=600).stdout
+        module = ctypes.c_void_p()
+        driver_call("cuModuleLoadData", ctypes.byref(module), ctypes.c_char_p(cubin))
+    elif before == "nvrtc":  # a kernel of torch's own, compiled by NVRTC, and run
+        plus_one = torch.cuda.jiterator._create_jit_fn(
+            "template <typename T> T plus_one(T x) { return x + T(1); }")
+        plus_one(torch.zeros(4096, device=device))
     torch.cuda.synchronize(device)
-    print("a Triton kernel compiled, loaded and run before registering", flush=True)
+    print(f"before registering: {before} done", flush=True)
 
 
 def _start_probe(device: torch.device) -> Any:
@@ -300,9 +315,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="launch a one-element kernel and wait for it every millisecond in the "
                         "primary context while registering, as the engine's thread does in "
                         "set-up, and print the longest wait (CUDA only)")
-    p.add_argument("--triton", action="store_true",
-                   help="compile, load and run a one-line Triton kernel before registering, as "
-                        "the tier's JIT does with its copy kernel (CUDA only)")
+    p.add_argument("--before", choices=("nothing", "triton", "triton-import", "cubin", "nvrtc"),
+                   default="nothing",
+                   help="first, in this process (CUDA only): triton: compile, load and run a "
+                        "one-line Triton kernel, as the tier's JIT does with its copy kernel; "
+                        "triton-import: import Triton and set up its driver only; cubin: "
+                        "compile it in a child process and load its cubin with "
+                        "cuModuleLoadData here (Triton never imported); nvrtc: compile and run "
+                        "a kernel with torch's jiterator")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cpu: the recording stand-in, to check the script without CUDA")
     p.add_argument("--json", default=None, help="write every figure there")

@@ -281,10 +281,10 @@ def test_bench_registrations_registers_in_order_and_lists_the_slow_calls(tmp_pat
     proc = subprocess.run([*run, "--units", "1MiB", "--populate", "beside", "--whole"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "give one --units size and leave out --whole" in proc.stderr
-    for option in ("--probe", "--triton"):
-        proc = subprocess.run([*run, option], capture_output=True, text=True, timeout=120,
+    for option, name in ((["--probe"], "--probe"), (["--before", "cubin"], "--before")):
+        proc = subprocess.run([*run, *option], capture_output=True, text=True, timeout=120,
                               cwd=ROOT)
-        assert proc.returncode == 2 and f"{option} launches kernels and needs CUDA" in proc.stderr
+        assert proc.returncode == 2 and f"{name} launches kernels and needs CUDA" in proc.stderr
 
 
 def test_bench_registrations_unregisters_everything_when_a_call_fails(
