@@ -89,10 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     where = (f"on {device}"
              f"{' in a context of its own' if args.own_context and device.type == 'cuda' else ''}")
     timed: list[tuple[float, float]] = []  # every registration call: (perf_counter, seconds)
-    probe = None
+    probe, probe_began = None, 0.0
     try:
         probe = _start_probe(device) if args.probe else None
-        probe_began = time.perf_counter()
         populate_s = None
         if args.populate == "first":
             began = time.perf_counter()
@@ -106,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         registrar = choose_registrar(device, own_context=args.own_context)
         count = itertools.count(1)  # the process's registrations, the baseline's first
         try:
+            probe_began = time.perf_counter()  # the probe's summary: from here on
             registrar.prepare()
             whole = (_register(registrar, mapping, mapping.size, args.slow_ms, count, timed)
                      if args.whole else None)
@@ -119,8 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             registrar.close()
     finally:
-        waits = probe.stop(timed, probe_began) if probe is not None else None
-        mapping.close()
+        try:
+            waits = probe.stop(timed, probe_began) if probe is not None else None
+        finally:
+            mapping.close()
     _print(whole, runs, args.slow_ms)
     if waits is not None:
         _print_probe(waits)
@@ -161,14 +163,19 @@ def _run_before(before: str, device: torch.device) -> None:
         import triton
 
         triton.runtime.driver.active.get_current_device()
-    elif before == "cubin":  # Triton's compiled form, loaded by the driver alone
+    elif before == "cubin":  # Triton's compiled form, loaded by the driver alone, not run
         import subprocess
 
         child = Path(__file__).with_name("add_one_kernel.py")
-        cubin = subprocess.run([sys.executable, str(child)], check=True, capture_output=True,
-                               timeout=600).stdout
-        module = ctypes.c_void_p()
-        driver_call("cuModuleLoadData", ctypes.byref(module), ctypes.c_char_p(cubin))
+        compiled = subprocess.run([sys.executable, str(child)], capture_output=True,
+                                  timeout=600)
+        if compiled.returncode != 0:
+            raise RuntimeError(f"{child.name} exited with {compiled.returncode}: "
+                               f"{compiled.stderr.decode(errors='replace')[-2000:]}")
+        module, function = ctypes.c_void_p(), ctypes.c_void_p()
+        driver_call("cuModuleLoadData", ctypes.byref(module), ctypes.c_char_p(compiled.stdout))
+        # with lazy module loading (CUDA 12's default) the function reaches the GPU here
+        driver_call("cuModuleGetFunction", ctypes.byref(function), module, b"add_one")
     elif before == "nvrtc":  # a kernel of torch's own, compiled by NVRTC, and run
         plus_one = torch.cuda.jiterator._create_jit_fn(
             "template <typename T> T plus_one(T x) { return x + T(1); }")
@@ -273,10 +280,12 @@ def _print_probe(waits: dict[str, Any]) -> None:
     if not waits.get("count"):
         print("\nprobe: no launch finished")
         return
-    print(f"\nprobe (a one-element kernel launched and waited for every ms, primary context): "
-          f"{waits['count']} launches, p50 {waits['p50_ms']:.3f} ms, worst "
-          f"{waits['max_ms']:.1f} ms at {waits['worst_at_s']:.2f} s beside a registration of "
-          f"{waits['worst_call_ms']:.1f} ms, {waits['over_2ms']} over 2 ms")
+    beside = (f"beside a registration of {waits['worst_call_ms']:.1f} ms"
+              if waits["worst_call_ms"] else "beside no registration call")
+    print(f"\nprobe (a one-element kernel launched and waited for every ms, primary context, "
+          f"from the first registration to the last unregistration): {waits['count']} "
+          f"launches, p50 {waits['p50_ms']:.3f} ms, worst {waits['max_ms']:.1f} ms at "
+          f"{waits['worst_at_s']:.2f} s {beside}, {waits['over_2ms']} over 2 ms")
 
 
 def _size(text: str) -> int:

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -318,3 +319,34 @@ def test_bench_registrations_unregisters_everything_when_a_call_fails(
                                   "--threads", "2"])
     assert registrar.calls == 5 and registrar.registered == {} and registrar.closed
     assert [m.size for m in mappings] == [0]  # unmapped
+
+
+def _finished_probe(began: list[float], waits: list[float]) -> Any:
+    """`bench_startup.LaunchProbe` holding made-up launches, its thread already finished."""
+    import threading
+
+    import bench_startup
+
+    probe = bench_startup.LaunchProbe.__new__(bench_startup.LaunchProbe)
+    probe._stop, probe.sampler = False, None
+    probe._thread = threading.Thread(target=lambda: None)
+    probe._thread.start()
+    probe.began, probe.waits = began, waits
+    probe.maps, probe.steps, probe.launch_s = [0.0] * len(began), [], []
+    return probe
+
+
+def test_bench_registrations_prints_the_probe_beside_the_registration_it_overlapped(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The probe's summary as `bench_registrations --probe` prints it: only launches from the
+    first registration on, the worst one named with the (began, seconds) registration call it
+    overlapped, or with none."""
+    import bench_registrations
+
+    began, waits = [9.0, 10.0, 10.01, 10.02], [0.5, 0.0001, 0.05, 0.0003]  # the first: before
+    bench_registrations._print_probe(_finished_probe(began, waits).stop([(10.005, 0.06)], 9.5))
+    out = capsys.readouterr().out
+    assert "3 launches" in out and "worst 50.0 ms at 0.51 s" in out, out
+    assert "beside a registration of 60.0 ms, 1 over 2 ms" in out, out
+    bench_registrations._print_probe(_finished_probe(began, waits).stop([(10.2, 0.06)], 9.5))
+    assert "worst 50.0 ms at 0.51 s beside no registration call" in capsys.readouterr().out
