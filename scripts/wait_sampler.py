@@ -67,11 +67,15 @@ def _state(task: str) -> str:
 
 def _sample(task: str, frames: int = STACK_FRAMES) -> tuple[str, str, str]:
     """(state, wait channel, the ``frames`` innermost kernel frames) of one thread."""
-    state = _state(task)
+    return (_state(task), *_where(task, frames))
+
+
+def _where(task: str, frames: int = STACK_FRAMES) -> tuple[str, str]:
+    """(wait channel, the ``frames`` innermost kernel frames) of one thread."""
     wchan = _read(f"{task}/wchan").strip() or "-"
     kept = [line.split("] ", 1)[-1].split("+", 1)[0]
             for line in _read(f"{task}/stack").splitlines()[:frames]]
-    return state, wchan, " < ".join(kept)
+    return wchan, " < ".join(kept)
 
 
 OTHERS_EVERY = 4  # a long step's samples between two reads of the other threads
@@ -88,8 +92,8 @@ def _others(pid: int, others: dict[str, str]) -> str:
         state = _state(task)  # the stack and wait channel only of those shown
         by_role.setdefault(role, collections.Counter())[state] += 1
         if state != "?" and (role in ASLEEP_ROLES or state != "S"):
-            _, wchan, stack = _sample(task, ASLEEP_FRAMES if role in ASLEEP_ROLES
-                                      else STACK_FRAMES)
+            wchan, stack = _where(task, ASLEEP_FRAMES if role in ASLEEP_ROLES
+                                  else STACK_FRAMES)
             awake.append(f"{role} {state}: {stack or wchan}")
     counts = "; ".join(f"{role} " + " ".join(f"{s}{n}" for s, n in sorted(c.items()))
                        for role, c in sorted(by_role.items()))
@@ -113,8 +117,9 @@ def _host(pid: int) -> list[str]:
             if len(found) >= HOST_MOST or _now() > deadline:
                 return [*found, "(scan cut short)"]
             task = f"/proc/{proc}/task/{tid}"
-            if _state(task) in ("R", "D"):
-                state, wchan, stack = _sample(task)
+            state = _state(task)
+            if state in ("R", "D"):
+                wchan, stack = _where(task)
                 found.append(f"{_read(f'{task}/comm').strip()} {state}: {stack or wchan}")
     return found
 
