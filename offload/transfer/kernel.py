@@ -51,9 +51,11 @@ import triton.language as tl
 from offload.cuda_driver import bound_function, check
 from offload.errors import OffloadError
 from offload.integrity import UNIT_BYTES
+from offload.transfer import kernel_cache
 from offload.transfer.base import DIRECTIONS, Direction
 from offload.transfer.cuda import DEFAULT_COPY_PROGRAMS, Lease, StreamEngine
-from offload.transfer.launcher import BoundKernel, bind, hooks_active
+from offload.transfer.kernel_cache import Variant
+from offload.transfer.launcher import BoundKernel, bind, bind_function, hooks_active
 from offload.transfer.layout import (
     Job,
     SlotLayout,
@@ -81,6 +83,7 @@ PARAMETERS = ("anchor", "table", "job", "n", "items", "num_tensors", "row_stride
               "first_entry", "first_tensor", "all_tensors", "stage", "stage_sums")
 # integers compiled once whatever their value, and the staged pointers, whose alignment varies
 _SCALARS = (*PARAMETERS[3:8], *PARAMETERS[9:])
+SPECIALISED = tuple(i for i, name in enumerate(PARAMETERS) if name not in _SCALARS)
 VARYING = (3, 4, 5, 6, 9, 10, 12, 13)  # the cells a launch may change
 STAGED_CELLS = (3, 4, 5, 9, 10, 12, 13)  # the cells a staged slice changes (issue.c's order)
 # Programs of a staged pass: HBM to HBM, so short with many programs.  Two per SM of an H200
@@ -89,6 +92,9 @@ STAGED_CELLS = (3, 4, 5, 9, 10, 12, 13)  # the cells a staged slice changes (iss
 # (docs/BENCHMARKS.md, "Copies beside compute").
 STAGE_PROGRAMS = 264
 TABLE_COLUMNS = 8
+# A kernel needing more shared memory than this must opt in (``cuFuncSetAttribute``), which
+# only Triton's loader does: such a variant from the kernel cache is compiled by Triton instead.
+MAX_STATIC_SHARED = 48 << 10
 
 
 @triton.jit
@@ -127,7 +133,7 @@ def _sum_slot(entry, valid, host_page, chunk, row, row_words, trailer0, piece, b
 
 
 @triton.jit(do_not_specialize=_SCALARS)  # one compilation whatever the job's size
-def _copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc, sums, first_entry,
+def copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc, sums, first_entry,
                 first_tensor, all_tensors, stage, stage_sums,
                 LOAD: tl.constexpr, PIECES: tl.constexpr, ROWS: tl.constexpr,
                 TILE: tl.constexpr, VEC: tl.constexpr, COPY: tl.constexpr,
@@ -241,7 +247,7 @@ def _ceil_pow2(n: int) -> int:
 
 def kernel_table(kv_bases: Sequence[int], block_strides: Sequence[int], layout: SlotLayout,
                  region_address: int, anchor: int, element: int) -> list[list[int]]:
-    """The kernel's per-tensor table (`_copy_pages`), ``TABLE_COLUMNS`` int64 values a row;
+    """The kernel's per-tensor table (`copy_pages`), ``TABLE_COLUMNS`` int64 values a row;
     the integrity columns are 0 for a layout without a checksum trailer."""
     host_bases = [region_address + o for o in layout.host_page_offsets().tolist()]
     rows = [[(b - anchor) // element, s // element, p // element, (h - anchor) // element]
@@ -359,6 +365,10 @@ class KernelCopier:
         self._next: StagingSlot | None = None  # handed to the job check by `staging`
         self.slots_made = 0
         self._device_index = torch.empty(0, dtype=self._index_type, device=device)
+        # the pointer arguments' element types, by position (`kernel_cache.Variant`)
+        self._pointers = {i: str(dtype).removeprefix("torch.") for i, dtype in (
+            (0, _ELEMENTS[element]), (1, torch.int64), (2, self._index_type), (8, torch.int64),
+            (12, _ELEMENTS[element]), (13, torch.int64))}
         self._compiled: dict[tuple[bool, bool, bool], Any] = {}  # by (load, copy, staged)
         self._bound: dict[tuple[bool, bool, bool], BoundKernel | None] = {}
         self._native: dict[tuple[bool, bool, bool], NativeIssuer] = {}
@@ -510,11 +520,34 @@ class KernelCopier:
         (default: the engine's)."""
         items = entries * tensors * self._pieces
         grid = self._grid(items, STAGE_PROGRAMS)
+        values = self._row_values(n, items, first_entry, first_tensor, tensors, row_bytes,
+                                  stage, stage_sums)
+        self._run((load, True, True), grid, values, stream)
+
+    def _row_values(self, n: int, items: int, first_entry: int, first_tensor: int,
+                    tensors: int, row_bytes: int, stage: int, stage_sums: int) -> list[int]:
+        """The runtime arguments of a staged pass (`launch_rows`)."""
         values = self._values(n, items)
         values[5], values[6] = tensors, row_bytes // self._element
         values[9], values[10], values[12], values[13] = first_entry, first_tensor, stage, \
             stage_sums
-        self._run((load, True, True), grid, values, stream)
+        return values
+
+    def prepare(self, row_bytes: int | None) -> None:
+        """Make every variant a tier's jobs launch loadable without compiling in this process
+        (`offload.transfer.kernel_cache`): copy in both directions, with integrity the
+        sum-only passes, and with ``row_bytes`` (the staged rows of whole chunks) the staged
+        passes.  Those missing from the cache are compiled in one child process."""
+        launches = [((load, True, False), self._values(1, 1)) for load in (False, True)]
+        if self.integrity:
+            launches += [((load, False, False), self._values(1, 1)) for load in (False, True)]
+        if row_bytes is not None:
+            values = self._row_values(1, 1, 0, 0, self._num_tensors, row_bytes, self.anchor,
+                                      self.anchor)
+            launches += [((load, True, True), values) for load in (False, True)]
+        device = self._stream.device
+        kernel_cache.build([self._variant(key, values) for key, values in launches],
+                           device.index or 0, torch.cuda.get_device_capability(device))
 
     def staged_kernel(self, load: bool, row_bytes: int) -> BoundKernel | None:
         """The bound staged pass of one direction, once a launch compiled and bound it, with
@@ -553,17 +586,19 @@ class KernelCopier:
     def _run(self, key: tuple[bool, bool, bool], grid: int, values: list[int],
              on: torch.cuda.Stream | None = None) -> None:
         """Launch variant ``key`` (load, copy, staged) over ``values``.  The first launch of a
-        variant compiles the kernel through Triton's normal path; later ones go through the
-        native issue call (`launch`) or the `BoundKernel` made from it (``cuLaunchKernel``,
+        variant binds it from the kernel cache (`prepare` filled it), or, where it is not
+        there, compiles it through Triton's normal path in this process; later launches go
+        through the native issue call (`launch`) or the `BoundKernel` (``cuLaunchKernel``,
         the per-launch values updated in place; `_grow` updates the index buffer's pointer)
         or, where binding was refused or a value outgrew the compiled integer type, the
         compiled kernel's own launcher."""
-        load, copy, staged = key
         on = on or self._stream
         stream = on.cuda_stream
-        bound = self._bound.get(key)
         knobs = _triton_knobs()
         hooks = _launch_hooks()
+        if key not in self._bound and not hooks_active(hooks):
+            self._bind_built(key, values)
+        bound = self._bound.get(key)
         if (bound is not None and all(bound.fits(i, values[i]) for i in VARYING)
                 and not hooks_active(hooks)):  # a profiler added later sees every launch
             for i in VARYING:
@@ -572,8 +607,7 @@ class KernelCopier:
             self.launches["bound"] += 1
             return
         self.launches["triton"] += 1
-        constants = (load, self._pieces, self._rows, self._tile, self._vec, copy,
-                     self.integrity, self._element, staged)
+        constants = tuple(self._constants(key).values())
         compiled: Any = self._compiled.get(key)
         if compiled is not None and knobs is not None:
             launcher = compiled.run
@@ -584,24 +618,50 @@ class KernelCopier:
             return
         element = _ELEMENTS[self._element]
         pointers = {0: self._anchor.view(element), 1: self._table, 2: self._device_index,
-                    8: self._anchor.view(torch.int64), 12: _Address(values[12], element),
-                    13: _Address(values[13], torch.int64)}
+                    8: self._anchor.view(torch.int64), 12: Address(values[12], element),
+                    13: Address(values[13], torch.int64)}
         args = [pointers.get(i, v) for i, v in enumerate(values)]
         with torch.cuda.stream(on):
-            compiled = _copy_pages[(grid,)](
-                *args, LOAD=load, PIECES=self._pieces, ROWS=self._rows, TILE=self._tile,
-                VEC=self._vec, COPY=copy, INTEGRITY=self.integrity, ELEMENT=self._element,
-                STAGED=staged, num_warps=self._num_warps)
+            compiled = copy_pages[(grid,)](*args, **self._constants(key),
+                                           num_warps=self._num_warps)
         self._compiled[key] = compiled
-        bound = self._bound[key] = bind(compiled, values, hooks)
+        self._install(key, bind(compiled, values, hooks))
+
+    def _constants(self, key: tuple[bool, bool, bool]) -> dict[str, Any]:
+        """The kernel's constexprs for variant ``key``, in signature order."""
+        load, copy, staged = key
+        return {"LOAD": load, "PIECES": self._pieces, "ROWS": self._rows, "TILE": self._tile,
+                "VEC": self._vec, "COPY": copy, "INTEGRITY": self.integrity,
+                "ELEMENT": self._element, "STAGED": staged}
+
+    def _variant(self, key: tuple[bool, bool, bool], values: list[int]) -> Variant:
+        return Variant.of(self._constants(key), self._num_warps, values, self._pointers,
+                          SPECIALISED)
+
+    def _bind_built(self, key: tuple[bool, bool, bool], values: list[int]) -> None:
+        """Bind variant ``key`` from the kernel cache (`prepare` put it there; a variant it
+        did not foresee is compiled in a child process now), never compiling in this
+        process; where that fails, leave it to Triton."""
+        device = self._stream.device
+        loaded, = kernel_cache.build([self._variant(key, values)], device.index or 0,
+                                     torch.cuda.get_device_capability(device))
+        if loaded is not None and loaded.plain and loaded.shared <= MAX_STATIC_SHARED:
+            bound = bind_function(loaded.function, loaded.num_warps, loaded.shared, values)
+            if bound is not None:
+                self._install(key, bound)
+
+    def _install(self, key: tuple[bool, bool, bool], bound: BoundKernel | None) -> None:
+        """Launch variant ``key`` through ``bound`` from now on, and through the native issue
+        call where the library loaded (not for staged passes, which `staged_kernel` serves)."""
+        self._bound[key] = bound
         lib, entry_points = library(), driver_entry_points()
-        if bound is not None and lib is not None and entry_points is not None and not staged:
+        if bound is not None and lib is not None and entry_points is not None and not key[2]:
             self._native[key] = NativeIssuer(
                 lib, entry_points, bound, 3, self._stream.cuda_stream,
                 self._ordered.cuda_event, self._device_index.data_ptr())
 
 
-class _Address:
+class Address:
     """A raw GPU address as Triton's JIT takes a pointer argument (``data_ptr`` and
     ``dtype``): the staging rows of a staged launch, inside a buffer the caller owns."""
 
@@ -659,8 +719,13 @@ class TritonEngine(StreamEngine):
     def compile_all(self) -> None:
         """Compile every variant a tier's jobs will launch -- copy in both directions, with
         checksums the sum-only passes of copy-engine jobs, and the staged passes of whole
-        chunks -- by running each over block 0 and chunk 0 (the caller's scratch buffers), so
-        no first job pays for the JIT."""
+        chunks -- in one child process where the kernel cache lacks them
+        (`KernelCopier.prepare`), then run each over block 0 and chunk 0 (the caller's
+        scratch buffers), so no first job pays for loading or binding them."""
+        from offload.transfer.staging import stage_plan  # the staging rules need no Triton
+
+        plan = stage_plan(self._layout)
+        self.kernel.prepare(None if isinstance(plan, str) else plan.row_bytes)
         zero = np.zeros(1, dtype=np.int64)
         kept = int(self.generations[0])
         for direction in ("store", "load"):
@@ -671,9 +736,6 @@ class TritonEngine(StreamEngine):
         self._stream.synchronize()
         self.wait_all()
         self.generations[0] = kept  # the scratch store is nobody's: page 0 keeps its generation
-        from offload.transfer.staging import stage_plan  # the staging rules need no Triton
-
-        plan = stage_plan(self._layout)
         if isinstance(plan, str):
             return
         bpc, group = self._layout.blocks_per_chunk, plan.groups[0]

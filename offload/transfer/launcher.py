@@ -114,12 +114,20 @@ def bind(compiled: Any, values: Sequence[int], hooks: Sequence[object] = ()) -> 
     function = getattr(compiled, "function", None)
     if not isinstance(function, int) or not function:
         return None
+    return bind_function(function, int(metadata.num_warps), int(metadata.shared), values)
+
+
+def bind_function(function: int, num_warps: int, shared: int, values: Sequence[int]
+                  ) -> BoundKernel | None:
+    """A `BoundKernel` for a loaded Triton ``CUfunction`` (compiled for a plain launch with
+    ``num_warps`` warps and ``shared`` bytes of shared memory) whose leading parameters take
+    ``values``, or None where its parameters are not those values plus Triton's NULL scratch
+    pointers, or where the driver cannot say."""
     sizes = param_sizes(function)
     if (sizes is None or len(sizes) < len(values) or len(sizes) > len(values) + 2
             or any(s not in _CELL for s in sizes) or any(s != 8 for s in sizes[len(values):])):
         return None
-    kernel = BoundKernel(function, 32 * int(metadata.num_warps), int(metadata.shared), sizes,
-                         values)
+    kernel = BoundKernel(function, 32 * num_warps, shared, sizes, values)
     if not all(kernel.fits(i, v) for i, v in enumerate(values)):
         return None
     return kernel
