@@ -82,16 +82,26 @@ def test_the_key_changes_with_every_input() -> None:
 
 def test_the_environment_follows_the_kernel_source_capability_and_tritons_knobs(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Not the knobs that only say where Triton keeps files (ranks with a cache directory
+    each share compilations); the source as first read, not as edited later (an upgrade
+    under a running process)."""
     base = kernel_cache.environment((9, 0))
     assert kernel_cache.environment((9, 0)) == base
     assert kernel_cache.environment((10, 0)) != base
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    assert kernel_cache.environment((9, 0)) == base
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
     assert kernel_cache.environment((9, 0)) != base
     monkeypatch.delenv("TRITON_DEFAULT_FP_FUSION")
     edited = tmp_path / "kernel.py"
     edited.write_bytes(kernel_cache.KERNEL_SOURCE.read_bytes() + b"\n# edited\n")
     monkeypatch.setattr(kernel_cache, "KERNEL_SOURCE", edited)
-    assert kernel_cache.environment((9, 0)) != base
+    assert kernel_cache.environment((9, 0)) == base  # read once
+    kernel_cache.source_hash.cache_clear()
+    try:
+        assert kernel_cache.environment((9, 0)) != base
+    finally:
+        kernel_cache.source_hash.cache_clear()
 
 
 BUILT = Built("copy_pages", 4, 0, True, bytes(range(256)))
@@ -188,17 +198,45 @@ def test_a_failing_child_is_reported_once_and_not_tried_again(
     assert kernel_cache.build([variant], 0, (9, 0)) == [None]
 
 
-def test_a_child_that_answers_garbage_gives_no_kernel(
+def _answer(source: str | None = None, kernels: int = 1) -> str:
+    return json.dumps({"source": source or kernel_cache.source_hash(),
+                       "triton": kernel_cache.triton_version(),
+                       "kernels": [BUILT.to_entry("")] * kernels})
+
+
+@pytest.mark.parametrize(("answer", "why"), [
+    ("not json", "Expecting value"),
+    ('[{"key": ""}]', "list indices"),
+    (_answer(kernels=2), "2 kernels for 1 variants"),
+    (_answer(source="0" * 64), "upgraded under this process"),
+])
+def test_a_child_whose_answer_is_not_for_this_process_gives_no_kernel(
         cache: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-        tmp_path: Path) -> None:
-    """A child that exits 0 but prints something other than one entry per variant."""
+        tmp_path: Path, answer: str, why: str) -> None:
+    """A child that exits 0 but answers with something other than one entry per variant,
+    compiled from the kernel source and Triton this process runs."""
     fake = tmp_path / "python"
-    fake.write_text("#!/bin/sh\ncat > /dev/null\necho '[{\"key\": \"\"}]'\n")
+    fake.write_text("#!/bin/sh\ncat > /dev/null\nprintf '%s' \"$ANSWER\"\n")
     fake.chmod(0o700)
     monkeypatch.setattr(kernel_cache.sys, "executable", str(fake))
+    monkeypatch.setenv("ANSWER", answer)
+    variant = _variant([4096, 4096, 7, 4096, 7])
     with caplog.at_level(logging.WARNING):
-        assert kernel_cache.compile_in_child([_variant([4096, 4096, 7, 4096, 7])], 0) is None
-    assert "answered garbage" in caplog.text
+        assert kernel_cache.compile_in_child([variant], 0) is None
+    assert "not using the copy kernel's compiler process's answer" in caplog.text
+    assert why in caplog.text
+
+
+def test_the_fake_child_of_these_tests_is_accepted_when_its_answer_is_right(
+        cache: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The same fake child answering correctly gives the kernel: the refusals above are for
+    the reasons they name."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\ncat > /dev/null\nprintf '%s' \"$ANSWER\"\n")
+    fake.chmod(0o700)
+    monkeypatch.setattr(kernel_cache.sys, "executable", str(fake))
+    monkeypatch.setenv("ANSWER", _answer())
+    assert kernel_cache.compile_in_child([_variant([4096, 4096, 7, 4096, 7])], 0) == [BUILT]
 
 
 def test_a_cached_kernel_the_driver_refuses_is_not_loaded(

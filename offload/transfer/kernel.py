@@ -538,6 +538,8 @@ class KernelCopier:
         (`offload.transfer.kernel_cache`): copy in both directions, with integrity the
         sum-only passes, and with ``row_bytes`` (the staged rows of whole chunks) the staged
         passes.  Those missing from the cache are compiled in one child process."""
+        if self._capacity == 0:  # the device index buffer, a pointer argument, made now
+            self._grow(1)
         launches = [((load, True, False), self._values(1, 1)) for load in (False, True)]
         if self.integrity:
             launches += [((load, False, False), self._values(1, 1)) for load in (False, True)]
@@ -545,9 +547,7 @@ class KernelCopier:
             values = self._row_values(1, 1, 0, 0, self._num_tensors, row_bytes, self.anchor,
                                       self.anchor)
             launches += [((load, True, True), values) for load in (False, True)]
-        device = self._stream.device
-        kernel_cache.build([self._variant(key, values) for key, values in launches],
-                           device.index or 0, torch.cuda.get_device_capability(device))
+        self._build([self._variant(key, values) for key, values in launches])
 
     def staged_kernel(self, load: bool, row_bytes: int) -> BoundKernel | None:
         """The bound staged pass of one direction, once a launch compiled and bound it, with
@@ -642,13 +642,19 @@ class KernelCopier:
         """Bind variant ``key`` from the kernel cache (`prepare` put it there; a variant it
         did not foresee is compiled in a child process now), never compiling in this
         process; where that fails, leave it to Triton."""
-        device = self._stream.device
-        loaded, = kernel_cache.build([self._variant(key, values)], device.index or 0,
-                                     torch.cuda.get_device_capability(device))
+        loaded, = self._build([self._variant(key, values)])
         if loaded is not None and loaded.plain and loaded.shared <= MAX_STATIC_SHARED:
             bound = bind_function(loaded.function, loaded.num_warps, loaded.shared, values)
             if bound is not None:
                 self._install(key, bound)
+
+    def _build(self, variants: list[Variant]) -> list[kernel_cache.Loaded | None]:
+        """`kernel_cache.build` on this engine's device, its context current (a module is
+        loaded into the current context)."""
+        device = self._stream.device
+        with torch.cuda.device(device):
+            return kernel_cache.build(variants, device.index or 0,
+                                      torch.cuda.get_device_capability(device))
 
     def _install(self, key: tuple[bool, bool, bool], bound: BoundKernel | None) -> None:
         """Launch variant ``key`` through ``bound`` from now on, and through the native issue

@@ -35,7 +35,6 @@ import binascii
 import contextlib
 import ctypes
 import hashlib
-import importlib.metadata
 import json
 import logging
 import os
@@ -45,6 +44,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -112,9 +112,12 @@ class Built:
     cubin: bytes
 
     def to_json(self, key: str) -> str:
-        return json.dumps({"key": key, "name": self.name, "num_warps": self.num_warps,
-                           "shared": self.shared, "plain": self.plain,
-                           "cubin": base64.b64encode(self.cubin).decode()})
+        return json.dumps(self.to_entry(key))
+
+    def to_entry(self, key: str) -> dict[str, Any]:
+        return {"key": key, "name": self.name, "num_warps": self.num_warps,
+                "shared": self.shared, "plain": self.plain,
+                "cubin": base64.b64encode(self.cubin).decode()}
 
     @classmethod
     def from_json(cls, text: str | bytes, key: str) -> Built:
@@ -149,18 +152,32 @@ class Loaded:
 _loaded: dict[tuple[int, str], Loaded] = {}  # by (device, key)
 _lock = threading.Lock()
 _child_failed = False  # a child failed once: this process compiles in itself from then on
+_warned: set[str] = set()  # cache directories already reported as not ours alone
+_WHERE_KNOBS = ("TRITON_CACHE_DIR", "TRITON_HOME", "TRITON_DUMP_DIR")
+
+
+@cache
+def source_hash() -> str:
+    """The kernel's source as this process first read it (an upgrade under a running process
+    must not make it file a new compilation under the code it runs)."""
+    return hashlib.sha256(KERNEL_SOURCE.read_bytes()).hexdigest()
+
+
+def triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "absent"  # nothing will compile: the child says why
+    return str(triton.__version__)
 
 
 def environment(capability: tuple[int, int]) -> str:
     """What a compiled variant depends on besides the variant itself: the kernel's source,
-    Triton's version, the GPU's compute capability and Triton's environment variables."""
-    try:
-        triton = importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        triton = "absent"  # nothing will compile: the child says why
-    source = hashlib.sha256(KERNEL_SOURCE.read_bytes()).hexdigest()
-    knobs = sorted((k, v) for k, v in os.environ.items() if k.startswith("TRITON_"))
-    return json.dumps([source, triton, list(capability), knobs])
+    Triton's version, the GPU's compute capability and Triton's environment variables (those
+    that say where Triton keeps files left out)."""
+    knobs = sorted((k, v) for k, v in os.environ.items()
+                   if k.startswith("TRITON_") and k not in _WHERE_KNOBS)
+    return json.dumps([source_hash(), triton_version(), list(capability), knobs])
 
 
 def directory() -> Path:
@@ -208,16 +225,19 @@ def build(variants: Sequence[Variant], device: int, capability: tuple[int, int]
 def compile_in_child(variants: Sequence[Variant], device: int) -> list[Built] | None:
     """``variants`` compiled by Triton in a child process on ``device``; None (logged) where
     the child fails."""
-    request = json.dumps({"device": device, "variants": [
+    request = json.dumps({"device": device, "parent": os.getpid(), "variants": [
         {"constants": dict(v.constants), "num_warps": v.num_warps, "args": list(v.args)}
         for v in variants]})
+    # The child imports offload from where this process did, never from its working directory
+    # (``-P``; before Python 3.11 the working directory is that same place).
     package_root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+    safe_path = ["-P"] if sys.version_info >= (3, 11) else []
     try:
-        child = subprocess.run([sys.executable, "-m", "offload.transfer.kernel_cache"],
+        child = subprocess.run([sys.executable, *safe_path, "-m", "offload.transfer.kernel_cache"],
                                input=request.encode(), capture_output=True, env=env,
-                               timeout=CHILD_TIMEOUT_S)
+                               cwd=package_root, timeout=CHILD_TIMEOUT_S)
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("could not compile the copy kernel in a child process (%s); compiling "
                     "it in this one", exc)
@@ -228,13 +248,20 @@ def compile_in_child(variants: Sequence[Variant], device: int) -> list[Built] | 
                     "this one", child.returncode, " | ".join(tail) or "no output")
         return None
     try:
-        built = [Built.from_entry(entry, "") for entry in json.loads(child.stdout)]
+        reply = json.loads(child.stdout)
+        compiled_from = (reply["source"], reply["triton"])
+        if compiled_from != (source_hash(), triton_version()):
+            raise ValueError(f"it compiled source {compiled_from[0][:12]} with Triton "
+                             f"{compiled_from[1]}, not {source_hash()[:12]} with "
+                             f"{triton_version()} (offload or Triton was upgraded under this "
+                             "process)")
+        built = [Built.from_entry(entry, "") for entry in reply["kernels"]]
         if len(built) != len(variants):
             raise ValueError(f"{len(built)} kernels for {len(variants)} variants")
         return built
-    except (ValueError, TypeError) as exc:
-        log.warning("the copy kernel's compiler process answered garbage (%s); compiling it in "
-                    "this one", exc)
+    except (ValueError, TypeError, KeyError) as exc:
+        log.warning("not using the copy kernel's compiler process's answer (%s); compiling it "
+                    "in this one", exc)
         return None
 
 
@@ -257,9 +284,6 @@ def _read(key: str) -> Built | None:
         return None
     finally:
         os.close(dir_fd)
-
-
-_warned: set[str] = set()
 
 
 def _write(key: str, built: Built) -> None:
@@ -290,8 +314,12 @@ def _register(device: int, key: str, built: Built) -> Loaded | None:
         module, function = ctypes.c_void_p(), ctypes.c_void_p()
         try:
             driver_call("cuModuleLoadData", ctypes.byref(module), ctypes.c_char_p(built.cubin))
-            driver_call("cuModuleGetFunction", ctypes.byref(function), module,
-                        built.name.encode())
+            try:
+                driver_call("cuModuleGetFunction", ctypes.byref(function), module,
+                            built.name.encode())
+            except RuntimeError:
+                driver_call("cuModuleUnload", module)
+                raise
         except RuntimeError as exc:
             log.warning("the cached copy kernel %s does not load (%s); compiling it again",
                         key, exc)
@@ -327,14 +355,28 @@ def _compile(spec: dict[str, Any]) -> Built:
                  plain_launch(metadata), compiled.asm["cubin"])
 
 
+def _exit_with(parent: int) -> None:
+    """End this child soon after its parent is gone (killed: nobody reads the answer), so no
+    compiler keeps a CUDA context on the GPU."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
 def main() -> int:
-    """The child: a request (device, variants) on stdin, the compiled variants on stdout."""
+    """The child: a request (device, parent pid, variants) on stdin, the compiled variants on
+    the stdout it was given.  Whatever else writes to stdout (Triton's dump knobs, a
+    sitecustomize) goes to stderr instead, so the answer stays parseable."""
+    answer = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    request = json.load(sys.stdin)
+    threading.Thread(target=_exit_with, args=(request["parent"],), daemon=True).start()
     import torch
 
-    request = json.load(sys.stdin)
     torch.cuda.set_device(request["device"])
-    entries = [_compile(spec).to_json("") for spec in request["variants"]]
-    sys.stdout.write(f"[{', '.join(entries)}]")
+    kernels = [_compile(spec).to_entry("") for spec in request["variants"]]
+    json.dump({"source": source_hash(), "triton": triton_version(), "kernels": kernels}, answer)
+    answer.close()
     return 0
 
 
