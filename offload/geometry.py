@@ -286,6 +286,32 @@ def registration_cuts(geometry: RegionGeometry, config: TierConfig, starts: Iter
     return tuple(cuts)
 
 
+def sized_setup(geometry: RegionGeometry, config: TierConfig, starts: Sequence[int],
+                unit_bytes: int, max_calls: int, max_unit: int
+                ) -> tuple[tuple[int, ...], SetupUnits]:
+    """Background set-up's cuts (`registration_cuts`) and units (`setup_units`) with units of
+    ``unit_bytes``, doubled while the rank would make more than ``max_calls`` registration
+    calls (one per range), up to ``max_unit`` (and the config's largest registration).
+
+    Why a cap on calls: one process's ~8,500th-11,800th host registration waits 50-130 ms
+    inside the CUDA driver, and the engine's launches with it; no process measured with at
+    most ``max_calls`` stalled (docs/BENCHMARKS.md, "Fewer registrations, no stall").  Why a
+    cap on the unit: a longer call holds the driver longer, and the engine's launches wait
+    for that too (19 ms behind 256 MiB pieces, measured).
+    """
+    limit = max(unit_bytes, min(max_unit, config.max_registration_bytes))
+
+    def cut(unit: int) -> tuple[tuple[int, ...], SetupUnits]:
+        cuts = registration_cuts(geometry, config, starts, unit)
+        return cuts, setup_units(geometry, config, unit, cuts)
+
+    cuts, units = cut(unit_bytes)
+    while len(units.ranges) > max_calls and 2 * unit_bytes <= limit:
+        unit_bytes *= 2
+        cuts, units = cut(unit_bytes)
+    return cuts, units
+
+
 def setup_units(geometry: RegionGeometry, config: TierConfig, unit_bytes: int,
                 cuts: Sequence[int] = ()) -> SetupUnits:
     """Background set-up's work, in row order: runs of whole rows of at most ``unit_bytes``

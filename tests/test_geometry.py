@@ -28,6 +28,7 @@ from offload.geometry import (
     segment_ranges,
     setup_units,
     shard_range,
+    sized_setup,
     slot_ranges,
     split_work,
 )
@@ -489,6 +490,51 @@ def test_setup_units_in_pieces_register_each_row_once_and_finish_it_last(
         assert u.rows_end == row + (piece == pieces - 1)
     everything = [r for u in units for r in u.ranges]
     assert covered(everything) == covered(registration_ranges(g, config))
+
+
+@settings(max_examples=300, deadline=None)
+@given(cut_case(), st.integers(1, 64), st.integers(0, 4))
+def test_sized_setup_doubles_units_while_the_calls_exceed_the_cap(
+        case: tuple[RegionGeometry, TierConfig, list[int], int], max_calls: int,
+        doublings: int) -> None:
+    """The units are the first of unit, 2 x unit, 4 x unit ... whose registration calls (one
+    per range) fit ``max_calls``, or the largest within ``max_unit`` and the config's largest
+    registration; cuts and units are what `registration_cuts` and `setup_units` give then."""
+    g, config, starts, unit = case
+    if not g.rows or (g.slot_bytes if per_slot(g, config) else g.row_stride) \
+            > config.max_registration_bytes:
+        return
+    max_unit = unit << doublings
+    cuts, units = sized_setup(g, config, starts, unit, max_calls, max_unit)
+
+    def calls(size: int) -> int:
+        return len(setup_units(g, config, size, registration_cuts(g, config, starts, size))
+                   .ranges)
+
+    limit = max(unit, min(max_unit, config.max_registration_bytes))
+    chosen = unit
+    while calls(chosen) > max_calls and 2 * chosen <= limit:
+        chosen *= 2
+    assert chosen <= max(unit, max_unit)
+    assert cuts == registration_cuts(g, config, starts, chosen)
+    assert np.array_equal(units.ranges, setup_units(g, config, chosen, cuts).ranges)
+
+
+@pytest.mark.parametrize(("gib", "piece_mib", "calls"), [
+    (48, 8, 6140), (100, 40 / 3, 7680), (200, 40, 5120), (1024, 240, 4370)])
+def test_a_large_region_registers_in_larger_units_within_the_caps(
+        gib: int, piece_mib: float, calls: int) -> None:
+    """Engine-shaped 40 MiB rows (160 tensors of 16 blocks of 16 KiB) of a private region:
+    8 MiB pieces up to 7,680 calls (48 GiB), then pieces of 16 MiB units (three a row), whole
+    rows, and at 1 TiB runs of six rows (256 MiB units), the largest allowed."""
+    MiB = 1 << 20
+    row = 40 * MiB
+    g = RegionGeometry("private", gib * 1024 // 40, row, 0, row, 4096)
+    config = TierConfig(cpu_bytes_per_node=gib << 30)
+    _, units = sized_setup(g, config, range(0, row, 16 << 10), 8 * MiB, 7680, 256 * MiB)
+    sizes = units.ranges[:, 1]
+    assert abs(len(units.ranges) - calls) <= 1
+    assert abs(float(np.median(sizes)) - piece_mib * MiB) <= 16 << 10  # cut at a page
 
 
 def test_setup_units_index_like_a_list_and_allocate_no_object_per_unit() -> None:

@@ -61,6 +61,14 @@ log = logging.getLogger(__name__)
 # ~6 GiB/s per process 8 MiB keeps that wait near 1 ms.  A row larger than this is registered
 # in pieces (`geometry.registration_cuts`), which the copy paths split their copies at.
 UNIT_BYTES = 8 << 20
+# NOTE: a process's ~8,500th-11,800th host registration (100 GiB in 8 MiB units, 12,790 calls,
+# one rank on an H200 host) waits 50-130 ms inside the driver, and the engine's launches with
+# it; in pieces of 13.3 MiB (7,680 calls) or whole 40 MiB rows (2,560) no run stalled
+# (docs/BENCHMARKS.md, "Fewer registrations, no stall").  Units double past 8 MiB to stay
+# within that many calls, up to the 256 MiB behind which a launch waited up to 19 ms; beyond
+# 100 GiB a rank (not measured: the lent hosts have 128 GiB) that cap may bind first.
+MAX_REGISTRATIONS = 7680
+MAX_UNIT_BYTES = 256 << 20
 # NOTE: the C loop populates by write faults, not MADV_POPULATE_WRITE: the advice holds the mmap
 # lock for reading for a whole call, and the engine's threads that map, unmap or protect memory
 # waited 6-15 ms behind the calls in flight on an H200 host at any call length, priority or

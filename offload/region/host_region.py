@@ -61,13 +61,14 @@ from offload.geometry import (
     merge_ranges,
     node_registers_whole_rows,
     prefault_ranges,
-    registration_cuts,
     registration_ranges,
     segment_ranges,
-    setup_units,
+    sized_setup,
 )
 from offload.plan import Plan
 from offload.region.background import (
+    MAX_REGISTRATIONS,
+    MAX_UNIT_BYTES,
     UNIT_BYTES,
     BackgroundReservation,
     BackgroundSetup,
@@ -272,11 +273,11 @@ class HostRegion:
     def _start_background(self, topology: Topology, config: TierConfig,
                           progress: ProgressFn | None, on_ready: ReadyFn | None) -> None:
         slot = self.plan.slots[topology.rank]
-        self.cuts = registration_cuts(
+        self.cuts, units = sized_setup(
             self.geometry, config, copy_starts(slot.slot_offset, slot.tensor_offsets,
                                                slot.page_bytes, self.plan.blocks_per_chunk,
-                                               slot.trailer_offset), UNIT_BYTES)
-        units = setup_units(self.geometry, config, UNIT_BYTES, self.cuts)
+                                               slot.trailer_offset), UNIT_BYTES,
+            MAX_REGISTRATIONS, MAX_UNIT_BYTES)
         self.stats.background = True
         # a unit populates exactly the bytes it registers: the blocking path's registrations
         self.stats.prefault_bytes = self.stats.pin_plan_bytes = units.total_bytes
