@@ -252,3 +252,38 @@ def test_a_cached_kernel_the_driver_refuses_is_not_loaded(
         assert kernel_cache.load(variant, 0, (9, 0)) is None
     assert f"the cached copy kernel {key} does not load" in caplog.text
     assert json.loads((cache / f"{key}.json").read_text())["key"] == key
+
+
+def test_build_compiles_only_the_missing_variants_once_and_keeps_them(
+        cache: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """With the driver's two load calls stood in for (no CUDA here): a cold cache sends the
+    variants to one child and loads every answer; the same variants again come from this
+    process's table, and, the table cleared, from disk; a new variant beside them is the only
+    one a second child is asked for."""
+    def driver(name: str, *args: object) -> None:
+        if name == "cuModuleGetFunction":
+            args[0]._obj.value = 0x1000  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(kernel_cache, "driver_call", driver)
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\ncat > /dev/null\nprintf '%s' \"$ANSWER\"\n")
+    fake.chmod(0o700)
+    monkeypatch.setattr(kernel_cache.sys, "executable", str(fake))
+    asked: list[int] = []
+    real = kernel_cache.compile_in_child
+
+    def counted(variants: list[Variant], device: int) -> object:
+        asked.append(len(variants))
+        monkeypatch.setenv("ANSWER", _answer(kernels=len(variants)))
+        return real(variants, device)
+
+    monkeypatch.setattr(kernel_cache, "compile_in_child", counted)
+    first = [_variant([4096, 4096, 7, 4096, 7]), _variant([4104, 4096, 7, 4096, 7])]
+    loaded = kernel_cache.build(first, 0, (9, 0))
+    assert asked == [2] and all(got is not None and got.function == 0x1000 for got in loaded)
+    assert len(list(cache.glob("*.json"))) == 2
+    assert kernel_cache.build(first, 0, (9, 0)) == loaded and asked == [2]
+    monkeypatch.setattr(kernel_cache, "_loaded", {})
+    assert kernel_cache.build(first, 0, (9, 0)) == loaded and asked == [2]
+    again = kernel_cache.build([*first, _variant([4096, 4096, 1 << 40, 4096, 7])], 0, (9, 0))
+    assert asked == [2, 1] and all(got is not None for got in again)

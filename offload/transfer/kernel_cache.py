@@ -187,7 +187,10 @@ def directory() -> Path:
 def load(variant: Variant, device: int, capability: tuple[int, int]) -> Loaded | None:
     """``variant``'s function in the current context of ``device``, from this process's table
     or from a trusted cache entry; None where neither has it.  Never compiles."""
-    key = variant.key(environment(capability))
+    return _load(device, variant.key(environment(capability)))
+
+
+def _load(device: int, key: str) -> Loaded | None:
     with _lock:
         if (device, key) in _loaded:
             return _loaded[(device, key)]
@@ -204,8 +207,9 @@ def build(variants: Sequence[Variant], device: int, capability: tuple[int, int]
     again in this process); the caller compiles it in this process."""
     global _child_failed
     env = environment(capability)
-    loaded = [load(variant, device, capability) for variant in variants]
-    missing = {variant.key(env): variant for variant, got in zip(variants, loaded, strict=True)
+    keys = [variant.key(env) for variant in variants]
+    loaded = [_load(device, key) for key in keys]
+    missing = {key: variant for key, variant, got in zip(keys, variants, loaded, strict=True)
                if got is None}
     if not missing or _child_failed:
         return loaded
@@ -216,10 +220,11 @@ def build(variants: Sequence[Variant], device: int, capability: tuple[int, int]
     if built is None:
         _child_failed = True
         return loaded
+    compiled: dict[str, Loaded | None] = {}
     for key, entry in zip(missing, built, strict=True):
         _write(key, entry)
-        _register(device, key, entry)
-    return [load(variant, device, capability) for variant in variants]
+        compiled[key] = _register(device, key, entry)
+    return [compiled.get(key, got) for key, got in zip(keys, loaded, strict=True)]
 
 
 def compile_in_child(variants: Sequence[Variant], device: int) -> list[Built] | None:
