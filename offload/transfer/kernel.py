@@ -365,10 +365,10 @@ class KernelCopier:
         self._next: StagingSlot | None = None  # handed to the job check by `staging`
         self.slots_made = 0
         self._device_index = torch.empty(0, dtype=self._index_type, device=device)
-        # the pointer arguments' element types, by position (`kernel_cache.Variant`)
-        self._pointers = {i: str(dtype).removeprefix("torch.") for i, dtype in (
-            (0, _ELEMENTS[element]), (1, torch.int64), (2, self._index_type), (8, torch.int64),
-            (12, _ELEMENTS[element]), (13, torch.int64))}
+        # the pointer arguments' element types, by position: what Triton compiles in this
+        # process (`_run`) and what the kernel cache's child compiles (`_variant`) alike
+        self._pointers = {0: _ELEMENTS[element], 1: torch.int64, 2: self._index_type,
+                          8: torch.int64, 12: _ELEMENTS[element], 13: torch.int64}
         self._compiled: dict[tuple[bool, bool, bool], Any] = {}  # by (load, copy, staged)
         self._bound: dict[tuple[bool, bool, bool], BoundKernel | None] = {}
         self._native: dict[tuple[bool, bool, bool], NativeIssuer] = {}
@@ -616,11 +616,8 @@ class KernelCopier:
                      knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *values,
                      *constants)
             return
-        element = _ELEMENTS[self._element]
-        pointers = {0: self._anchor.view(element), 1: self._table, 2: self._device_index,
-                    8: self._anchor.view(torch.int64), 12: Address(values[12], element),
-                    13: Address(values[13], torch.int64)}
-        args = [pointers.get(i, v) for i, v in enumerate(values)]
+        args = [Address(v, self._pointers[i]) if i in self._pointers else v
+                for i, v in enumerate(values)]
         with torch.cuda.stream(on):
             compiled = copy_pages[(grid,)](*args, **self._constants(key),
                                            num_warps=self._num_warps)
@@ -635,8 +632,8 @@ class KernelCopier:
                 "ELEMENT": self._element, "STAGED": staged}
 
     def _variant(self, key: tuple[bool, bool, bool], values: list[int]) -> Variant:
-        return Variant.of(self._constants(key), self._num_warps, values, self._pointers,
-                          SPECIALISED)
+        names = {i: str(dtype).removeprefix("torch.") for i, dtype in self._pointers.items()}
+        return Variant.of(self._constants(key), self._num_warps, values, names, SPECIALISED)
 
     def _bind_built(self, key: tuple[bool, bool, bool], values: list[int]) -> None:
         """Bind variant ``key`` from the kernel cache (`prepare` put it there; a variant it
@@ -669,7 +666,9 @@ class KernelCopier:
 
 class Address:
     """A raw GPU address as Triton's JIT takes a pointer argument (``data_ptr`` and
-    ``dtype``): the staging rows of a staged launch, inside a buffer the caller owns."""
+    ``dtype``): every pointer argument of a launch Triton compiles in this process (the
+    buffers' owners keep them alive), and the stand-ins the kernel cache's child compiles
+    with, so both compile from the same argument types."""
 
     def __init__(self, address: int, dtype: torch.dtype) -> None:
         self._address, self.dtype = address, dtype
