@@ -131,15 +131,19 @@ def test_submit_returns_the_copy_event_the_compute_stream_waits_on() -> None:
     assert [o.value for o in out] == [(True, True)] * 2
 
 
-@pytest.mark.parametrize(("layout", "setup_context"), [
-    ("private", True), ("shared", True), ("replicated", True), ("shared", False)])
+@pytest.mark.parametrize(("layout", "setup_context", "backend", "integrity"), [
+    ("private", True, "auto", True), ("shared", True, "auto", True),
+    ("replicated", True, "auto", True), ("shared", False, "auto", True),
+    ("private", True, "copy_engine", False), ("private", False, "copy_engine", False),
+    ("private", True, "copy_engine", True)])
 def test_background_set_up_serves_ready_rows_on_cuda_while_the_rest_is_registered(
-        layout: str, setup_context: bool) -> None:
+        layout: str, setup_context: bool, backend: str, integrity: bool) -> None:
     """Real CUDA registration behind `create`: jobs on ready rows run on the real engine and
     round-trip byte-exact while set-up continues, a job past the ready rows is failed on every
     rank, and once every row is ready every rank has registered exactly its blocking bytes --
     in a registrar context of the tier's own (``setup_context``, the tier's default
-    `choose_registrar` wrapped to slow it) or in the engine's."""
+    `choose_registrar` wrapped to slow it) or in the engine's; on the default engine and on
+    the copy engine (``cuMemcpyBatchAsync``, with and without checksums)."""
 
     def body(rank: int) -> object:
         import time
@@ -173,7 +177,8 @@ def test_background_set_up_serves_ready_rows_on_cuda_while_the_rest_is_registere
         offload.actor.choose_registrar = Unhurried  # type: ignore[assignment]
         tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=2048 * MiB, layout=layout,
                                               blocks_per_chunk=8, tp=2, timeout_s=60,
-                                              background=True, setup_context=setup_context))
+                                              background=True, setup_context=setup_context,
+                                              integrity=integrity), backend=backend)
         created = tier.ready
         while tier.ready.rows < 8:
             time.sleep(0.001)
@@ -205,13 +210,14 @@ def test_background_set_up_serves_ready_rows_on_cuda_while_the_rest_is_registere
         tier.close()
         return (created.rows < created.total, seen.rows < seen.total, refused, outcome,
                 same, row["pinned"], row["pinned_bytes"], row["pin_plan_bytes"],
-                row["setup_error"], row["longest_registration_s"], own)
+                row["setup_error"], row["longest_registration_s"], own, row["engine"])
 
     out = run_group(body, 2, timeout=240, pg_timeout=120)
     assert all(o.ok for o in out), [o.error for o in out]
     for (early, partial, refused, outcome, same, pinned, pinned_bytes, plan_bytes, error,
-         longest, own) in (o.value for o in out):
+         longest, own, engine) in (o.value for o in out):
         assert own == (setup_context, setup_context)
+        assert backend == "auto" or engine == backend
         assert early and partial  # create returned, and the jobs ran, before set-up finished
         assert refused  # every rank refuses a row it has not registered yet
         assert "job 99" in outcome and "not ready" in outcome  # decided failed everywhere
