@@ -63,3 +63,27 @@ def bound_function(name: str, *argtypes: Any) -> Callable[..., int]:
 def driver_call(name: str, *args: object) -> None:
     """Call driver function ``name``; a non-zero result raises with the driver's message."""
     check(getattr(require_libcuda(), name)(*args), name)
+
+
+CU_POINTER_ATTRIBUTE_RANGE_START_ADDR = 11
+CU_POINTER_ATTRIBUTE_RANGE_SIZE = 12
+
+
+def allocation_ranges(address: int, nbytes: int) -> list[tuple[int, int]]:
+    """The device allocations, as (start, bytes) in address order, that the ``nbytes`` from
+    ``address`` lie in: the driver's own ranges, which a batched copy may not span (two
+    allocations can be neighbours in the address space, as the caching allocator's segments
+    often are)."""
+    lib, ranges, at = require_libcuda(), [], address
+    while at < address + nbytes:
+        start, size = ctypes.c_uint64(), ctypes.c_uint64()
+        for value, attribute in ((start, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR),
+                                 (size, CU_POINTER_ATTRIBUTE_RANGE_SIZE)):
+            check(lib.cuPointerGetAttribute(ctypes.byref(value), attribute, ctypes.c_uint64(at)),
+                  f"cuPointerGetAttribute of {at:#x}")
+        if start.value > at or start.value + size.value <= at:
+            raise RuntimeError(f"the driver's range of {at:#x} is {start.value:#x} + "
+                               f"{size.value} B, which does not hold it")
+        ranges.append((start.value, size.value))
+        at = start.value + size.value
+    return ranges

@@ -6,7 +6,10 @@ compute nothing, where even a kernel-driven copy on a few SMs slows a concurrent
 which numpy builds without a Python object per page: per-pointer Python lists through
 ``cuda-bindings`` cost tens of milliseconds for a large job (docs/BENCHMARKS.md, "Figures moved
 from code comments").  Copies that continue each other are
-coalesced first (`layout.coalesce`), so a chunk of consecutive blocks is one descriptor.
+coalesced first (`layout.coalesce`), so a chunk of consecutive blocks is one descriptor --
+but never across two host registrations or two device allocations (`copy_runs`): the driver
+refuses a copy that spans either ("invalid argument"), and small KV tensors from the caching
+allocator often lie in neighbouring segments, so a run can continue from one into the next.
 
 Needs a driver with the CUDA 13 entry point ``cuMemcpyBatchAsync_v2`` and host memory
 registered with CUDA (the engine is only chosen for a pinned region).  With integrity on, the
@@ -25,10 +28,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from offload.cuda_driver import driver_call, has_entry_point
+from offload.cuda_driver import allocation_ranges, driver_call, has_entry_point
+from offload.errors import OffloadError
 from offload.transfer.base import Direction
 from offload.transfer.cuda import StreamEngine
-from offload.transfer.layout import Job, SlotLayout, coalesce, page_addresses
+from offload.transfer.layout import IndexArray, Job, SlotLayout, coalesce, page_addresses
 
 log = logging.getLogger(__name__)
 
@@ -86,22 +90,82 @@ class BatchCopier:
                     ctypes.c_void_p(self._stream.cuda_stream))
 
 
-def page_copies(engine: StreamEngine, direction: Direction, job: Job
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def allocation_starts(kv_bases: Sequence[int], block_strides: Sequence[int],
+                      page_bytes: Sequence[int], num_blocks: int,
+                      ranges: Sequence[Sequence[tuple[int, int]]]) -> IndexArray:
+    """The sorted starts of the device allocations the KV tensors lie in, given each tensor's
+    allocations (``ranges[t]``, `offload.cuda_driver.allocation_ranges` over its bytes): a
+    page's allocation is then the last start at or below it (`copy_runs`).
+
+    A page must lie in one allocation, since the copy engines move it in one piece; tensors
+    in memory mapped piecewise (expandable segments) can break that where a page straddles a
+    piece's end, and such tensors are refused with the way out."""
+    starts: set[int] = set()
+    for t, (base, stride, page, pieces) in enumerate(
+            zip(kv_bases, block_strides, page_bytes, ranges, strict=True)):
+        for start, size in pieces:
+            starts.add(start)
+            end = start + size
+            block, within = divmod(end - base, stride)
+            if 0 <= block < num_blocks and 0 < within < page:
+                raise OffloadError(
+                    f"KV tensor {t}'s block {block} spans two CUDA allocations (one ends at "
+                    f"{end:#x}), which the copy engines cannot copy in one piece; allocate "
+                    "each KV tensor in one piece (no expandable segments) or use backend "
+                    "'triton'")
+    return np.array(sorted(starts), dtype=np.int64)
+
+
+def kv_allocations(kv_tensors: Sequence[torch.Tensor], block_strides: Sequence[int],
+                   page_bytes: Sequence[int], num_blocks: int) -> IndexArray:
+    """`allocation_starts` of ``kv_tensors``, asking the driver for each one's allocations."""
+    ranges = [allocation_ranges(t.data_ptr(), (num_blocks - 1) * stride + page)
+              for t, stride, page in zip(kv_tensors, block_strides, page_bytes, strict=True)]
+    return allocation_starts([t.data_ptr() for t in kv_tensors], block_strides, page_bytes,
+                             num_blocks, ranges)
+
+
+def copy_runs(layout: SlotLayout, region_base: int, kv_bases: IndexArray,
+              block_strides: IndexArray, allocations: IndexArray, direction: Direction,
+              job: Job) -> tuple[IndexArray, IndexArray, IndexArray]:
     """``job`` as one (source, destination, bytes) copy per page of every tensor (whole-array
-    numpy operations), merged where pages continue each other inside one registration: one
-    host row, or one piece of it where the row is registered in pieces (`SlotLayout.cuts`;
-    a page never spans a cut)."""
-    layout = engine.layout
-    base = engine._region.data_ptr()
-    kv, host = page_addresses(engine._kv_bases, engine._block_strides, base, layout, job)
+    numpy operations), merged where pages continue each other on both sides (`coalesce`)
+    within one host registration -- one host row, or one piece of it where the row is
+    registered in pieces (`SlotLayout.cuts`; a page never spans a cut) -- and within one
+    device allocation (``allocations``, `allocation_starts`): a batched copy may span
+    neither, and separate KV tensors are often neighbours in the address space."""
+    kv, host = page_addresses(kv_bases, block_strides, region_base, layout, job)
     sizes = np.broadcast_to(np.asarray(layout.page_bytes, dtype=np.int64)[:, None], kv.shape)
     rows = np.broadcast_to(job.host_pages // layout.blocks_per_chunk, kv.shape)
     if layout.cuts:
-        within = host - base - rows * layout.row_stride
+        within = host - region_base - rows * layout.row_stride
         rows = rows * (len(layout.cuts) + 1) + layout.piece_of(within)
+    key = rows * (allocations.size + 1) + page_allocations(allocations, kv_bases, block_strides,
+                                                           job.blocks, kv)
     src, dst = (kv, host) if direction == "store" else (host, kv)
-    return coalesce(src.ravel(), dst.ravel(), sizes.ravel(), rows.ravel())
+    return coalesce(src.ravel(), dst.ravel(), sizes.ravel(), key.ravel())
+
+
+def page_allocations(allocations: IndexArray, kv_bases: IndexArray, block_strides: IndexArray,
+                     blocks: IndexArray, kv: IndexArray) -> IndexArray:
+    """Which of ``allocations`` each page (``kv``: [tensors, entries] addresses) lies in, as
+    the count of starts at or below it: one number per tensor where the job's lowest and
+    highest blocks of every tensor lie in one allocation (the common case, a KV tensor
+    allocated whole: no per-page search), else one per page."""
+    if allocations.size <= 1 or blocks.size == 0:
+        return np.zeros((1, 1), dtype=np.int64)
+    low = np.searchsorted(allocations, kv_bases + blocks.min() * block_strides, side="right")
+    high = np.searchsorted(allocations, kv_bases + blocks.max() * block_strides, side="right")
+    if (low == high).all():
+        return low[:, None]
+    return np.searchsorted(allocations, kv, side="right")
+
+
+def page_copies(engine: StreamEngine, allocations: IndexArray, direction: Direction, job: Job
+                ) -> tuple[IndexArray, IndexArray, IndexArray]:
+    """`copy_runs` of a job on ``engine``, whose KV tensors lie in ``allocations``."""
+    return copy_runs(engine.layout, engine._region.data_ptr(), engine._kv_bases,
+                     engine._block_strides, allocations, direction, job)
 
 
 class BatchCopyEngine(StreamEngine):
@@ -113,6 +177,9 @@ class BatchCopyEngine(StreamEngine):
                  layout: SlotLayout, chunk_count: int, priority: int = 0) -> None:
         super().__init__(kv_tensors, region, layout, chunk_count, priority)
         self.batch = BatchCopier(self._stream)
+        g = self._geometry
+        self.allocations = kv_allocations(kv_tensors, g.block_strides, g.page_bytes,
+                                          g.num_blocks)
         self.kernel: KernelCopier | None = None
         if layout.integrity:
             from offload.transfer.engine import triton_available
@@ -128,7 +195,7 @@ class BatchCopyEngine(StreamEngine):
         sums = None
         if self.kernel is not None and direction == "store":
             sums = self.kernel.launch(direction, job, copy=False)
-        copies = self.batch.launch_runs(*page_copies(self, direction, job))
+        copies = self.batch.launch_runs(*page_copies(self, self.allocations, direction, job))
         if self.kernel is not None and direction == "load":
             sums = self.kernel.launch(direction, job, copy=False)
         return copies if sums is None else (sums, copies)

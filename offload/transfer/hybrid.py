@@ -25,11 +25,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from offload.config import DEFAULT_STAGING_BYTES
 from offload.transfer.base import Direction
-from offload.transfer.batch_copy import BatchCopier, page_copies
+from offload.transfer.batch_copy import BatchCopier, kv_allocations, page_copies
 from offload.transfer.cuda import StreamEngine
 from offload.transfer.kernel import NUM_WARPS, kernel_copier
 from offload.transfer.layout import Job, SlotLayout
@@ -63,6 +64,10 @@ class HybridEngine(StreamEngine):
         self.kernel = kernel_copier(self, programs, num_warps)
         self.batch = BatchCopier(self._stream)
         self.page_runs = bool(min(layout.page_bytes) >= min_run)
+        g = self._geometry  # the allocations the copy engines' runs may not span
+        self.allocations = (
+            kv_allocations(kv_tensors, g.block_strides, g.page_bytes, g.num_blocks)
+            if self.page_runs else np.zeros(0, dtype=np.int64))
         self.staged: StagedCopier | None = None
         if not self.page_runs:
             plan = stage_plan(layout, staging_bytes) if staging_bytes else "staging is off"
@@ -121,7 +126,7 @@ class HybridEngine(StreamEngine):
         sums = None
         if self._layout.integrity and direction == "store":
             sums = self.kernel.launch(direction, job, copy=False)
-        copies = self.batch.launch_runs(*page_copies(self, direction, job))
+        copies = self.batch.launch_runs(*page_copies(self, self.allocations, direction, job))
         if self._layout.integrity and direction == "load":
             sums = self.kernel.launch(direction, job, copy=False)
         return copies if sums is None else (sums, copies)

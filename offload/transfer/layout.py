@@ -324,10 +324,11 @@ def coalesce(src: IndexArray, dst: IndexArray, count: IndexArray,
     Copies are first ordered by source; copy ``i + 1`` joins copy ``i`` when it starts where
     ``i`` ends in both the source and the destination and, when ``row`` is given, has the
     same ``row`` key: the host registration it lies in (a row, or a piece of one,
-    `SlotLayout.cuts`), since a batched copy that spans two registrations fails (DESIGN.md
-    section 5).  A chunk's consecutive blocks going to consecutive
-    positions become one copy per KV tensor (16 blocks of 64 KiB -> one 1 MiB copy), which a copy
-    engine moves far faster than sixteen small ones.  The bytes moved are the same.
+    `SlotLayout.cuts`) and the device allocation (`offload.transfer.batch_copy.copy_runs`),
+    since a batched copy that spans two of either fails (DESIGN.md section 5).  A chunk's
+    consecutive blocks going to consecutive positions become one copy per KV tensor (16 blocks
+    of 64 KiB -> one 1 MiB copy), which a copy engine moves far faster than sixteen small ones.
+    The bytes moved are the same.
     """
     if src.size <= 1:
         return src, dst, count

@@ -1004,3 +1004,39 @@ def test_rows_registered_in_pieces_move_exactly_on_every_path(backend: str) -> N
             finally:
                 with contextlib.suppress(Exception):
                     uncut.close()
+
+
+@needs_batch
+@pytest.mark.parametrize(("backend", "page"), [
+    ("copy_engine", 16 * KiB), pytest.param("hybrid", 1 * MiB, marks=needs_triton)])
+def test_copy_engine_runs_stop_where_neighbouring_allocations_meet(backend: str, page: int
+                                                                  ) -> None:
+    """Small KV tensors from the caching allocator fill segments that are often neighbours
+    in the address space, so a chunk of every tensor continues from one segment into the
+    next: the copy engines' runs stop at each allocation (`kv_allocations`) and the job
+    round-trips byte-exact; the same engine told of no allocations merges the run across
+    them, which the driver refuses -- so the job does cross neighbours."""
+    from offload.cuda_driver import allocation_ranges
+
+    bpc = 4
+    kv = [torch.empty((bpc, page), dtype=torch.uint8, device="cuda").random_(0, 256)
+          for _ in range(64)]
+    neighbours = [t for t in range(len(kv) - 1)
+                  if kv[t + 1].data_ptr() == kv[t].data_ptr() + bpc * page
+                  and allocation_ranges(kv[t].data_ptr(), 1)
+                  != allocation_ranges(kv[t + 1].data_ptr(), 1)]
+    if not neighbours:
+        pytest.skip("no two of the KV tensors were neighbouring allocations")
+    job = (np.arange(bpc), np.zeros(bpc, dtype=np.int64), np.arange(bpc))
+    with cuda_engine(backend, kv, 2, bpc, integrity=backend == "hybrid") as (engine, _, region):
+        assert len(engine.allocations) > 1
+        round_trip(engine, kv, region, engine.layout, job)
+        engine.allocations = np.zeros(0, dtype=np.int64)
+        failed = None
+        try:
+            engine.submit(9, "store", *job)
+            engine.wait_all()
+            failed = engine.job_error(9)
+        except RuntimeError as exc:  # the driver's refusal, raised at the issue
+            failed = str(exc)
+        assert failed and "invalid argument" in failed, failed
