@@ -107,10 +107,10 @@ def ours(rank: int, world: int, args: argparse.Namespace, layout: str) -> dict[s
                         blocks_per_chunk=args.blocks_per_chunk, tp=tp, pp=args.pp,
                         prefault_threads=args.threads, timeout_s=600, shm_dir=args.shm_dir,
                         background=background, setup_context=background and args.setup_context,
-                        private_memory=args.private_memory)
+                        private_memory=args.private_memory, integrity=args.integrity)
     start, baseline = begin(rank)
     sampler = StackSampler().start() if args.stack_samples else None
-    tier = HostTier.create(kv, config)
+    tier = HostTier.create(kv, config, backend=args.backend)
     created = time.time()
     # what set-up costs the engine's own launches once create returned
     setup_threads = (tier.actor.region.background_setup.thread_ids()
@@ -629,6 +629,11 @@ def main() -> None:
                    help="background: also run --job-blocks stores and loads back to back over "
                         "the first rows from when they are ready until every row is, and "
                         "report their GB/s (they slow set-up: off for the readiness figures)")
+    p.add_argument("--backend", default="auto",
+                   choices=("auto", "hybrid", "triton", "copy_engine", "per_block", "host"),
+                   help="our layouts: the tier's transfer backend (HostTier.create's backend)")
+    p.add_argument("--no-integrity", dest="integrity", action="store_false",
+                   help="our layouts: slots without checksums (TierConfig.integrity)")
     p.add_argument("--no-setup-context", dest="setup_context", action="store_false",
                    help="background: register in the engine's CUDA context, not one of the "
                         "tier's own (TierConfig.setup_context)")

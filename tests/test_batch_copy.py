@@ -123,3 +123,19 @@ def test_a_page_straddling_two_allocations_is_refused_with_the_way_out() -> None
     assert allocation_starts([base], [page], [page], 4, at_end).tolist() == [base, base + 2 * page]
     in_gap = [[(base, page + 8 * KiB), (base + page + 8 * KiB, 4 * page)]]  # stride 2 pages
     assert len(allocation_starts([base], [2 * page], [page], 4, in_gap)) == 2
+
+
+@pytest.mark.parametrize(("stride", "num_blocks", "end", "block"), [
+    (16 * KiB, 4, 3 * 16 * KiB + 100, 3),  # the last block
+    (16 * KiB, 4, 4 * 16 * KiB, None),  # the tensor's end
+    (0, 1, 100, 0),  # one block: any stride, even 0
+    (8, 1, 100, 0),  # one block, a stride under the page
+    (8, 1, 16 * KiB, None),
+    (32 * KiB, 3, 2 * 32 * KiB + 16 * KiB + 1, None),  # past the last page, in its padding
+])
+def test_straddled_block_at_the_edges(stride: int, num_blocks: int, end: int,
+                                      block: int | None) -> None:
+    from offload.transfer.batch_copy import straddled_block
+
+    base = 1 << 30
+    assert straddled_block(base + end, base, stride, 16 * KiB, num_blocks) == block

@@ -76,12 +76,16 @@ def test_bench_startup_times_background_set_up_beside_the_blocking_create(tmp_pa
         [sys.executable, str(ROOT / "scripts" / "bench_startup.py"), "--nproc", "2",
          "--cpu-bytes", "64MiB", "--kv-bytes-per-block", "128KiB", "--variants",
          "ours,background", "--layouts", "shared", "--warm", "0", "--threads", "2",
-         "--json", str(out), "--stack-samples", str(tmp_path / "stacks")],
+         "--json", str(out), "--stack-samples", str(tmp_path / "stacks"), "--backend", "host",
+         "--no-integrity"],
         capture_output=True, text=True, timeout=240, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, tail(proc, 2000)
     rows = json.loads(out.read_text())["variants"]
     background, blocking = rows["background/shared"], rows["ours/shared"]
+    for row in (background, blocking):  # the tier's backend and integrity as asked
+        assert row["ranks"][0]["row"]["engine"] == "host"
+        assert row["ranks"][0]["row"]["integrity"]["enabled"] is False
     assert 0 < background["created"] <= background["first"] <= background["seconds"]
     assert background["ranks"][0]["row"]["background"] is True
     assert blocking["ranks"][0]["row"]["background"] is False

@@ -106,14 +106,24 @@ def allocation_starts(kv_bases: Sequence[int], block_strides: Sequence[int],
         for start, size in pieces:
             starts.add(start)
             end = start + size
-            block, within = divmod(end - base, stride)
-            if 0 <= block < num_blocks and 0 < within < page:
+            block = straddled_block(end, base, stride, page, num_blocks)
+            if block is not None:
                 raise OffloadError(
                     f"KV tensor {t}'s block {block} spans two CUDA allocations (one ends at "
                     f"{end:#x}), which the copy engines cannot copy in one piece; allocate "
                     "each KV tensor in one piece (no expandable segments) or use backend "
                     "'triton'")
     return np.array(sorted(starts), dtype=np.int64)
+
+
+def straddled_block(end: int, base: int, stride: int, page: int, num_blocks: int
+                    ) -> int | None:
+    """The block of a tensor (pages of ``page`` bytes every ``stride`` from ``base``) whose
+    page ``end`` falls strictly inside, or None."""
+    if num_blocks == 1 or stride == 0:  # one page: any stride is allowed
+        return 0 if base < end < base + page else None
+    block, within = divmod(end - base, stride)  # stride >= page (`kv_geometry`)
+    return block if 0 <= block < num_blocks and 0 < within < page else None
 
 
 def kv_allocations(kv_tensors: Sequence[torch.Tensor], block_strides: Sequence[int],
@@ -140,8 +150,8 @@ def copy_runs(layout: SlotLayout, region_base: int, kv_bases: IndexArray,
     if layout.cuts:
         within = host - region_base - rows * layout.row_stride
         rows = rows * (len(layout.cuts) + 1) + layout.piece_of(within)
-    key = rows * (allocations.size + 1) + page_allocations(allocations, kv_bases, block_strides,
-                                                           job.blocks, kv)
+    key = rows if allocations.size <= 1 else rows * (allocations.size + 1) + page_allocations(
+        allocations, kv_bases, block_strides, job.blocks, kv)
     src, dst = (kv, host) if direction == "store" else (host, kv)
     return coalesce(src.ravel(), dst.ravel(), sizes.ravel(), key.ravel())
 
@@ -152,7 +162,7 @@ def page_allocations(allocations: IndexArray, kv_bases: IndexArray, block_stride
     the count of starts at or below it: one number per tensor where the job's lowest and
     highest blocks of every tensor lie in one allocation (the common case, a KV tensor
     allocated whole: no per-page search), else one per page."""
-    if allocations.size <= 1 or blocks.size == 0:
+    if blocks.size == 0:
         return np.zeros((1, 1), dtype=np.int64)
     low = np.searchsorted(allocations, kv_bases + blocks.min() * block_strides, side="right")
     high = np.searchsorted(allocations, kv_bases + blocks.max() * block_strides, side="right")

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from offload.config import DEFAULT_STAGING_BYTES
+from offload.cuda_driver import allocation_ranges
 from offload.transfer.base import Direction
 from offload.transfer.batch_copy import BatchCopier, kv_allocations, page_copies
 from offload.transfer.cuda import StreamEngine
@@ -74,8 +75,16 @@ class HybridEngine(StreamEngine):
             if isinstance(plan, str):
                 log.info("rank's transfer engine runs whole chunks on the kernel: %s", plan)
             else:
-                self.staged = StagedCopier(self.kernel, plan, layout, self._region.data_ptr(),
-                                           self._stream, priority)
+                staged = StagedCopier(self.kernel, plan, layout, self._region.data_ptr(),
+                                      self._stream, priority)
+                # one DMA per slice of the ring, which may not span two device allocations
+                # (a ring in memory mapped piecewise, as under expandable segments)
+                pieces = len(allocation_ranges(staged.staging.data_ptr(), plan.ring_bytes))
+                if pieces == 1:
+                    self.staged = staged
+                else:
+                    log.warning("rank's staging ring lies in %d device allocations, which a "
+                                "DMA may not span: whole chunks run on the kernel", pieces)
         self.routes = {"kernel": 0, "staged": 0, "copy_engine": 0}
         self.max_layer_copies = MAX_LAYER_COPIES
         if not self.page_runs:  # every job's indices go to the kernel
