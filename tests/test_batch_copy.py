@@ -139,3 +139,19 @@ def test_straddled_block_at_the_edges(stride: int, num_blocks: int, end: int,
 
     base = 1 << 30
     assert straddled_block(base + end, base, stride, 16 * KiB, num_blocks) == block
+
+
+def test_without_the_drivers_answer_runs_stop_at_every_tensor(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """No driver here: the engines' allocation lookup falls back to each tensor's start, with
+    a warning, so a run never joins two tensors."""
+    import torch
+
+    from offload.transfer.batch_copy import kv_allocations
+
+    buffer = torch.zeros((8, 4 * KiB), dtype=torch.uint8)
+    kv = [buffer[0:4], buffer[4:8], buffer[0:4]]  # neighbours, and one tensor twice
+    with caplog.at_level("WARNING"):
+        starts = kv_allocations(kv, [4 * KiB] * 3, [4 * KiB] * 3, 4)
+    assert starts.tolist() == sorted({t.data_ptr() for t in kv})
+    assert "runs stop at every tensor" in caplog.text

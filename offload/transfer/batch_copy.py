@@ -128,11 +128,20 @@ def straddled_block(end: int, base: int, stride: int, page: int, num_blocks: int
 
 def kv_allocations(kv_tensors: Sequence[torch.Tensor], block_strides: Sequence[int],
                    page_bytes: Sequence[int], num_blocks: int) -> IndexArray:
-    """`allocation_starts` of ``kv_tensors``, asking the driver for each one's allocations."""
-    ranges = [allocation_ranges(t.data_ptr(), (num_blocks - 1) * stride + page)
-              for t, stride, page in zip(kv_tensors, block_strides, page_bytes, strict=True)]
-    return allocation_starts([t.data_ptr() for t in kv_tensors], block_strides, page_bytes,
-                             num_blocks, ranges)
+    """`allocation_starts` of ``kv_tensors``, asking the driver for each one's allocations.
+
+    Where the driver cannot say (a pointer it does not know), each tensor's own start stands
+    in: runs then never join two tensors -- the case seen to fail -- at the price of a few more
+    descriptors where tensors share an allocation."""
+    bases = [t.data_ptr() for t in kv_tensors]
+    try:
+        ranges = [allocation_ranges(base, (num_blocks - 1) * stride + page)
+                  for base, stride, page in zip(bases, block_strides, page_bytes, strict=True)]
+    except RuntimeError as exc:
+        log.warning("the KV tensors' device allocations are unknown (%s): the copy engines' "
+                    "runs stop at every tensor", exc)
+        return np.array(sorted(set(bases)), dtype=np.int64)
+    return allocation_starts(bases, block_strides, page_bytes, num_blocks, ranges)
 
 
 def copy_runs(layout: SlotLayout, region_base: int, kv_bases: IndexArray,
