@@ -917,6 +917,17 @@ def test_a_layer_wise_load_that_fails_part_way_leaves_whole_jobs_whole() -> None
         round_trip(engine, kv, region, engine.layout, job)
 
 
+def _refused_store(engine: Any, job: tuple[np.ndarray, ...]) -> str | None:
+    """Store ``job`` as job 9 and return why it failed (the driver's refusal, raised at the
+    issue or recorded as the job's error), or None if it passed."""
+    try:
+        engine.submit(9, "store", *job)
+        engine.wait_all()
+        return engine.job_error(9)
+    except Exception as exc:
+        return str(exc)
+
+
 @contextmanager
 def _registered_in_pieces(region: torch.Tensor, row_stride: int, rows: int,
                           cuts: tuple[int, ...]) -> Iterator[None]:
@@ -993,14 +1004,7 @@ def test_rows_registered_in_pieces_move_exactly_on_every_path(backend: str) -> N
             uncut = make_engine(kv, region, region.data_ptr(), layout, chunk_count, True,
                                 backend)
             try:
-                failed = None
-                try:
-                    uncut.submit(9, "store", *whole)
-                    uncut.wait_all()
-                    failed = uncut.job_error(9)
-                except Exception as exc:  # the driver's refusal, raised at the issue
-                    failed = str(exc)
-                assert failed, "a copy spanning two registrations was not refused"
+                assert _refused_store(uncut, whole), "a copy spanning two registrations passed"
             finally:
                 with contextlib.suppress(Exception):
                     uncut.close()
@@ -1032,11 +1036,5 @@ def test_copy_engine_runs_stop_where_neighbouring_allocations_meet(backend: str,
         assert len(engine.allocations) > 1
         round_trip(engine, kv, region, engine.layout, job)
         engine.allocations = np.zeros(0, dtype=np.int64)
-        failed = None
-        try:
-            engine.submit(9, "store", *job)
-            engine.wait_all()
-            failed = engine.job_error(9)
-        except RuntimeError as exc:  # the driver's refusal, raised at the issue
-            failed = str(exc)
+        failed = _refused_store(engine, job)
         assert failed and "invalid argument" in failed, failed
