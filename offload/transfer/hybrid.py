@@ -79,7 +79,10 @@ class HybridEngine(StreamEngine):
                                       self._stream, priority)
                 # one DMA per slice of the ring, which may not span two device allocations
                 # (a ring in memory mapped piecewise, as under expandable segments)
-                pieces = len(allocation_ranges(staged.staging.data_ptr(), plan.ring_bytes))
+                try:
+                    pieces = len(allocation_ranges(staged.staging.data_ptr(), plan.ring_bytes))
+                except RuntimeError:  # the driver cannot say: one tensor, one segment
+                    pieces = 1
                 if pieces == 1:
                     self.staged = staged
                 else:
