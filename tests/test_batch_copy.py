@@ -148,10 +148,11 @@ def test_without_the_drivers_answer_runs_stop_at_every_tensor(
     import torch
 
     from offload.transfer.batch_copy import kv_allocations
+    from offload.transfer.tensors import kv_geometry
 
     buffer = torch.zeros((8, 4 * KiB), dtype=torch.uint8)
     kv = [buffer[0:4], buffer[4:8], buffer[0:4]]  # neighbours, and one tensor twice
     with caplog.at_level("WARNING"):
-        starts = kv_allocations(kv, [4 * KiB] * 3, [4 * KiB] * 3, 4)
+        starts = kv_allocations(kv, kv_geometry(kv))
     assert starts.tolist() == sorted({t.data_ptr() for t in kv})
     assert "runs stop at every tensor" in caplog.text

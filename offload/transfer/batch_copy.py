@@ -33,6 +33,7 @@ from offload.errors import OffloadError
 from offload.transfer.base import Direction
 from offload.transfer.cuda import StreamEngine
 from offload.transfer.layout import IndexArray, Job, SlotLayout, coalesce, page_addresses
+from offload.transfer.tensors import KVGeometry
 
 log = logging.getLogger(__name__)
 
@@ -126,22 +127,23 @@ def straddled_block(end: int, base: int, stride: int, page: int, num_blocks: int
     return block if 0 <= block < num_blocks and 0 < within < page else None
 
 
-def kv_allocations(kv_tensors: Sequence[torch.Tensor], block_strides: Sequence[int],
-                   page_bytes: Sequence[int], num_blocks: int) -> IndexArray:
-    """`allocation_starts` of ``kv_tensors``, asking the driver for each one's allocations.
+def kv_allocations(kv_tensors: Sequence[torch.Tensor], geometry: KVGeometry) -> IndexArray:
+    """`allocation_starts` of ``kv_tensors`` (described by ``geometry``), asking the driver
+    for each one's allocations.
 
     Where the driver cannot say (a pointer it does not know), each tensor's own start stands
     in: runs then never join two tensors -- the case seen to fail -- at the price of a few more
     descriptors where tensors share an allocation."""
     bases = [t.data_ptr() for t in kv_tensors]
+    strides, pages, num_blocks = geometry.block_strides, geometry.page_bytes, geometry.num_blocks
     try:
         ranges = [allocation_ranges(base, (num_blocks - 1) * stride + page)
-                  for base, stride, page in zip(bases, block_strides, page_bytes, strict=True)]
+                  for base, stride, page in zip(bases, strides, pages, strict=True)]
     except RuntimeError as exc:
         log.warning("the KV tensors' device allocations are unknown (%s): the copy engines' "
                     "runs stop at every tensor", exc)
         return np.array(sorted(set(bases)), dtype=np.int64)
-    return allocation_starts(bases, block_strides, page_bytes, num_blocks, ranges)
+    return allocation_starts(bases, strides, pages, num_blocks, ranges)
 
 
 def copy_runs(layout: SlotLayout, region_base: int, kv_bases: IndexArray,
@@ -196,9 +198,7 @@ class BatchCopyEngine(StreamEngine):
                  layout: SlotLayout, chunk_count: int, priority: int = 0) -> None:
         super().__init__(kv_tensors, region, layout, chunk_count, priority)
         self.batch = BatchCopier(self._stream)
-        g = self._geometry
-        self.allocations = kv_allocations(kv_tensors, g.block_strides, g.page_bytes,
-                                          g.num_blocks)
+        self.allocations = kv_allocations(kv_tensors, self._geometry)
         self.kernel: KernelCopier | None = None
         if layout.integrity:
             from offload.transfer.engine import triton_available

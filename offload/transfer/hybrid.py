@@ -65,10 +65,9 @@ class HybridEngine(StreamEngine):
         self.kernel = kernel_copier(self, programs, num_warps)
         self.batch = BatchCopier(self._stream)
         self.page_runs = bool(min(layout.page_bytes) >= min_run)
-        g = self._geometry  # the allocations the copy engines' runs may not span
-        self.allocations = (
-            kv_allocations(kv_tensors, g.block_strides, g.page_bytes, g.num_blocks)
-            if self.page_runs else np.zeros(0, dtype=np.int64))
+        # the allocations the copy engines' runs may not span
+        self.allocations = (kv_allocations(kv_tensors, self._geometry) if self.page_runs
+                            else np.zeros(0, dtype=np.int64))
         self.staged: StagedCopier | None = None
         if not self.page_runs:
             plan = stage_plan(layout, staging_bytes) if staging_bytes else "staging is off"
