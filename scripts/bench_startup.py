@@ -520,6 +520,8 @@ def run_variant(world: int, fn: Callable[..., dict[str, Any]], *extra: Any) -> d
         if idle:
             stages["idle_max_ms"] = max(p["max_ms"] for p in idle)
             stages["idle_p99_ms"] = max(p["p99_ms"] for p in idle)
+            stages["idle_over_2ms"] = sum(p["over_2ms"] for p in idle)
+            stages["idle_launches"] = sum(p["count"] for p in idle)
         where = [(p["where"], p["idle"].get("where")) for p in probes if "where" in p]
         if where:  # per rank: during set-up, and once every row was ready
             stages["where"] = where
@@ -771,20 +773,22 @@ def print_table(report: dict[str, Any]) -> None:
               "else running; during: --jobs-during-setup's store/load GB/s (slowest rank's "
               "median) against after readiness")
         causes = ("variant", "worst_ms", "beside_ms", "reg_in_10", "before_ms", "idle_worst",
-                  "idle_p99", "during GB/s", "jobs", "during/after")
-        print("{:<22}{:>10}{:>11}{:>11}{:>11}{:>12}{:>10}{:>15}{:>6}{:>14}".format(*causes))
+                  "idle_p99", "idle>2ms", "during GB/s", "jobs", "during/after")
+        print("{:<22}{:>10}{:>11}{:>11}{:>11}{:>12}{:>10}{:>12}{:>15}{:>6}{:>14}"
+              .format(*causes))
         for name, r in probed_rows.items():
             during = "during_store_GBps" in r
             ratio = (f"{r['during_store_GBps'] / r['store_GBps']:.2f}/"
                      f"{r['during_load_GBps'] / r['load_GBps']:.2f}"
                      if during and "store_GBps" in r else "-")
             probed = "worst_wait_ms" in r
-            print("{:<22}{:>10}{:>11}{:>11}{:>11}{:>12}{:>10}{:>15}{:>6}{:>14}".format(
+            print("{:<22}{:>10}{:>11}{:>11}{:>11}{:>12}{:>10}{:>12}{:>15}{:>6}{:>14}".format(
                 name, f"{r['worst_wait_ms']:.1f}" if probed else "-",
                 f"{r['beside_max_ms']:.1f}" if probed else "-", r.get("overlapped", "-"),
                 f"{r['before_max_ms']:.1f}" if probed else "-",
                 f"{r['idle_max_ms']:.1f}" if "idle_max_ms" in r else "-",
                 f"{r['idle_p99_ms']:.2f}" if "idle_p99_ms" in r else "-",
+                f"{r['idle_over_2ms']}/{r['idle_launches']}" if "idle_over_2ms" in r else "-",
                 f"{r['during_store_GBps']:.1f}/{r['during_load_GBps']:.1f}" if during else "-",
                 r.get("during_jobs", "-"), ratio))
     for name, r in staged.items():
