@@ -1015,14 +1015,16 @@ def test_rows_registered_in_pieces_move_exactly_on_every_path(backend: str) -> N
     ("copy_engine", 16 * KiB), pytest.param("hybrid", 1 * MiB, marks=needs_triton)])
 def test_copy_engine_runs_stop_where_neighbouring_allocations_meet(backend: str, page: int
                                                                   ) -> None:
-    """Small KV tensors from the caching allocator fill segments that are often neighbours
-    in the address space, so a chunk of every tensor continues from one segment into the
-    next: the copy engines' runs stop at each allocation (`kv_allocations`) and the job
-    round-trips byte-exact; the same engine told of no allocations merges the run across
-    them, which the driver refuses -- so the job does cross neighbours."""
+    """KV tensors of 1 MiB from the caching allocator fill its 2 MiB segments two by two, and
+    segments are often neighbours in the address space, so a chunk of every tensor continues
+    from one segment into the next: the copy engines' runs stop at each allocation
+    (`kv_allocations`) and the job round-trips byte-exact; the same engine told of no
+    allocations merges the run across them, which the driver refuses -- so the job does cross
+    neighbours.  (Tensors smaller than half a segment rarely end where one does: anything
+    else of the process in a segment shifts them off its end.)"""
     from offload.cuda_driver import allocation_ranges
 
-    bpc = 4
+    bpc = MiB // page  # one chunk is one tensor of 1 MiB, the small pool's largest request
     kv = [torch.empty((bpc, page), dtype=torch.uint8, device="cuda").random_(0, 256)
           for _ in range(64)]
     neighbours = [t for t in range(len(kv) - 1)
