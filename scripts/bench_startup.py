@@ -774,15 +774,15 @@ def print_table(report: dict[str, Any]) -> None:
               "median) against after readiness")
         causes = ("variant", "worst_ms", "beside_ms", "reg_in_10", "before_ms", "idle_worst",
                   "idle_p99", "idle>2ms", "during GB/s", "jobs", "during/after")
-        print("{:<22}{:>10}{:>11}{:>11}{:>11}{:>12}{:>10}{:>12}{:>15}{:>6}{:>14}"
-              .format(*causes))
+        columns = "{:<22}{:>10}{:>11}{:>11}{:>11}{:>12}{:>10}{:>12}{:>15}{:>6}{:>14}"
+        print(columns.format(*causes))
         for name, r in probed_rows.items():
             during = "during_store_GBps" in r
             ratio = (f"{r['during_store_GBps'] / r['store_GBps']:.2f}/"
                      f"{r['during_load_GBps'] / r['load_GBps']:.2f}"
                      if during and "store_GBps" in r else "-")
             probed = "worst_wait_ms" in r
-            print("{:<22}{:>10}{:>11}{:>11}{:>11}{:>12}{:>10}{:>12}{:>15}{:>6}{:>14}".format(
+            print(columns.format(
                 name, f"{r['worst_wait_ms']:.1f}" if probed else "-",
                 f"{r['beside_max_ms']:.1f}" if probed else "-", r.get("overlapped", "-"),
                 f"{r['before_max_ms']:.1f}" if probed else "-",
