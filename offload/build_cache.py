@@ -51,6 +51,7 @@ HERE = Path(__file__).parent
 # Every C file of the package, by library name.  setup.cfg's package_data ships ``*.c`` next to
 # them; tests/test_wheel.py checks that a wheel holds each one.
 SOURCES = {"issue": HERE / "transfer" / "issue.c", "job_check": HERE / "transfer" / "job_check.c",
+           "page_sums": HERE / "transfer" / "page_sums.c",
            "populate": HERE / "region" / "populate.c"}
 
 _DIR_MODE = 0o700

@@ -34,7 +34,9 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 
 MAGIC = b"OFFLDKV\0"
-FORMAT_VERSION = 1
+# The payload's page sums follow `offload.integrity`'s definition of this version, so a file of
+# another version is another geometry (`fingerprint`), never checked against the wrong sums.
+FORMAT_VERSION = 2
 SUFFIX = ".kv"
 _FIXED = struct.Struct("<8sHHIQIIQ32sI")
 _HEADER_CRC_AT = 28  # offset of the header checksum, excluded from its own computation

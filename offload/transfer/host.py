@@ -1,19 +1,31 @@
+# SPDX-License-Identifier: Apache-2.0
 """The CPU backend: KV tensors in host memory (CI, CPU-only runs); jobs finish inside submit.
 
 With a checksum trailer in the layout (`offload.integrity`), every job sums the pages it copied
--- the gathered KV pages of a store, the gathered host pages of a load -- one whole-array numpy
-pass per tensor, then mixes in the identities of all tensors' units at once.  A store writes
-the sums into the trailer; a load compares them with it: a mismatch is recorded (`job_error`)
-and the job still reports finished.
+-- the KV pages of a store, the host pages of a load -- and mixes in each unit's identity.  A
+store writes the sums into the trailer; a load compares them with it: a mismatch is recorded
+(`job_error`), the failed units are poisoned, and the job still reports finished.
+
+Two implementations of one job, the same bytes and sums:
+
+* native (``page_sums.c``, built once per host by `offload.build_cache`): one call per job
+  copies every page of every tensor and sums each unit while it is in cache.  The numpy form
+  costs a dozen whole-array calls per tensor and job, a fixed cost several times a small job's
+  copy (docs/BENCHMARKS.md, "Integrity: checksum cost").
+* numpy (no compiler, ``OFFLOAD_NATIVE=0``): gathers and scatters per tensor, the sums by
+  `offload.integrity.raw_sums`, the reference the tests hold the native code to.
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
+from functools import cache
 
 import numpy as np
 import torch
 
+from offload.build_cache import SOURCES, load
 from offload.integrity import UNIT_BYTES, identity, raw_sums
 from offload.transfer.base import After, Direction, EngineBase
 from offload.transfer.layout import Job, SlotLayout
@@ -23,6 +35,22 @@ from offload.transfer.layout import Job, SlotLayout
 # far more than a few single-page copies (docs/BENCHMARKS.md, "Figures moved from code
 # comments").
 SMALL_JOB = 16
+_I64 = ctypes.c_int64
+_POINTER = ctypes.c_void_p
+
+
+@cache
+def page_sums_library() -> ctypes.CDLL | None:
+    """``page_sums.c`` built and loaded (once per process), or None where it cannot be."""
+    lib = load(SOURCES["page_sums"], "host copies with checksums", "offload_host_job",
+               flags=("-O3",))
+    if lib is not None:
+        lib.offload_host_job.restype = _I64
+        lib.offload_host_job.argtypes = [_POINTER, _I64, _I64, _I64, _POINTER, _POINTER, _I64,
+                                         _POINTER, ctypes.c_int32, ctypes.c_int32, _POINTER]
+        lib.offload_raw_sum.restype = ctypes.c_uint64
+        lib.offload_raw_sum.argtypes = [_POINTER, _I64]
+    return lib
 
 
 class HostEngine(EngineBase):
@@ -37,6 +65,9 @@ class HostEngine(EngineBase):
         super().__init__(kv_tensors, region, layout, chunk_count)
         self._pages = self._page_views()
         self._done: list[int] = []
+        self._native = page_sums_library()
+        self._table = self._native_table()
+        self._bad = np.zeros(3, dtype=np.int64)  # the native call's first mismatch
         if layout.integrity:
             starts = layout.trailer_offsets() - int(layout.trailer_offsets()[0])
             self._keys = np.array(layout.tensor_keys(), dtype=np.uint64)
@@ -44,7 +75,47 @@ class HostEngine(EngineBase):
             self._units = np.array(layout.units, dtype=np.int64)
             self._numpy = [(kv.numpy(), host.numpy()) for kv, host in self._pages]
 
+    def _native_table(self) -> np.ndarray:
+        """``page_sums.c``'s per-tensor table: KV base, block stride, page, host base (chunk 0,
+        position 0), trailer base (its sum of unit 0), units per page, identity key."""
+        layout, base = self._layout, self._region.data_ptr()
+        count = layout.num_tensors
+        trailers = (layout.trailer_offsets() if layout.integrity
+                    else np.zeros(count, dtype=np.int64))
+        units = layout.units if layout.integrity else (0,) * count
+        keys = (np.array(layout.tensor_keys(), dtype=np.uint64).view(np.int64)
+                if layout.integrity else np.zeros(count, dtype=np.int64))
+        return np.ascontiguousarray(np.stack([
+            self._kv_bases, self._block_strides, np.asarray(self._geometry.page_bytes),
+            base + layout.host_page_offsets(), base + trailers, np.asarray(units), keys,
+        ], axis=1).astype(np.int64))
+
     def _issue(self, job_id: int, direction: Direction, job: Job, after: After) -> None:
+        if self._native is not None:
+            self._issue_native(job_id, direction, job)
+        else:
+            self._issue_numpy(job_id, direction, job)
+        self._done.append(job_id)
+        return None
+
+    def _issue_native(self, job_id: int, direction: Direction, job: Job) -> None:
+        """One native call moves (and sums) the whole job; the failed units come back
+        poisoned, the first named in ``_bad``."""
+        if not len(job):
+            return
+        blocks = np.ascontiguousarray(job.blocks, dtype=np.int64)
+        pages = np.ascontiguousarray(job.host_pages, dtype=np.int64)
+        assert self._native is not None
+        bad = self._native.offload_host_job(
+            self._table.ctypes.data, self._layout.num_tensors, self._layout.row_stride,
+            self._layout.blocks_per_chunk, blocks.ctypes.data, pages.ctypes.data, len(job),
+            self.generations.ctypes.data, direction == "load", self.integrity,
+            self._bad.ctypes.data)
+        if bad:
+            tensor, entry, unit = (int(v) for v in self._bad)
+            self._mismatch(job_id, tensor, int(pages[entry]), unit)
+
+    def _issue_numpy(self, job_id: int, direction: Direction, job: Job) -> None:
         chunks, positions = divmod(job.host_pages, self._layout.blocks_per_chunk)
         sums: list[np.ndarray] = []
         checked = self.integrity and len(job) > 0
@@ -82,8 +153,6 @@ class HostEngine(EngineBase):
                     sums.append(raw_sums(pages.numpy()))
         if checked:
             self._finish_sums(job_id, direction, job, chunks, positions, sums)
-        self._done.append(job_id)
-        return None
 
     def _finish_sums(self, job_id: int, direction: Direction, job: Job, chunks: np.ndarray,
                      positions: np.ndarray, raw: list[np.ndarray]) -> None:

@@ -169,9 +169,13 @@ def copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc, sums,
         host = anchor
         check = sums
     if INTEGRITY:
-        byte = cols.to(tl.int64) * ELEMENT
-        weight = ((byte >> 3) * 2 + 1).to(tl.uint64)  # word i of the unit weighs 2i + 1
-        shift = ((byte & 7) * 8).to(tl.uint64)  # the element's place in its word
+        # word w of a unit is elements [w * PER, (w + 1) * PER) of its piece; its term is
+        # mix(word ^ word_key(w)) (`offload.integrity.raw_sums`)
+        PER: tl.constexpr = 8 // ELEMENT
+        WORDS: tl.constexpr = TILE // PER
+        word = tl.arange(0, WORDS)[None, :]
+        word_key = (word + 1).to(tl.uint64) * 0x9E3779B97F4A7C15  # integrity.GOLDEN
+        shift = ((cols.to(tl.int64) * ELEMENT & 7) * 8).to(tl.uint64)  # the element's place
         if LOAD:
             low = tl.load(job + 4 * n).to(tl.int64) & 0xFFFFFFFF
             failed = low + (tl.load(job + 4 * n + 1).to(tl.int64) << 32)
@@ -226,7 +230,11 @@ def copy_pages(anchor, table, job, n, items, num_tensors, row_stride, bpc, sums,
             if not LOAD:  # after the page's copy: this order keeps stores at copy speed
                 where, key, position = _sum_slot(entry, valid, host_page, chunk, row,
                                                  row_words, trailer0, piece, bpc)
-            total = tl.sum((_unsigned(data, ELEMENT) << shift) * weight, axis=1)
+            wide = _unsigned(data, ELEMENT)
+            if PER > 1:  # narrower elements: assemble each word from its PER elements
+                wide = tl.sum(tl.reshape(wide << shift, [ROWS, WORDS, PER]), axis=2)
+            inside = word * PER < count[:, None]  # the unit's own words: no padding terms
+            total = tl.sum(tl.where(inside, _mix(wide ^ word_key), 0), axis=1)
             ident = _mix(_mix(_mix(_mix(key ^ chunk.to(tl.uint64)) ^ generation)
                               ^ position.to(tl.uint64)) ^ piece.to(tl.uint64))
             stored = (total + ident).to(tl.int64, bitcast=True)
@@ -267,7 +275,8 @@ def kernel_shape(layout: SlotLayout, element: int, tile_bytes: int, step_bytes: 
     """(tile, pieces, rows): elements of one work item, work items per page of the largest
     tensor, work items per program and step."""
     max_page = max(layout.page_bytes) // element
-    tile = min(_ceil_pow2(max_page), tile_bytes // element)
+    # at least one whole checksum word per work item (`copy_pages` sums words)
+    tile = max(min(_ceil_pow2(max_page), tile_bytes // element), 8 // element)
     return tile, -(-max_page // tile), max(1, (step_bytes // element) // tile)
 
 

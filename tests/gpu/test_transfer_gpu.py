@@ -22,6 +22,7 @@ from offload.transfer.fast_check import checker_library
 from offload.transfer.layout import tensor_ranges
 from offload.transfer.native import library
 from offload.transfer.registration import host_registered
+from tests.test_integrity import ERROR_CLASSES
 from tests.test_transfer_helpers import (
     HYBRID_PAGES,
     engine_kv_set,
@@ -645,6 +646,39 @@ def test_a_flipped_byte_fails_the_load_on_every_path(backend: str, route: str) -
         region[start + 20_000] ^= 0x04
         engine.submit(6, "load", *load)
         assert engine.wait_all() == [6] and engine.job_error(6) is None
+        if backend == "hybrid":
+            assert engine.routes[route] > 0
+
+
+@pytest.mark.parametrize("error", ERROR_CLASSES)
+@pytest.mark.parametrize(("backend", "route"), INTEGRITY_PATHS)
+def test_every_damaged_page_is_caught_on_every_path(backend: str, route: str, error: str
+                                                    ) -> None:
+    """The GPU form of the host test of the same name: every page of tensor 1 damaged with one
+    error of the class (two top-bit flips, a swap of neighbours that differ only in bit 63,
+    1-4 random bits) comes back poisoned; tensor 0 comes back byte-exact."""
+    rng = np.random.default_rng(len(error))
+    kv = kv_set(128, [16 * KiB, 16 * KiB], "cuda")
+    with cuda_engine(backend, kv, 4, bpc=16) as (engine, kv, region):
+        layout = engine.layout
+        words = kv[1].view(torch.uint8).view(torch.int64)  # plant the swap's neighbours
+        for block in range(64):
+            i = int(rng.integers(0, 16 * KiB // 8 - 1))
+            words[block, i + 1] = words[block, i] ^ torch.tensor(-(1 << 63), device="cuda")
+        chunks, positions = np.repeat(np.arange(4), 16), np.tile(np.arange(16), 4)
+        if route == "kernel":  # shuffled pages: the kernel's route; whole chunks: the others'
+            order = rng.permutation(64)
+            chunks, positions = chunks[order], positions[order]
+        engine.submit(1, "store", np.arange(64), chunks, positions)
+        assert engine.wait_all() == [1] and engine.job_error(1) is None
+        for c, p in zip(chunks, positions, strict=True):
+            start = (int(c) * layout.row_stride + layout.slot_offset + layout.tensor_offsets[1]
+                     + int(p) * 16 * KiB)
+            ERROR_CLASSES[error](region[start:start + 16 * KiB].numpy().view(np.uint64), rng)
+        engine.submit(2, "load", np.arange(64, 128), chunks, positions)
+        assert engine.wait_all() == [2] and engine.job_error(2) is not None
+        assert torch.equal(kv[0].view(torch.uint8)[64:], kv[0].view(torch.uint8)[:64])
+        assert bool((kv[1].view(torch.uint8)[64:] == 0xFF).all()), "a damaged page loaded"
         if backend == "hybrid":
             assert engine.routes[route] > 0
 
