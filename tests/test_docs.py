@@ -2,7 +2,10 @@
 """The docs cannot drift from the code: every flag a command in README.md or docs/*.md passes to
 one of our scripts exists in that script's ``--help``, the main job's flag table lists exactly
 the flags of ``launch/run.py --help``, and every relative link points to an existing file (and,
-for a Markdown page, to an existing heading).
+for a Markdown page, to an existing heading).  The reference pages stay current and short: no
+work-period labels ("session 27", "call D") in any doc, README.md, docs/BENCHMARKS.md and
+docs/DESIGN.md within their line limits, and DESIGN.md's module map naming every module of
+``offload/`` and ``launch/`` by a path that exists.
 
 A command is a fenced code block's line (``\\`` continuations joined) or an inline code span
 that names ``launch/run.py``, ``launch/prefix_reload.py`` or ``scripts/<name>.py`` (or
@@ -163,3 +166,54 @@ def test_relative_links_resolve(doc: Path) -> None:
             bad.append(f"{_rel(doc)}: link {target} -> no heading #{anchor} in "
                        f"{page.relative_to(ROOT).as_posix()}")
     assert not bad, "; ".join(bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference pages stay current and short
+# ---------------------------------------------------------------------------------------------
+
+# NOTE: a doc cites a figure by its date and machine; work-period labels ("session 27",
+# "call D", "turn-1", "lease 4") mean nothing to a reader who was not there.
+_PERIOD = re.compile(r"\b[Ss]essions? \d"
+                     r"|\b[Cc]alls? [A-Z](?:\b|-[A-Z]\b)"
+                     r"|\b[Cc]alls? \d+(?![\d-])\b(?!\s*(?:ms|us|s)\b)"
+                     r"|\bturn-\d|\b[Ll]ease \d")
+_MAX_LINES = {"README.md": 200, "docs/BENCHMARKS.md": 500, "docs/DESIGN.md": 700}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=_rel)
+def test_no_work_period_labels(doc: Path) -> None:
+    lines = enumerate(doc.read_text().splitlines(), start=1)
+    bad = [f"{_rel(doc)}:{n}: {m.group(0)!r}" for n, line in lines for m in _PERIOD.finditer(line)]
+    assert not bad, "name the date and machine instead: " + "; ".join(bad)
+
+
+@pytest.mark.parametrize("name", sorted(_MAX_LINES))
+def test_reference_pages_stay_short(name: str) -> None:
+    lines = len((ROOT / name).read_text().splitlines())
+    assert lines <= _MAX_LINES[name], (f"{name} has {lines} lines, over its {_MAX_LINES[name]}: "
+                                       "history belongs in git, not on the page")
+
+
+def _module_map() -> list[str]:
+    """The paths in the first column of DESIGN.md's module map (section 1)."""
+    text = (ROOT / "docs" / "DESIGN.md").read_text()
+    section = text.split("## 1. ", 1)[1].split("\n## ", 1)[0]
+    rows = [row for row in section.splitlines() if row.startswith("| `")]
+    return [path for row in rows for path in _SPAN.findall(row.split("|")[1])]
+
+
+def test_module_map_names_real_paths() -> None:
+    missing = [path for path in _module_map() if not (ROOT / path).exists()]
+    assert not missing, f"docs/DESIGN.md's module map names paths that do not exist: {missing}"
+
+
+def test_module_map_covers_every_module() -> None:
+    """Every module of the package and the launcher is in the map, by name or by its folder."""
+    named = _module_map()
+    modules = sorted(p.relative_to(ROOT).as_posix()
+                     for folder in ("offload", "launch") for p in (ROOT / folder).rglob("*")
+                     if p.suffix in (".py", ".c") and p.name != "__init__.py")
+    left = [m for m in modules
+            if not any(m == n or (n.endswith("/") and m.startswith(n)) for n in named)]
+    assert not left, f"docs/DESIGN.md's module map lacks {left}"
