@@ -39,10 +39,11 @@ import torch
 import torch.distributed as dist
 
 from launch.run import pick_device, run_entry, shm_files_left
-from offload import CopyJob, HostTier, TierConfig, cleanup
+from offload import CopyJob, HostTier, TierConfig
 from offload.config import LAYOUTS
 from offload.errors import OffloadError
-from offload.report import write_json
+from offload.observe.report import write_json
+from offload.region import cleanup
 from offload.sizes import parse_size
 from offload.transfer.base import Direction
 from offload.transfer.layout import tensor_ranges

@@ -31,13 +31,14 @@ import torch
 import torch.distributed as dist
 
 from launch import rounds, synthetic
-from offload import cleanup, fs_actions
 from offload.actor import RankActor
 from offload.config import FS_BYTES_FACTOR, LAYOUTS, TierConfig
+from offload.control.quorum import default_store
+from offload.control.rpc import Aborted
+from offload.control.topology import check_grid
 from offload.errors import OffloadError
-from offload.log import setup_logging
-from offload.quorum import default_store
-from offload.report import (
+from offload.observe.log import setup_logging
+from offload.observe.report import (
     count_shm_files,
     integrity_block,
     paths_block,
@@ -45,12 +46,12 @@ from offload.report import (
     render_table,
     write_json,
 )
-from offload.rpc import Aborted
+from offload.observe.timeline import draw_timeline
+from offload.region import cleanup
 from offload.sizes import parse_size
 from offload.tier import HostTier
+from offload.tiers import fs_actions
 from offload.tiers.rank_files import combine_reports
-from offload.timeline import draw_timeline
-from offload.topology import check_grid
 from offload.transfer.engine import BACKENDS
 
 log = logging.getLogger("launch.run")

@@ -3,7 +3,7 @@
 One actor lives in every rank's process.  It holds the rank's KV tensors, its installed plan,
 its host region and its transfer engine, executes the jobs it is given in order and reports each
 finished copy to the quorum.  Rank 0 drives actors through the collective RPC
-(`offload.rpc`): every public method here that takes only picklable arguments can be sent as
+(`offload.control.rpc`): every public method here that takes only picklable arguments can be sent as
 ``rpc.call(RankActor.method, ...)``.
 """
 
@@ -19,17 +19,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from offload.audit import Auditor
 from offload.config import TierConfig
+from offload.control.jobs import JobBook
+from offload.control.plan import Plan, RankDescriptor
+from offload.control.quorum import Quorum
+from offload.control.topology import Topology
 from offload.errors import OffloadError, one_line
-from offload.jobs import JobBook
-from offload.plan import Plan, RankDescriptor
-from offload.quorum import Quorum
+from offload.observe.audit import Auditor
 from offload.region.host_region import HostRegion
 from offload.region.numa import cuda_numa_node
 from offload.region.pin import Registrar, choose_registrar
 from offload.tiers.rank_files import RankFiles
-from offload.topology import Topology
 from offload.transfer import (
     SlotLayout,
     TransferEngine,

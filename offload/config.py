@@ -161,8 +161,8 @@ class TierConfig:
     engine: this is moot."""
 
     metrics_port: int | None = None
-    """Serve live Prometheus metrics (``offload_*``, `offload.metrics`) on this port plus the
-    rank's local rank (``--metrics-port``); needs ``offload[metrics]``.  None: not served."""
+    """Serve live Prometheus metrics (``offload_*``, `offload.observe.metrics`) on this port plus
+    the rank's local rank (``--metrics-port``); needs ``offload[metrics]``.  None: not served."""
 
     metrics_addr: str = "127.0.0.1"
     """The address the metrics servers listen on (``--metrics-addr``): this host only by

@@ -22,8 +22,8 @@ same values on the GPU and the tests hold the two to this module.
 * The stored value mixes in the unit's identity: ``stored = s + identity mod 2**64`` with
   ``identity = mix(mix(mix(mix(tensor_key ^ chunk) ^ generation) ^ position) ^ unit)``,
   ``tensor_key = mix(seed + (tensor + 1) * GOLDEN)`` and ``mix`` the splitmix64 finaliser (a
-  bijection).  The seed is the tier's: one per plan slot (`offload.plan.integrity_seed`), so a
-  page that is a valid page of another chunk, position, tensor, rank or stage does not match.
+  bijection).  The seed is the tier's: one per plan slot (`offload.control.plan.integrity_seed`),
+  so a page that is a valid page of another chunk, position, tensor, rank or stage does not match.
 * The *generation* is the page's (chunk and position): every store job renews the pages it
   writes (`store_generation`: its sequence number, the same on every rank), and a promotion
   from the file tier renews its rows' pages (`promotion_generation`).  A page and sum left from

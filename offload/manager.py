@@ -1,8 +1,8 @@
 """The chunk manager: which chunk holds which key, and which chunks may be reused.
 
 It runs on the scheduling rank only and is pure bookkeeping (no torch, no I/O); the copies
-themselves run on every rank and are counted done by the quorum (`offload.quorum`).  Its rules
-(DESIGN.md section 6):
+themselves run on every rank and are counted done by the quorum (`offload.control.quorum`).  Its
+rules (DESIGN.md section 6):
 
 * a chunk is ``free``, ``storing`` (a store job is writing it: not readable, not evictable) or
   ``readable``;
@@ -50,8 +50,8 @@ from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from offload.disk_index import DiskIndex
 from offload.errors import OffloadError
+from offload.tiers.disk_index import DiskIndex
 
 ChunkKey = Hashable
 Pairs = tuple[tuple[ChunkKey, int], ...]

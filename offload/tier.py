@@ -16,7 +16,8 @@ Two ways to move blocks afterwards:
 * **driven** (the main job): rank 0 owns the `ChunkManager` and calls `run` (every rank's actor
   copies, rank 0 waits for the quorum) while the other ranks sit in `serve`.
 
-Both paths complete jobs through the same watermarks (`offload.quorum`, `offload.board`).
+Both paths complete jobs through the same watermarks (`offload.control.quorum`,
+`offload.control.board`).
 """
 
 from __future__ import annotations
@@ -38,23 +39,24 @@ from typing import Any, overload
 import torch
 import torch.distributed as dist
 
-from offload import cleanup, fs_actions
 from offload.actor import CopyJob, RankActor
-from offload.audit import Auditor
-from offload.board import Board, unpack_ready
 from offload.config import TierConfig
+from offload.control.board import Board, unpack_ready
+from offload.control.jobs import Entry
+from offload.control.plan import Plan, RankDescriptor, compute_plan
+from offload.control.quorum import Quorum, Words, default_store
+from offload.control.rpc import CollectiveRPC
+from offload.control.stores import await_key
+from offload.control.topology import NODE_GROUP_MIN_TIMEOUT_S, Topology, discover
 from offload.errors import JobFailed, OffloadError, PeerError, is_damage, one_line
-from offload.jobs import Entry
 from offload.manager import ChunkManager, PromoteJob
-from offload.metrics import JobTally, MetricsServer, serve_metrics
-from offload.plan import Plan, RankDescriptor, compute_plan
-from offload.quorum import Quorum, Words, default_store
+from offload.observe.audit import Auditor
+from offload.observe.metrics import JobTally, MetricsServer, serve_metrics
+from offload.region import cleanup
 from offload.region.pin import Registrar
 from offload.region.prefault import progress_logger
-from offload.rpc import CollectiveRPC
-from offload.stores import await_key
+from offload.tiers import fs_actions
 from offload.tiers.rank_files import disk_capacity
-from offload.topology import NODE_GROUP_MIN_TIMEOUT_S, Topology, discover
 from offload.transfer.base import After
 
 log = logging.getLogger(__name__)
@@ -154,7 +156,7 @@ class HostTier:
 
         ``backend`` picks the transfer backend (``auto``: by device and pinning); ``audit``
         hashes every block before store and after load and counts mismatches
-        (`offload.audit`).  ``registrar_factory`` makes the object that pins host memory for
+        (`offload.observe.audit`).  ``registrar_factory`` makes the object that pins host memory for
         the KV device (default `choose_registrar`: CUDA's driver API for CUDA tensors, in a
         context of its own with ``config.background`` and ``config.setup_context``; a
         recording no-op else).
@@ -169,10 +171,10 @@ class HostTier:
         then every process of the job must call `create` at the same point (each with its own
         group, all of non-gloo backends); pass gloo groups to create tiers independently.
         ``store`` is the key-value store for the tier's keys (default: the job's own, see
-        `offload.quorum.default_store`); keys live under a namespace unique to the group, so
+        `offload.control.quorum.default_store`); keys live under a namespace unique to the group, so
         tiers on disjoint groups never see each other's.  ``metrics`` is a
         ``prometheus_client`` registry to add the tier's ``offload_*`` metrics to (the engine's
-        own); ``config.metrics_port`` serves them over HTTP instead (`offload.metrics`)."""
+        own); ``config.metrics_port`` serves them over HTTP instead (`offload.observe.metrics`)."""
         started = time.perf_counter()
         group = control_group(group, config.timeout_s)
         topology = discover(config.tp, config.pp, config.timeout_s, group)

@@ -68,7 +68,8 @@ def _rank_main(rank: int, world: int, port: int, jobs: int, device: str, driven:
     import torch
     import torch.distributed as dist
 
-    from offload import CopyJob, HostTier, TierConfig, cleanup
+    from offload import CopyJob, HostTier, TierConfig
+    from offload.region import cleanup
 
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))

@@ -61,15 +61,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offload.config import TierConfig  # noqa: E402
-from offload.cuda_driver import driver_call  # noqa: E402
 from offload.errors import OffloadError  # noqa: E402
-from offload.geometry import ByteRange, RegionGeometry, setup_units  # noqa: E402
 from offload.region.background import BackgroundSetup  # noqa: E402
+from offload.region.geometry import ByteRange, RegionGeometry, setup_units  # noqa: E402
 from offload.region.nameless import memfd_mapping  # noqa: E402
 from offload.region.pin import Pinner, Registrar, choose_registrar  # noqa: E402
 from offload.region.prefault import madvise_populate, touch_pages  # noqa: E402
 from offload.region.shm import Mapping  # noqa: E402
 from offload.sizes import format_size, parse_size  # noqa: E402
+from offload.system.cuda_driver import driver_call  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

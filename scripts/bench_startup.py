@@ -52,14 +52,14 @@ import torch.multiprocessing as mp
 from stack_sampler import StackSampler
 from wait_sampler import WaitSampler
 
-from offload import cleanup
 from offload.config import TierConfig
-from offload.geometry import ByteRange, RegionGeometry, segment_ranges
+from offload.observe.timeline import draw_timeline
+from offload.region import cleanup
+from offload.region.geometry import ByteRange, RegionGeometry, segment_ranges
 from offload.region.nameless import create_memfds
 from offload.region.prefault import plan_pieces, prefault
 from offload.region.shm import Mapping, close_fds, create_segments, open_segment, unlink_quiet
 from offload.sizes import format_size, parse_size
-from offload.timeline import draw_timeline
 
 GiB = 1 << 30
 

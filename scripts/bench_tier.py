@@ -57,8 +57,8 @@ from bench_engine import (
     matmul_tflops,
 )
 
-from offload import cleanup
 from offload.integrity import trailer_bytes
+from offload.region import cleanup
 from offload.sizes import format_size, parse_size, round_up
 
 

@@ -42,7 +42,7 @@ step() {  # name, limit in seconds, command...
 }
 echo "GPUs: $NGPU" > "$OUT/summary.txt"
 [ "${SKIP_TESTS:-0}" = 1 ] || step gpu_tests "${TESTS_LIMIT:-240}" "$PY" -m pytest -q \
-    -p no:cacheprovider -n "${TEST_WORKERS:-6}" tests/gpu tests/test_region_pin.py
+    -p no:cacheprovider -n "${TEST_WORKERS:-6}" tests/gpu tests/region/test_region_pin.py
 [ "${SKIP_ENGINE:-0}" = 1 ] || step bench_engine "${ENGINE_LIMIT:-120}" "$PY" \
     scripts/bench_engine.py --reps "${ENGINE_REPS:-5}" --backend hybrid,triton \
     --json "$LOGS/engine.json" ${ENGINE_ARGS:-}

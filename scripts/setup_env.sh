@@ -12,7 +12,7 @@ fi
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     "$VENV/bin/python" -m pip install -q "torch==2.13.0"
 fi
-# tests/test_wheel.py builds a wheel offline (--no-build-isolation): the build backend must be here
+# tests/system/test_wheel.py builds a wheel offline (--no-build-isolation): the build backend must be here
 if ! "$VENV/bin/python" -c "import setuptools.command.bdist_wheel" 2>/dev/null; then
     "$VENV/bin/python" -m pip install -q "setuptools>=70.1"
 fi

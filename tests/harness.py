@@ -25,7 +25,7 @@ from typing import Any
 
 import cloudpickle
 
-from offload import cleanup
+from offload.region import cleanup
 
 
 @dataclass

@@ -621,7 +621,7 @@ def test_a_killed_rank_fails_the_driver_within_the_timeout_and_leaves_nothing(
         import threading
 
         from offload import CopyJob, HostTier, PeerError
-        from offload.rpc import Aborted
+        from offload.control.rpc import Aborted
 
         tier = HostTier.create(_hybrid_kv(rank, 8), TierConfig(
             cpu_bytes_per_node=4 * MiB, layout="shared", blocks_per_chunk=4, tp=3,

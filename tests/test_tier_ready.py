@@ -396,7 +396,8 @@ def test_wait_ready_waits_for_rows_a_stopped_rank_still_covers(tmp_path) -> None
 def test_a_promotion_into_a_row_not_set_up_is_refused_before_any_read() -> None:
     from types import SimpleNamespace
 
-    from offload import OffloadError, fs_actions
+    from offload import OffloadError
+    from offload.tiers import fs_actions
 
     class NoReads:
         def promote(self, reads, generation, spills):  # pragma: no cover - never reached
@@ -436,7 +437,7 @@ def _last_rows_while_sharing(rank: int, gate: str) -> object:
     rows -- the leader shares again what it read."""
     import torch.distributed as dist
 
-    from offload.quorum import Quorum
+    from offload.control.quorum import Quorum
 
     registrar = GatedRegistrar(gate, free=3 if rank == 1 else 10 ** 6)
     tier = _background_tier(rank, "shared", registrar)

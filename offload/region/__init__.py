@@ -1,7 +1,26 @@
-"""Host memory regions: shm segments, pre-fault, pinning and the per-rank ``HostRegion``."""
+# SPDX-License-Identifier: Apache-2.0
+"""Host memory regions: their geometry, shm segments, pre-fault, pinning, signal-safe clean-up
+and the per-rank ``HostRegion``.  Public names are imported lazily, so that the pure geometry
+(`offload.region.geometry`) does not pull in the syscall layers."""
 
-from offload.region.host_region import HostRegion, RegionStats
-from offload.region.pin import CudaRegistrar, RecordingRegistrar, Registrar, choose_registrar
+from __future__ import annotations
 
-__all__ = ["CudaRegistrar", "HostRegion", "RecordingRegistrar", "RegionStats", "Registrar",
-           "choose_registrar"]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "HostRegion": "offload.region.host_region",
+    "RegionStats": "offload.region.host_region",
+    "CudaRegistrar": "offload.region.pin",
+    "RecordingRegistrar": "offload.region.pin",
+    "Registrar": "offload.region.pin",
+    "choose_registrar": "offload.region.pin",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'offload.region' has no attribute {name!r}")

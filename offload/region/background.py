@@ -8,7 +8,7 @@ announces after each "rows below R are usable" through ``on_ready`` (the rank's 
 the node board).
 
 The pre-fault threads never hold the GIL while they work: each makes one call into
-``populate.c`` (built like the package's other C code, `offload.build_cache`), which takes
+``populate.c`` (built like the package's other C code, `offload.system.build_cache`), which takes
 units from a shared counter and populates them until none is left.  Python threads would take
 the GIL back after every unit; sixteen of them doing so hand it around the engine's own
 threads (and, under SCHED_IDLE, could be preempted holding it).  Without a C compiler, or with
@@ -41,9 +41,8 @@ from functools import cache
 
 import numpy as np
 
-from offload.build_cache import SOURCES, load
 from offload.errors import one_line
-from offload.geometry import SetupUnits
+from offload.region.geometry import SetupUnits
 from offload.region.pin import Pinner
 from offload.region.prefault import (
     PopulateFn,
@@ -52,6 +51,7 @@ from offload.region.prefault import (
     madvise_populate,
 )
 from offload.region.shm import close_fds
+from offload.system.build_cache import SOURCES, load
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ RESERVE_BYTES = 256 << 20
 # shards the writing; with shares 2.70-2.74 s, worst launch wait 0.8-2.0 ms (H200 host, old and
 # new alternated in one call; docs/BENCHMARKS.md, "A replicated stage's ranks share the
 # writing").  On the CI machine a rank mapping pages its peer wrote took 547 faults per 1,024
-# pages against 1,031 (`tests/test_region_background.py`).
+# pages against 1,031 (`tests/region/test_region_background.py`).
 PROGRESS_INTERVAL_S = 2.0
 
 
@@ -177,7 +177,7 @@ def yield_cpu() -> None:
 
 @cache
 def native_populator() -> ctypes.CDLL | None:
-    """The compiled ``populate.c``, or None where it cannot be built (`offload.build_cache`).
+    """The compiled ``populate.c``, or None where it cannot be built (`offload.system.build_cache`).
     Loaded with ``CDLL``: a call releases the GIL for as long as it runs."""
     lib = load(SOURCES["populate"], "background pre-fault", "offload_populate_units")
     if lib is not None:

@@ -51,21 +51,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offload import cleanup
 from offload.config import TierConfig
+from offload.control.plan import Plan
+from offload.control.topology import Topology, processes_on_node
 from offload.errors import OffloadError, one_line
-from offload.geometry import (
-    ByteRange,
-    RegionGeometry,
-    copy_starts,
-    merge_ranges,
-    node_registers_whole_rows,
-    prefault_ranges,
-    registration_ranges,
-    segment_ranges,
-    sized_setup,
-)
-from offload.plan import Plan
+from offload.region import cleanup
 from offload.region.background import (
     MAX_REGISTRATIONS,
     MAX_UNIT_BYTES,
@@ -77,6 +67,17 @@ from offload.region.background import (
     setup_cpus,
     setup_threads,
     sharing_processes,
+)
+from offload.region.geometry import (
+    ByteRange,
+    RegionGeometry,
+    copy_starts,
+    merge_ranges,
+    node_registers_whole_rows,
+    prefault_ranges,
+    registration_ranges,
+    segment_ranges,
+    sized_setup,
 )
 from offload.region.hugepages import shmem_huge_mode, small_page_hint
 from offload.region.nameless import (
@@ -102,7 +103,6 @@ from offload.region.shm import (
 )
 from offload.region.space import check_space, strict_overcommit
 from offload.region.sync import NodeSync
-from offload.topology import Topology, processes_on_node
 
 log = logging.getLogger(__name__)
 

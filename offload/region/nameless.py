@@ -17,7 +17,7 @@ Trust: any local user may bind or connect to an abstract name it knows, and a bo
 secret (``/proc/net/unix`` lists it to every user).  So no name is known before it is bound:
 the leader binds a name ending in 128 random bits (`new_socket_name`) and only then tells the
 node's ranks (the region's in the node exchange, `offload.region.sync.NodeSync.step` with
-``share``; the board's through the tier's store, `offload.board.Board.open`).  A user who
+``share``; the board's through the tier's store, `offload.control.board.Board.open`).  A user who
 learnt the tier id (from a bound name or a ``/dev/shm`` file), or who reads the store, cannot
 bind a hand-off's name first and fail the tier's start.  Both ends also check the other's
 credentials (``SO_PEERCRED``, set by the kernel):

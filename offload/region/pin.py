@@ -35,9 +35,9 @@ from typing import Protocol
 
 import torch
 
-from offload.cuda_driver import bound_function, check, error_name, require_libcuda
-from offload.geometry import ByteRange
+from offload.region.geometry import ByteRange
 from offload.sizes import format_size
+from offload.system.cuda_driver import bound_function, check, error_name, require_libcuda
 
 log = logging.getLogger(__name__)
 

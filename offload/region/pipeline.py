@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
-from offload.geometry import ByteRange
+from offload.region.geometry import ByteRange
 from offload.region.pin import Pinner
 
 

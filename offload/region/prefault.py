@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from offload.errors import OffloadError
-from offload.geometry import ByteRange, interleave_by_segment, split_work
+from offload.region.geometry import ByteRange, interleave_by_segment, split_work
 from offload.region.shm import libc, tensor_at
 from offload.sizes import format_size
 

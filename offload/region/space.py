@@ -17,8 +17,8 @@ import os
 from collections.abc import Iterator
 
 from offload.errors import OffloadError
-from offload.paths import check_writable_dir
 from offload.sizes import format_size
+from offload.system.paths import check_writable_dir
 
 TMPFS_MAGIC = 0x01021994
 RAMFS_MAGIC = 0x858458F6

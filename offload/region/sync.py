@@ -15,8 +15,8 @@ from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 
+from offload.control.topology import Topology
 from offload.errors import PeerError, one_line
-from offload.topology import Topology
 
 T = TypeVar("T")
 

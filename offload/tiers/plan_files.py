@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
+from offload.control.plan import Plan
 from offload.errors import OffloadError
-from offload.plan import Plan
 from offload.sizes import format_size
 from offload.tiers.file_format import chunk_file_bytes
 

@@ -44,12 +44,12 @@ from typing import Any
 
 import numpy as np
 
+from offload.control.plan import Plan
+from offload.control.topology import Topology
 from offload.integrity import move_sums, trailer_bytes
-from offload.plan import Plan
 from offload.tiers.file_tier import DEFAULT_IO_TIMEOUT_S, FileTier, Spill, host_view
 from offload.tiers.fs_io import FileIO
 from offload.tiers.plan_files import file_capacity, rank_budget, rank_geometry
-from offload.topology import Topology
 from offload.transfer.layout import SlotLayout
 
 WorkItem = tuple[Hashable, int]  # (chunk key, chunk id)

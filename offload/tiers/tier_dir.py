@@ -11,7 +11,7 @@ before us in a shared directory (``/tmp``) and fill it with files of their choos
 subdirectory is therefore used only when this user owns it and no one else may write it
 (checked on the opened descriptor, so a swap after the check changes nothing); otherwise the
 tier refuses to start with a one-line error naming the folder.  The user's directory itself
-must keep others from renaming our folders (`offload.paths`): in a shared directory without
+must keep others from renaming our folders (`offload.system.paths`): in a shared directory without
 the sticky bit, another user could rename one rank's folder to another's fingerprint, and the
 tier would take that rank's files for damaged ones and delete them.  It is checked on its open
 descriptor too, and the subdirectory is made and opened relative to that descriptor.
@@ -26,7 +26,7 @@ import os
 import stat
 
 from offload.errors import OffloadError
-from offload.paths import check_entries_are_ours, check_writable_dir
+from offload.system.paths import check_entries_are_ours, check_writable_dir
 
 
 def check_directory(directory: str) -> str:

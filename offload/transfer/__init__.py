@@ -2,8 +2,9 @@
 (DESIGN.md section 6).  `make_engine` picks the backend; `kv_geometry` checks KV tensors before
 any memory exists; `check_job` and `page_addresses` are the pure job rules."""
 
+from offload.transfer.available import triton_available
 from offload.transfer.base import Direction, TransferEngine
-from offload.transfer.engine import BACKENDS, make_engine, triton_available
+from offload.transfer.engine import BACKENDS, make_engine
 from offload.transfer.layout import Job, SlotLayout, check_job, page_addresses
 from offload.transfer.tensors import KVGeometry, kv_geometry
 

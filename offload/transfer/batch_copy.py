@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from offload.cuda_driver import allocation_ranges, driver_call, has_entry_point
 from offload.errors import OffloadError
+from offload.system.cuda_driver import allocation_ranges, driver_call, has_entry_point
+from offload.transfer.available import triton_available
 from offload.transfer.base import Direction
 from offload.transfer.cuda import StreamEngine
 from offload.transfer.layout import IndexArray, Job, SlotLayout, coalesce, page_addresses
@@ -95,7 +96,7 @@ def allocation_starts(kv_bases: Sequence[int], block_strides: Sequence[int],
                       page_bytes: Sequence[int], num_blocks: int,
                       ranges: Sequence[Sequence[tuple[int, int]]]) -> IndexArray:
     """The sorted starts of the device allocations the KV tensors lie in, given each tensor's
-    allocations (``ranges[t]``, `offload.cuda_driver.allocation_ranges` over its bytes): a
+    allocations (``ranges[t]``, `offload.system.cuda_driver.allocation_ranges` over its bytes): a
     page's allocation is then the last start at or below it (`copy_runs`).
 
     A page must lie in one allocation, since the copy engines move it in one piece; tensors
@@ -201,7 +202,6 @@ class BatchCopyEngine(StreamEngine):
         self.allocations = kv_allocations(kv_tensors, self._geometry)
         self.kernel: KernelCopier | None = None
         if layout.integrity:
-            from offload.transfer.engine import triton_available
             if triton_available():
                 from offload.transfer.kernel import kernel_copier
                 self.kernel = kernel_copier(self)

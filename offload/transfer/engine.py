@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 
 import torch
 
 from offload.config import DEFAULT_STAGING_BYTES
 from offload.errors import OffloadError
+from offload.transfer.available import triton_available
 from offload.transfer.base import TransferEngine
 from offload.transfer.layout import SlotLayout
 
 BACKENDS = ("auto", "host", "hybrid", "triton", "copy_engine", "per_block")
-
-
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def choose_backend(on_cuda: bool, pinned: bool, has_triton: bool, has_batch_copy: bool

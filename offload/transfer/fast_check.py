@@ -34,7 +34,7 @@ from functools import cache
 
 import numpy as np
 
-from offload.build_cache import SOURCES, load
+from offload.system.build_cache import SOURCES, load
 from offload.transfer.layout import Job, SlotLayout, UniqueDestinations
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ store writes the sums into the trailer; a load compares them with it: a mismatch
 
 Two implementations of one job, the same bytes and sums:
 
-* native (``page_sums.c``, built once per host by `offload.build_cache`): one call per job
+* native (``page_sums.c``, built once per host by `offload.system.build_cache`): one call per job
   copies every page of every tensor and sums each unit while it is in cache.  The numpy form
   costs a dozen whole-array calls per tensor and job, a fixed cost several times a small job's
   copy (docs/BENCHMARKS.md, "Integrity: checksum cost").
@@ -25,8 +25,8 @@ from functools import cache
 import numpy as np
 import torch
 
-from offload.build_cache import SOURCES, load
 from offload.integrity import UNIT_BYTES, identity, raw_sums
+from offload.system.build_cache import SOURCES, load
 from offload.transfer.base import After, Direction, EngineBase
 from offload.transfer.layout import Job, SlotLayout
 

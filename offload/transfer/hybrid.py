@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from offload.config import DEFAULT_STAGING_BYTES
-from offload.cuda_driver import allocation_ranges
+from offload.system.cuda_driver import allocation_ranges
 from offload.transfer.base import Direction
 from offload.transfer.batch_copy import BatchCopier, kv_allocations, page_copies
 from offload.transfer.cuda import StreamEngine

@@ -18,8 +18,8 @@ launches it with ``cuLaunchKernel`` (`offload.transfer.launcher`), and only a ch
 * `build` -- the variants missing from the cache, compiled in one child process and written
   to the cache, then loaded.
 
-Trust: the cache is the build cache's directory (`offload.build_cache`, ``kernels/`` below it),
-with its rules.  A cubin is code the GPU runs with the process's access to its memory.  So a
+Trust: the cache is the build cache's directory (`offload.system.build_cache`, ``kernels/`` below
+it), with its rules.  A cubin is code the GPU runs with the process's access to its memory.  So a
 cubin is loaded only from a directory this user owns and no one else can write, only from a
 regular file of this user that no one else can write, opened without following a symlink.
 The file must also name the variant it was asked for.  Anything else is compiled again.  Where
@@ -48,12 +48,12 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from offload import build_cache
-from offload.cuda_driver import driver_call
+from offload.system import build_cache
+from offload.system.cuda_driver import driver_call
 
 log = logging.getLogger(__name__)
 
-KERNEL_SOURCE = Path(__file__).with_name("kernel.py")
+KERNEL_SOURCE = Path(__file__).with_name("copy_kernel.py")
 CHILD_TIMEOUT_S = 600.0  # a cold compilation of every variant takes tens of seconds
 # A pointer argument is compiled for a 16-byte-aligned address or for any; an integer argument
 # for the narrowest of Triton's integer types that holds it.
@@ -342,7 +342,7 @@ def _compile(spec: dict[str, Any]) -> Built:
     the right type, alignment and integer width."""
     import torch
 
-    from offload.transfer.kernel import Address, copy_pages
+    from offload.transfer.copy_kernel import Address, copy_pages
     from offload.transfer.launcher import plain_launch
 
     args: list[Any] = []

@@ -23,7 +23,7 @@ import ctypes
 from collections.abc import Sequence
 from typing import Any
 
-from offload.cuda_driver import bound_function, check, libcuda
+from offload.system.cuda_driver import bound_function, check, libcuda
 
 _CELL = {4: ctypes.c_int32, 8: ctypes.c_int64}
 CUDA_ERROR_INVALID_VALUE = 1

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from offload import integrity
+from offload.control.plan import Plan
 from offload.errors import OffloadError
-from offload.plan import Plan
 
 IndexArray = np.ndarray[Any, np.dtype[np.int64]]
 # what a job's index fields accept: numpy integer arrays need no conversion per job
@@ -31,7 +31,7 @@ class SlotLayout:
     ``tensor_offsets[t]``; with ``trailer_offset`` set, the slot's page checksums follow at
     that offset in the slot (`offload.integrity`), mixed with ``seed``.  ``cuts``: row-relative
     offsets where a host registration begins inside a row (background set-up registers rows
-    in pieces, `offload.geometry.registration_cuts`); a batched copy whose host range spans
+    in pieces, `offload.region.geometry.registration_cuts`); a batched copy whose host range spans
     two registrations fails, so the copy paths split every copy there (`piece_of`)."""
 
     row_stride: int

@@ -10,7 +10,7 @@ built once per kernel (`IssueContext`).
 
 The C file is compiled on first use with the host's C compiler into the build cache (the way
 Triton builds its own launchers, so a host that runs the Triton backend has one;
-`offload.build_cache` says what it trusts), loaded with ctypes, and needs no CUDA
+`offload.system.build_cache` says what it trusts), loaded with ctypes, and needs no CUDA
 headers: the driver's entry points are handed over as function pointers, which also lets the
 tests drive it with stand-ins on hosts without CUDA.  Where no compiler works, or
 ``OFFLOAD_NATIVE=0``, `library` returns None and the kernel keeps its Python launch path.
@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from offload.build_cache import SOURCES, load
-from offload.cuda_driver import check, libcuda
+from offload.system.build_cache import SOURCES, load
+from offload.system.cuda_driver import check, libcuda
 
 SOURCE = SOURCES["issue"]
 STEPS = ("", "size check", "cuEventRecord", "cuStreamWaitEvent", "cuMemcpyHtoDAsync_v2",

@@ -36,7 +36,7 @@ import ctypes
 import numpy as np
 import torch
 
-from offload.cuda_driver import bound_function, check
+from offload.system.cuda_driver import bound_function, check
 from offload.transfer.base import Direction
 from offload.transfer.batch_copy import BatchCopier
 from offload.transfer.kernel import STAGED_CELLS, KernelCopier, StagingSlot

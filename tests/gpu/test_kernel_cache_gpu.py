@@ -17,7 +17,7 @@ import torch
 
 from offload.transfer import kernel_cache, triton_available
 from offload.transfer.registration import host_registered
-from tests.test_transfer_helpers import kv_set, round_trip, scattered_job, slot_layout
+from tests.transfer.helpers import kv_set, round_trip, scattered_job, slot_layout
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),

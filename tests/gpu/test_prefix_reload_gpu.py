@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_prefix_reload import torchrun
+from tests.launch.test_prefix_reload import torchrun
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),

@@ -72,7 +72,7 @@ def test_replicated_pipeline_stages_load_their_own_stage_bytes_on_cuda(
 
 
 def test_failed_registration_rolls_back_and_leaves_no_sticky_error() -> None:
-    from offload.geometry import ByteRange
+    from offload.region.geometry import ByteRange
     from offload.region.nameless import create_memfds
     from offload.region.pin import CudaRegistrar, Pinner
     from offload.region.shm import Mapping, close_fds

@@ -22,8 +22,7 @@ from offload.transfer.fast_check import checker_library
 from offload.transfer.layout import tensor_ranges
 from offload.transfer.native import library
 from offload.transfer.registration import host_registered
-from tests.test_integrity import ERROR_CLASSES
-from tests.test_transfer_helpers import (
+from tests.transfer.helpers import (
     HYBRID_PAGES,
     engine_kv_set,
     expected_region,
@@ -33,6 +32,7 @@ from tests.test_transfer_helpers import (
     scattered_job,
     slot_layout,
 )
+from tests.transfer.test_integrity import ERROR_CLASSES
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -999,7 +999,7 @@ def test_rows_registered_in_pieces_move_exactly_on_every_path(backend: str) -> N
     import dataclasses
     import mmap
 
-    from offload.geometry import copy_starts
+    from offload.region.geometry import copy_starts
 
     pages, bpc, chunk_count = [64 * KiB] * 6, 4, 6
     layout = slot_layout(pages, bpc)
@@ -1056,7 +1056,7 @@ def test_copy_engine_runs_stop_where_neighbouring_allocations_meet(backend: str,
     allocations merges the run across them, which the driver refuses -- so the job does cross
     neighbours.  (Tensors smaller than half a segment rarely end where one does: anything
     else of the process in a segment shifts them off its end.)"""
-    from offload.cuda_driver import allocation_ranges
+    from offload.system.cuda_driver import allocation_ranges
 
     bpc = MiB // page  # one chunk is one tensor of 1 MiB, the small pool's largest request
     kv = [torch.empty((bpc, page), dtype=torch.uint8, device="cuda").random_(0, 256)
