@@ -45,6 +45,9 @@ from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the probes' samplers are developer tools (tools/)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tools"))
 
 import torch
 import torch.distributed as dist
@@ -646,7 +649,7 @@ def main() -> None:
                    help="background on a GPU: whenever a launch of the probe, its "
                         "synchronisation or its 4 KiB mmap runs past 0.5 ms, read what its "
                         "thread waits for in the kernel (state, wait channel, kernel stack; "
-                        "scripts/wait_sampler.py), and what set-up's pin and pre-fault threads "
+                        "tools/wait_sampler.py), and what set-up's pin and pre-fault threads "
                         "and the process's others (the CUDA driver's own among them) were "
                         "doing meanwhile (their states, the stacks of those awake and of the "
                         "pin thread); print the worst "

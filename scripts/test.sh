@@ -5,6 +5,6 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
-ruff check offload launch tests scripts
+ruff check offload launch tests scripts tools
 mypy offload launch
 exec python -m pytest -q -n "${PYTEST_WORKERS:-2}" "$@"

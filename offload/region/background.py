@@ -286,7 +286,7 @@ class BackgroundSetup:
 
     def thread_ids(self) -> dict[int, str]:
         """The kernel thread ids of the started set-up threads and their roles (``pin``,
-        ``prefault``), for tools that watch them (`scripts/wait_sampler.py`)."""
+        ``prefault``), for tools that watch them (`tools/wait_sampler.py`)."""
         roles = [(t, "prefault") for t in self._workers] + [(self._thread, "pin")]
         return {t.native_id: role for t, role in roles if t.native_id is not None}
 

@@ -2,7 +2,7 @@
 the caller's process; run as a script, it compiles for the current GPU and writes the cubin to
 stdout, so that a parent can load it with the driver alone, never importing Triton itself.
 
-    python3 scripts/add_one_kernel.py > add_one.cubin
+    python3 tools/add_one_kernel.py > add_one.cubin
 """
 
 from __future__ import annotations

@@ -15,14 +15,14 @@ private region), and each unit's GiB/s is printed against it.  Every range is un
 before the next unit size is tried, and the memory is unmapped at the end.  What one size left
 behind in the driver may change the next: to compare sizes, run one per process.
 
-    python3 scripts/bench_registrations.py --bytes 64GiB --units 4MiB
+    python3 tools/bench_registrations.py --bytes 64GiB --units 4MiB
 
 Set-up does two things this does not by default: it registers nothing larger first, and its
 pre-fault threads populate the units ahead while they are registered.  ``--no-whole`` leaves
 out the baseline; ``--populate beside`` runs set-up's own `BackgroundSetup` over the memory
 instead (one unit size, no baseline), so a stall that needs either shows here too:
 
-    python3 scripts/bench_registrations.py --bytes 100GiB --units 8MiB --populate beside
+    python3 tools/bench_registrations.py --bytes 100GiB --units 8MiB --populate beside
 
 In set-up the engine's own thread launches kernels beside the registrations; ``--probe`` runs
 `bench_startup.py`'s launch probe (a one-element kernel launched and waited for every
@@ -34,7 +34,7 @@ anything is registered, as the tier's JIT does with its copy kernel; the stall n
 (docs/BENCHMARKS.md, "The registration stall follows Triton"), and the other choices of
 ``--before`` take Triton's steps apart:
 
-    python3 scripts/bench_registrations.py --bytes 100GiB --populate beside --probe --before triton
+    python3 tools/bench_registrations.py --bytes 100GiB --populate beside --probe --before triton
 
 On a machine without CUDA (``--device cpu``) the registrations are the recording stand-in:
 it checks the script, not the driver.
