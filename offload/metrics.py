@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from offload.bounds import MAX_PORT
 from offload.errors import OffloadError, is_damage
 
 if TYPE_CHECKING:
@@ -36,7 +37,6 @@ DIRECTIONS = ("store", "load")
 OUTCOMES = ("ok", "failed", "not_ready", "integrity")
 # submit -> decided, seconds: from a small job decided within one poll to a large load behind
 # a busy link
-MAX_PORT = 65535
 LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
                    1.0, 2.5, 5.0, 10.0)
 
