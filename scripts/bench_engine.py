@@ -38,7 +38,6 @@ table).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -52,6 +51,7 @@ from bench_ranks import run_ranks  # this script's folder
 from offload.bounds import flag_type
 from offload.integrity import trailer_bytes
 from offload.region.nameless import memfd_mapping
+from offload.report import write_json
 from offload.sizes import format_size, parse_size, round_up
 from offload.transfer import SlotLayout, make_engine
 from offload.transfer.registration import host_registered
@@ -467,9 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results = run_ranks(rank_result, args.ranks, args)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items()}, "results": results}, f,
-                      indent=1)
+        write_json(args.json, {"args": dict(vars(args)), "results": results}, "--json")
     print_table(args, results)
     return 0 if all(row["verified"] and not row["mismatches"] for r in results
                     for row in r["rows"]) else 1

@@ -17,7 +17,6 @@ DESIGN.md section 8's target: tier >= 0.9 x dd.
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import shutil
@@ -31,6 +30,7 @@ import crc32c
 import numpy as np
 
 from offload.bounds import flag_type
+from offload.report import write_json
 from offload.sizes import format_size, parse_size
 from offload.tiers import FileTier
 
@@ -59,8 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     result = _summary(args, rows, reps)
     _print(result)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result, "--json")
     return 0 if result["verified"] else 1
 
 

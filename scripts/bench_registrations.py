@@ -46,7 +46,6 @@ import argparse
 import ctypes
 import errno
 import itertools
-import json
 import mmap
 import os
 import sys
@@ -69,6 +68,7 @@ from offload.region.nameless import memfd_mapping  # noqa: E402
 from offload.region.pin import Pinner, Registrar, choose_registrar  # noqa: E402
 from offload.region.prefault import madvise_populate, touch_pages  # noqa: E402
 from offload.region.shm import Mapping  # noqa: E402
+from offload.report import write_json  # noqa: E402
 from offload.sizes import format_size, parse_size, parse_sizes  # noqa: E402
 
 
@@ -127,10 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     if waits is not None:
         _print_probe(waits)
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"bytes": args.bytes, "memory": args.memory, "device": str(device),
-             "own_context": own_context, "populate": args.populate, "populate_s": populate_s,
-             "whole": whole, "units": runs, "probe": waits, "before": args.before}, indent=1))
+        write_json(args.json, {
+            "bytes": args.bytes, "memory": args.memory, "device": str(device),
+            "own_context": own_context, "populate": args.populate, "populate_s": populate_s,
+            "whole": whole, "units": runs, "probe": waits, "before": args.before}, "--json")
     return 0
 
 

@@ -34,7 +34,6 @@ import collections
 import contextlib
 import datetime
 import itertools
-import json
 import mmap
 import os
 import queue as queue_module
@@ -56,9 +55,11 @@ from offload import cleanup
 from offload.bounds import flag_type, parse_seconds
 from offload.config import TierConfig
 from offload.geometry import ByteRange, RegionGeometry, segment_ranges
+from offload.paths import write_atomic
 from offload.region.nameless import create_memfds
 from offload.region.prefault import plan_pieces, prefault
 from offload.region.shm import Mapping, close_fds, create_segments, open_segment, unlink_quiet
+from offload.report import write_json
 from offload.sizes import format_size, parse_size, parse_sizes
 from offload.timeline import draw_timeline
 
@@ -126,8 +127,7 @@ def ours(rank: int, world: int, args: argparse.Namespace, layout: str) -> dict[s
     if sampler is not None:
         sampler.stop()
         name = layout.replace(":", "-")
-        with open(f"{args.stack_samples}-{name}-rank{rank}.txt", "w") as f:
-            f.write(sampler.report() + "\n")
+        write_atomic(f"{args.stack_samples}-{name}-rank{rank}.txt", sampler.report() + "\n")
     ready = time.time() if background else created  # blocking: ready when create returns
     waits = None
     if probe is not None:
@@ -710,8 +710,7 @@ def main() -> None:
               "gpus": torch.cuda.device_count(), "warm_s": warm_s, "jit_warm_s": jit_warm_s,
               "setup_context": args.setup_context, "variants": rows}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.json, report, "--json")
     print_table(report)
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import multiprocessing as mp
 import os
 import socket
@@ -60,6 +59,7 @@ from bench_engine import (
 from offload import cleanup
 from offload.bounds import flag_type, parse_seconds
 from offload.integrity import trailer_bytes
+from offload.report import write_json
 from offload.sizes import format_size, parse_size, round_up
 
 
@@ -304,8 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = run(args)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), **result}, f, indent=1)
+        write_json(args.json, {"args": vars(args), **result}, "--json")
     print_table(args, result)
     return 0 if all(row["verified"] for row in result["rows"]) else 1
 

@@ -18,7 +18,6 @@ phases aligned by a barrier, to see contention on the host link.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -33,6 +32,7 @@ from bench_ranks import run_ranks  # this script's folder
 
 from offload.bounds import flag_type
 from offload.region.nameless import memfd_mapping
+from offload.report import write_json
 from offload.sizes import format_size, parse_size, parse_sizes
 from offload.transfer import Direction, SlotLayout
 from offload.transfer.cuda import DEFAULT_COPY_PROGRAMS, PerBlockEngine, StreamEngine
@@ -273,11 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results = run_ranks(rank_result, args.ranks, args)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"total_bytes": args.total_bytes, "ranks": args.ranks,
-                       "programs": {"load": args.load_programs,
-                                    "store": args.store_programs},
-                       "results": results}, f, indent=1)
+        write_json(args.json, {"total_bytes": args.total_bytes, "ranks": args.ranks,
+                               "programs": {"load": args.load_programs,
+                                            "store": args.store_programs},
+                               "results": results}, "--json")
     print_table(results)
     return 0 if all(row["verified"] for r in results for row in r["rows"]) else 1
 
