@@ -13,7 +13,8 @@ Primitives:
 * `outcome_of` -- a decided job's outcome label from its failure reason;
 * `TierCollector` -- a ``prometheus_client`` collector over one `HostTier`;
 * `serve_metrics` -- register it and serve ``/metrics`` (``TierConfig.metrics_port`` + local
-  rank), or register it in the caller's registry.
+  rank; `offload.metrics_http`, bounded against idle connections), or register it in the
+  caller's registry.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from offload.bounds import MAX_PORT
 from offload.errors import OffloadError, is_damage
+from offload.metrics_http import MetricsHTTPServer
 
 if TYPE_CHECKING:
     from offload.tier import HostTier
@@ -194,8 +196,8 @@ class MetricsServer:
     """What `serve_metrics` started; `bind` gives it the tier, `close` stops the HTTP server
     and unregisters the collector."""
 
-    def __init__(self, registry: Any, collector: TierCollector, server: Any = None,
-                 url: str | None = None) -> None:
+    def __init__(self, registry: Any, collector: TierCollector,
+                 server: MetricsHTTPServer | None = None, url: str | None = None) -> None:
         self.registry, self.collector, self.server, self.url = registry, collector, server, url
 
     def bind(self, tier: HostTier) -> None:
@@ -203,8 +205,7 @@ class MetricsServer:
 
     def close(self) -> None:
         if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
+            self.server.close()
             self.server = None
         if self.collector is not None:
             self.registry.unregister(self.collector)
@@ -225,7 +226,7 @@ def serve_metrics(topology: Topology, port: int | None, addr: str, registry: Any
         try:
             if own > MAX_PORT:
                 raise OverflowError(f"port {own} is past {MAX_PORT}")
-            server, _ = client.start_http_server(own, addr=addr, registry=registry)
+            server = MetricsHTTPServer(addr, own, registry)
         except (OSError, OverflowError) as exc:
             registry.unregister(collector)
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
