@@ -109,7 +109,9 @@ class TierConfig:
 
     fs_bytes: int | None = None
     """The file tier's budget per node in bytes (``--fs-bytes``; needs ``fs_dir``).  None means
-    `FS_BYTES_FACTOR` x ``cpu_bytes_per_node`` (`fs_bytes_per_node`)."""
+    `FS_BYTES_FACTOR` x ``cpu_bytes_per_node`` (`fs_bytes_per_node`), cut at set-up to half
+    the room the disk has (free space and folders of earlier runs, `offload.tiers.disk_room`);
+    an explicit budget past that room fails set-up with one line."""
 
     fs_io_timeout_s: float = 5.0
     """Deadline of one file-tier read or write, in seconds (``--fs-io-timeout``): past it the

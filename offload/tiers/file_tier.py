@@ -92,7 +92,7 @@ from offload.tiers.file_format import (
 from offload.tiers.fs_io import FileIO
 from offload.tiers.keyed_pool import KeyedPool, all_done, done
 from offload.tiers.lru import Lru
-from offload.tiers.tier_dir import check_directory, open_locked_subdir
+from offload.tiers.tier_dir import FOLDER_PREFIX, check_directory, open_locked_subdir
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +241,7 @@ class FileTier:
             {"geometry": dict(geometry), "row_bytes": row_bytes, "header_bytes": page_size,
              "format": FORMAT_VERSION})
         root = check_directory(directory)
-        self.directory = os.path.join(root, "fp-" + self.fingerprint.hex()[:16])
+        self.directory = os.path.join(root, FOLDER_PREFIX + self.fingerprint.hex()[:16])
         self._dir_fd = open_locked_subdir(root, self.directory)
         try:
             self.mode = detect_io_mode(self._dir_fd, page_size)
