@@ -38,7 +38,7 @@ if __package__ in (None, ""):  # run as a script by torchrun: make the repo impo
 import torch
 import torch.distributed as dist
 
-from launch.run import pick_device, run_entry, shm_files_left
+from launch.run import pick_device, shm_files_left, start
 from offload import CopyJob, HostTier, TierConfig
 from offload.config import LAYOUTS
 from offload.errors import OffloadError
@@ -98,22 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rank 0 writes the JSON report there")
     p.add_argument("--shm-dir", default=None, metavar="DIR",
                    help="keep the region in visible files in DIR (default: nameless memfds)")
-    p.add_argument("--timeout", type=_seconds, default=300.0,
+    p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds any rank waits for a peer before failing the job")
     return p
-
-
-def _seconds(text: str) -> float:
-    """A positive, finite number of seconds: torch's store turns any other timeout into a C++
-    traceback on every rank, so the parser refuses it first."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds; give "
-                                         "e.g. --timeout 300")
-    return value
 
 
 # ---------------------------------------------------------------------- geometry (pure)
@@ -755,7 +742,7 @@ def summary(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_entry(run, build_parser().parse_args(argv))
+    return start(run, build_parser(), argv)
 
 
 if __name__ == "__main__":

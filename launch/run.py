@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from launch import rounds, synthetic
 from offload.actor import RankActor
+from offload.bounds import check_seconds
 from offload.config import FS_BYTES_FACTOR, LAYOUTS, TierConfig
 from offload.control.quorum import default_store
 from offload.control.rpc import Aborted
@@ -326,20 +327,35 @@ def shm_files_left(tier: HostTier, shm_dir: str) -> int:
     return sum(per_host.values())
 
 
+# The flags that take seconds, with the fix each refusal names.  ``--timeout`` is the group's
+# own timeout (torch's store turns a bad one into a C++ traceback on every rank), so they are
+# all checked before the process group exists.
+SECONDS_FLAGS = {"timeout": "give the seconds a rank may wait for a peer, e.g. --timeout 300",
+                 "fs_io_timeout": "give the seconds one file-tier read or write may take, e.g. "
+                                  "--fs-io-timeout 5"}
+
+
 def check_before_start(args: argparse.Namespace) -> None:
-    """The flags used before the process group exists (``--timeout`` is the group's own
-    timeout, and torch's store turns a bad one into a C++ traceback on every rank).
+    """The flags used before the process group exists: every seconds flag ``args`` has
+    (`SECONDS_FLAGS`), against the bound every wait accepts (`offload.bounds.check_seconds`).
 
     Raises:
-        OffloadError: naming the flag and the fix.
+        OffloadError: naming the flag, the value, the limit and the fix.
     """
-    if not 0 < args.timeout < float("inf"):  # NaN fails both comparisons
-        raise OffloadError(f"--timeout {args.timeout:g} must be a positive number of seconds; "
-                           "give the seconds a rank may wait for a peer, e.g. --timeout 300")
+    for dest, fix in SECONDS_FLAGS.items():
+        if hasattr(args, dest):
+            check_seconds(getattr(args, dest), f"--{dest.replace('_', '-')}", fix)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return start(run, build_parser(), argv)
+
+
+def start(job: Callable[[argparse.Namespace], int], parser: argparse.ArgumentParser,
+          argv: list[str] | None) -> int:
+    """The main of every entry point under torchrun: parse the flags, check those used before
+    the group exists (one line for the job), then `run_entry`.  Returns the exit status."""
+    args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     try:
         check_before_start(args)
@@ -352,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             time.sleep(_WORKER_GRACE_S)
         return 1
-    return run_entry(run, args)
+    return run_entry(job, args)
 
 
 def run_entry(job: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:

@@ -7,9 +7,12 @@ and the field that differ.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
+from offload.bounds import MAX_PORT, check_int, check_seconds, check_type
 from offload.errors import OffloadError
 
 # The closed choices, typed for callers; the tuples are what the flags offer and what
@@ -106,7 +109,9 @@ class TierConfig:
 
     fs_bytes: int | None = None
     """The file tier's budget per node in bytes (``--fs-bytes``; needs ``fs_dir``).  None means
-    `FS_BYTES_FACTOR` x ``cpu_bytes_per_node`` (`fs_bytes_per_node`)."""
+    `FS_BYTES_FACTOR` x ``cpu_bytes_per_node`` (`fs_bytes_per_node`), cut at set-up to half
+    the room the disk has (free space and folders of earlier runs, `offload.tiers.disk_room`);
+    an explicit budget past that room fails set-up with one line."""
 
     fs_io_timeout_s: float = 5.0
     """Deadline of one file-tier read or write, in seconds (``--fs-io-timeout``): past it the
@@ -169,37 +174,33 @@ class TierConfig:
     default; ``0.0.0.0`` lets a remote Prometheus scrape them (docs/SECURITY.md)."""
 
     def __post_init__(self) -> None:
-        if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
-            raise OffloadError(f"{_describe('metrics_port')} = {self.metrics_port} is not a TCP "
-                               "port; give one from 1 to 65535 (each rank adds its local rank)")
-        if self.layout not in LAYOUTS:
-            raise OffloadError(
-                f"unknown layout {self.layout!r}; choose one of {', '.join(LAYOUTS)}"
-            )
-        minimum = {"cpu_bytes_per_node": 1, "blocks_per_chunk": 1, "pp": 1, "page_size": 1,
-                   "max_segments": 1, "max_registration_bytes": 1,
-                   "max_slot_rows": 1, "prefault_threads": 1, "segment_threshold": 1,
-                   "min_segment_bytes": 1}
-        if self.tp is not None:
-            minimum["tp"] = 1
-        for name, limit in minimum.items():
+        # NOTE: a value can arrive untyped (JSON, an engine's extra config, a flag): every
+        # field is checked against its annotation first, so no later check or use meets a
+        # str where an int belongs, and no float (nan, inf) where a whole number belongs
+        hints = _field_types()
+        for f in dataclasses.fields(self):
+            check_type(getattr(self, f.name), hints[f.name], _describe(f.name),
+                       _FIX.get(f.name, ""))
+        for name, minimum in _MINIMUM.items():
             value = getattr(self, name)
-            if value < limit:
-                raise OffloadError(f"{_describe(name)} = {value} is below its minimum {limit}; "
-                                   f"give at least {limit}")
-        if self.private_memory not in PRIVATE_MEMORY:
-            raise OffloadError(f"{_describe('private_memory')} = {self.private_memory!r} is "
-                               f"unknown; choose one of {', '.join(PRIVATE_MEMORY)}")
+            if value is not None:
+                check_int(value, _describe(name), minimum, fix=_FIX.get(name, ""))
+        if self.metrics_port is not None and not 0 < self.metrics_port <= MAX_PORT:
+            raise OffloadError(f"{_describe('metrics_port')} = {self.metrics_port} is not a TCP "
+                               f"port; give one from 1 to {MAX_PORT} (each rank adds its local "
+                               "rank)")
         if self.page_size & (self.page_size - 1):
             raise OffloadError(f"page_size = {self.page_size} is not a power of two; use 4096")
-        if self.timeout_s <= 0:
-            raise OffloadError(f"{_describe('timeout_s')} = {self.timeout_s} must be positive; "
-                               "give the seconds a rank may wait for a peer")
+        for name in ("timeout_s", "fs_io_timeout_s"):
+            check_seconds(getattr(self, name), _describe(name), _FIX[name])
         if self.shm_dir is not None:
             # imported here: offload.region imports this module
             from offload.region.space import check_shm_dir
 
             check_shm_dir(self.shm_dir)
+        self._check_file_tier()
+
+    def _check_file_tier(self) -> None:
         if self.fs_dir is not None and not self.fs_namespace:
             given = "is empty" if self.fs_namespace == "" else "is not given"
             raise OffloadError(f"{_describe('fs_dir')} is given but {_describe('fs_namespace')} "
@@ -209,20 +210,9 @@ class TierConfig:
         if self.fs_namespace is not None and self.fs_dir is None:
             raise OffloadError(f"{_describe('fs_namespace')} = {self.fs_namespace!r} is given "
                                f"without {_describe('fs_dir')}; add --fs-tier DIR or drop it")
-        if self.fs_bytes is not None:
-            if self.fs_dir is None:
-                raise OffloadError(f"{_describe('fs_bytes')} = {self.fs_bytes} is given without "
-                                   f"{_describe('fs_dir')}; add --fs-tier DIR or drop it")
-            if self.fs_bytes < 1:
-                raise OffloadError(f"{_describe('fs_bytes')} = {self.fs_bytes} is below its "
-                                   "minimum 1; give a size such as 1GiB")
-        if self.staging_bytes < 0:
-            raise OffloadError(f"{_describe('staging_bytes')} = {self.staging_bytes} is "
-                               "negative; give GPU bytes such as 128MiB, or 0 for no staging")
-        if not self.fs_io_timeout_s > 0:
-            raise OffloadError(f"{_describe('fs_io_timeout_s')} = {self.fs_io_timeout_s} must "
-                               "be positive; give the seconds one file-tier read or write may "
-                               "take, such as 5")
+        if self.fs_bytes is not None and self.fs_dir is None:
+            raise OffloadError(f"{_describe('fs_bytes')} = {self.fs_bytes} is given without "
+                               f"{_describe('fs_dir')}; add --fs-tier DIR or drop it")
         if self.fs_dir is not None:
             from offload.tiers.tier_dir import check_fs_dir
 
@@ -240,8 +230,9 @@ class TierConfig:
         return dataclasses.asdict(self)
 
 
-_FLAGS = {"cpu_bytes_per_node": "--cpu-bytes", "blocks_per_chunk": "--blocks-per-chunk",
-          "tp": "--tp", "pp": "--pp", "prefault_threads": "--prefault-threads",
+_FLAGS = {"cpu_bytes_per_node": "--cpu-bytes", "layout": "--layout",
+          "blocks_per_chunk": "--blocks-per-chunk", "tp": "--tp", "pp": "--pp",
+          "shm_dir": "--shm-dir", "prefault_threads": "--prefault-threads",
           "min_segment_bytes": "--segment-bytes", "segment_threshold": "--segment-bytes",
           "timeout_s": "--timeout", "fs_dir": "--fs-tier", "fs_bytes": "--fs-bytes",
           "fs_namespace": "--fs-namespace",
@@ -250,6 +241,26 @@ _FLAGS = {"cpu_bytes_per_node": "--cpu-bytes", "blocks_per_chunk": "--blocks-per
           "metrics_port": "--metrics-port", "metrics_addr": "--metrics-addr",
           "numa": "--no-numa", "staging_bytes": "--staging-bytes",
           "background": "--background-setup", "setup_context": "--no-setup-context"}
+
+
+@functools.cache
+def _field_types() -> dict[str, Any]:
+    """The fields' annotations, resolved once (they are strings under postponed evaluation)."""
+    return typing.get_type_hints(TierConfig)
+
+
+# The whole-number fields and their minimum (their maximum is `offload.bounds.MAX_INT`).
+_MINIMUM = {"cpu_bytes_per_node": 1, "blocks_per_chunk": 1, "tp": 1, "pp": 1, "page_size": 1,
+            "segment_threshold": 1, "min_segment_bytes": 1, "max_segments": 1,
+            "max_registration_bytes": 1, "max_slot_rows": 1, "prefault_threads": 1,
+            "fs_bytes": 1, "staging_bytes": 0}
+# The fix a refusal names where "give an int" / "give at least N" says too little.
+_BYTES = "give a size such as 1GiB (in TierConfig a byte count: offload.parse_size('1GiB'))"
+_FIX = {"cpu_bytes_per_node": _BYTES, "segment_threshold": _BYTES,
+        "min_segment_bytes": _BYTES, "max_registration_bytes": _BYTES, "fs_bytes": _BYTES,
+        "staging_bytes": "give GPU bytes such as 134217728 (128MiB), or 0 for no staging",
+        "timeout_s": "give the seconds a rank may wait for a peer, such as 300",
+        "fs_io_timeout_s": "give the seconds one file-tier read or write may take, such as 5"}
 
 
 def _describe(name: str) -> str:

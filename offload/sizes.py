@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
+from offload.bounds import MAX_INT
 from offload.errors import OffloadError
 
 _UNITS = {
@@ -28,11 +29,15 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 def parse_size(text: str | int, what: str = "size") -> int:
     """Return the number of bytes ``text`` denotes; binary units (KiB, MiB, GiB, TiB) and
-    decimal ones (KB, MB, GB, TB) are accepted, case-insensitively."""
-    if isinstance(text, int):
+    decimal ones (KB, MB, GB, TB) are accepted, case-insensitively.  At most `MAX_INT` (what
+    an ``off_t`` holds)."""
+    if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
             raise OffloadError(f"{what} {text} is negative; give a byte count such as 64KiB")
-        return text
+        return _bounded(text, str(text), what)
+    if not isinstance(text, str):
+        raise OffloadError(f"{what} {text!r} is a {type(text).__name__}, not a size; write a "
+                           "byte count such as 4096, 64KiB, 256MiB or 4GiB")
     match = _SIZE_RE.match(text)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
@@ -42,7 +47,19 @@ def parse_size(text: str | int, what: str = "size") -> int:
     value = Fraction(match.group(1)) * _UNITS[unit]
     if value.denominator != 1:
         raise OffloadError(f"{what} {text!r} is not a whole number of bytes; round it")
-    return int(value)
+    return _bounded(int(value), repr(text), what)
+
+
+def _bounded(value: int, shown: str, what: str) -> int:
+    if value > MAX_INT:
+        raise OffloadError(f"{what} {shown} is above the largest size, {MAX_INT} B (8 EiB, what "
+                           "a file offset holds); give a smaller size")
+    return value
+
+
+def parse_sizes(text: str, what: str = "sizes") -> list[int]:
+    """Comma-separated sizes (`parse_size` each; empty entries are skipped)."""
+    return [parse_size(part, what) for part in text.split(",") if part.strip()]
 
 
 def format_size(n: int | float) -> str:

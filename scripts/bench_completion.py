@@ -196,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), flush=True)
         rows.append(row)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        from offload.observe.report import write_json
+
+        write_json(args.json, rows, "--json")
     return 0
 
 

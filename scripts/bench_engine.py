@@ -38,7 +38,6 @@ table).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -49,7 +48,9 @@ import numpy as np
 import torch
 from bench_ranks import run_ranks  # this script's folder
 
+from offload.bounds import flag_type
 from offload.integrity import trailer_bytes
+from offload.observe.report import write_json
 from offload.region.nameless import memfd_mapping
 from offload.sizes import format_size, parse_size, round_up
 from offload.transfer import SlotLayout, make_engine
@@ -418,7 +419,8 @@ def print_table(args: argparse.Namespace, results: list[dict[str, Any]]) -> None
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=80, help="layers; tensors = 2 x layers")
-    p.add_argument("--page-bytes", default="16KiB", help="bytes of one block in one tensor")
+    p.add_argument("--page-bytes", type=flag_type(parse_size, "--page-bytes"), default="16KiB",
+                   help="bytes of one block in one tensor")
     p.add_argument("--blocks", default="1,16,128,1024", help="job sizes in blocks")
     p.add_argument("--backend", default="hybrid,triton,copy_engine",
                    help="comma-separated backends to measure")
@@ -427,7 +429,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pattern", default="chunks", choices=("scattered", "chunks", "runs"))
     p.add_argument("--bpc", type=int, default=16, help="blocks per chunk")
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--link-bytes", default="1GiB")
+    p.add_argument("--link-bytes", type=flag_type(parse_size, "--link-bytes"), default="1GiB")
     p.add_argument("--ranks", type=int, default=1)
     p.add_argument("--matmul", action="store_true")
     p.add_argument("--layer-groups", type=int, default=0, metavar="G",
@@ -449,8 +451,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "torch.cuda.Stream; -1 is high on current GPUs)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
-    args.page_bytes = parse_size(args.page_bytes, "--page-bytes")
-    args.link_bytes = parse_size(args.link_bytes, "--link-bytes")
     args.blocks = [int(b) for b in args.blocks.split(",")]
     args.backend = [b for b in args.backend.split(",") if b]
     args.sweep_programs = [x for x in args.sweep_programs.split(",") if x]
@@ -467,9 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results = run_ranks(rank_result, args.ranks, args)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items()}, "results": results}, f,
-                      indent=1)
+        write_json(args.json, {"args": dict(vars(args)), "results": results}, "--json")
     print_table(args, results)
     return 0 if all(row["verified"] and not row["mismatches"] for r in results
                     for row in r["rows"]) else 1

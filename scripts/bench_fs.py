@@ -17,7 +17,6 @@ DESIGN.md section 8's target: tier >= 0.9 x dd.
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import shutil
@@ -30,6 +29,8 @@ from typing import Any
 import crc32c
 import numpy as np
 
+from offload.bounds import flag_type
+from offload.observe.report import write_json
 from offload.sizes import format_size, parse_size
 from offload.tiers import FileTier
 
@@ -58,8 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     result = _summary(args, rows, reps)
     _print(result)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result, "--json")
     return 0 if result["verified"] else 1
 
 
@@ -144,9 +144,8 @@ def _print(r: dict[str, Any]) -> None:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default="/tmp", help="filesystem to measure (a temp dir inside)")
-    p.add_argument("--bytes", type=lambda s: parse_size(s, "--bytes"), default=parse_size("1GiB"))
-    p.add_argument("--row-bytes", type=lambda s: parse_size(s, "--row-bytes"),
-                   default=parse_size("16MiB"))
+    p.add_argument("--bytes", type=flag_type(parse_size, "--bytes"), default="1GiB")
+    p.add_argument("--row-bytes", type=flag_type(parse_size, "--row-bytes"), default="16MiB")
     p.add_argument("--threads", type=int, default=8, help="tier I/O threads = dd streams")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--json", help="write the result there")

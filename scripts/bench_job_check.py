@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from offload.bounds import flag_type, parse_seconds
 from offload.transfer.fast_check import FastCheck, checker_library
 from offload.transfer.layout import SlotLayout, UniqueDestinations, check_job
 
@@ -36,7 +37,8 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=100_000, help="GPU blocks (load space)")
     p.add_argument("--chunks", type=int, default=20_000, help="host chunks (store space)")
     p.add_argument("--bpc", type=int, default=16, help="blocks per chunk")
-    p.add_argument("--seconds", type=float, default=0.5, help="time per measurement")
+    p.add_argument("--seconds", type=flag_type(parse_seconds, "--seconds"), default=0.5,
+                   help="time per measurement")
     args = p.parse_args()
     layout = SlotLayout(row_stride=args.bpc * 16384, slot_offset=0, blocks_per_chunk=args.bpc,
                         page_bytes=(16384,), tensor_offsets=(0,))

@@ -34,7 +34,6 @@ import collections
 import contextlib
 import datetime
 import itertools
-import json
 import mmap
 import os
 import queue as queue_module
@@ -55,14 +54,17 @@ import torch.multiprocessing as mp
 from stack_sampler import StackSampler
 from wait_sampler import WaitSampler
 
+from offload.bounds import flag_type, parse_seconds
 from offload.config import TierConfig
+from offload.observe.report import write_json
 from offload.observe.timeline import draw_timeline
 from offload.region import cleanup
 from offload.region.geometry import ByteRange, RegionGeometry, segment_ranges
 from offload.region.nameless import create_memfds
 from offload.region.prefault import plan_pieces, prefault
 from offload.region.shm import Mapping, close_fds, create_segments, open_segment, unlink_quiet
-from offload.sizes import format_size, parse_size
+from offload.sizes import format_size, parse_size, parse_sizes
+from offload.system.paths import write_atomic
 
 GiB = 1 << 30
 
@@ -128,8 +130,7 @@ def ours(rank: int, world: int, args: argparse.Namespace, layout: str) -> dict[s
     if sampler is not None:
         sampler.stop()
         name = layout.replace(":", "-")
-        with open(f"{args.stack_samples}-{name}-rank{rank}.txt", "w") as f:
-            f.write(sampler.report() + "\n")
+        write_atomic(f"{args.stack_samples}-{name}-rank{rank}.txt", sampler.report() + "\n")
     ready = time.time() if background else created  # blocking: ready when create returns
     waits = None
     if probe is not None:
@@ -374,8 +375,8 @@ class LaunchProbe:
 def stage_payloads(args: argparse.Namespace) -> list[int]:
     """Each pipeline stage's KV bytes per block (``--stage-kv-bytes`` or the common size)."""
     if args.stage_kv_bytes:
-        return [parse_size(x) for x in args.stage_kv_bytes.split(",")]
-    return [parse_size(args.kv_bytes_per_block)] * args.pp
+        return list(args.stage_kv_bytes)
+    return [args.kv_bytes_per_block] * args.pp
 
 
 def naive(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -611,12 +612,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=2, help="ranks on this node (tp x pp)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (tp = nproc / pp)")
-    p.add_argument("--stage-kv-bytes", default=None, metavar="S0,S1,...",
+    p.add_argument("--stage-kv-bytes", type=flag_type(parse_sizes, "--stage-kv-bytes"),
+                   default=None, metavar="S0,S1,...",
                    help="per-stage KV bytes per block (heterogeneous stages)")
     p.add_argument("--floor-files", type=int, default=16, help="files of the floor variant")
     p.add_argument("--floor-threads", type=int, default=16, help="threads of the floor variant")
-    p.add_argument("--cpu-bytes", default="32GiB", help="budget per node")
-    p.add_argument("--kv-bytes-per-block", default="512KiB")
+    p.add_argument("--cpu-bytes", type=flag_type(parse_size, "--cpu-bytes"), default="32GiB",
+                   help="budget per node")
+    p.add_argument("--kv-bytes-per-block", type=flag_type(parse_size, "--kv-bytes-per-block"),
+                   default="512KiB")
     p.add_argument("--blocks-per-chunk", type=int, default=16)
     p.add_argument("--tensors", type=int, default=2,
                    help="KV tensors the per-block payload is split into (160 with "
@@ -642,7 +646,7 @@ def main() -> None:
     p.add_argument("--no-setup-context", dest="setup_context", action="store_false",
                    help="background: register in the engine's CUDA context, not one of the "
                         "tier's own (TierConfig.setup_context)")
-    p.add_argument("--idle-probe-s", type=float, default=2.0,
+    p.add_argument("--idle-probe-s", type=flag_type(parse_seconds, "--idle-probe-s"), default=2.0,
                    help="background on a GPU: run the launch probe this long once every row "
                         "is ready, as the baseline of its waits during set-up")
     p.add_argument("--probe-waits", action="store_true",
@@ -659,7 +663,8 @@ def main() -> None:
                    help="any of floor, ours, background, naive, pin_memory")
     p.add_argument("--shm-dir", default=None, metavar="DIR",
                    help="ours and floor use named files in DIR (default: nameless memfds)")
-    p.add_argument("--warm", default=None, help="bytes to touch first (default 2 x budget)")
+    p.add_argument("--warm", type=flag_type(parse_size, "--warm"), default=None,
+                   help="bytes to touch first (default 2 x budget)")
     p.add_argument("--json", default=None, help="write all figures there")
     p.add_argument("--timeline", default=None, metavar="PREFIX",
                    help="draw each of our layouts' per-rank timeline to PREFIX-<layout>.png")
@@ -668,13 +673,12 @@ def main() -> None:
                         "until every row is ready, and write the most frequent stacks and each "
                         "stall of the sampler (a held GIL) to PREFIX-<variant>-rank<r>.txt")
     args = p.parse_args()
-    args.cpu_bytes = parse_size(args.cpu_bytes)
     if args.nproc % args.pp:
         p.error(f"--pp {args.pp} does not divide --nproc {args.nproc}")
     if len(stage_payloads(args)) != args.pp:
         p.error(f"--stage-kv-bytes gives {len(stage_payloads(args))} sizes for --pp {args.pp}")
     variants = args.variants.split(",")
-    warm_s = warm(parse_size(args.warm) if args.warm else 2 * args.cpu_bytes)
+    warm_s = warm(args.warm if args.warm else 2 * args.cpu_bytes)
     jit_warm_s = warm_jit(args) if {"ours", "background"} & set(variants) else None
     rows: dict[str, dict[str, Any]] = {}
     if "floor" in variants:
@@ -709,8 +713,7 @@ def main() -> None:
               "gpus": torch.cuda.device_count(), "warm_s": warm_s, "jit_warm_s": jit_warm_s,
               "setup_context": args.setup_context, "variants": rows}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.json, report, "--json")
     print_table(report)
 
 

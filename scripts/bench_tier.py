@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import multiprocessing as mp
 import os
 import socket
@@ -57,7 +56,9 @@ from bench_engine import (
     matmul_tflops,
 )
 
+from offload.bounds import flag_type, parse_seconds
 from offload.integrity import trailer_bytes
+from offload.observe.report import write_json
 from offload.region import cleanup
 from offload.sizes import format_size, parse_size, round_up
 
@@ -271,12 +272,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=1, help="ranks (one tier, tp = ranks)")
     p.add_argument("--layers", type=int, default=80, help="layers; tensors = 2 x layers")
-    p.add_argument("--page-bytes", default="16KiB", help="bytes of one block in one tensor")
+    p.add_argument("--page-bytes", type=flag_type(parse_size, "--page-bytes"), default="16KiB",
+                   help="bytes of one block in one tensor")
     p.add_argument("--blocks", default="1,16,128,1024", help="job sizes in blocks")
     p.add_argument("--bpc", type=int, default=16, help="blocks per chunk")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a rank fails")
+    # checked by the parser, before the ranks start: torch's store takes it
+    p.add_argument("--timeout", type=flag_type(parse_seconds, "--timeout"), default=300.0,
+                   help="seconds before a rank fails")
     p.add_argument("--barrier", choices=("gloo", "spin"), default="gloo",
                    help="how ranks meet before each job: sleeping in dist.barrier, or spinning "
                         "on shared memory like a busy engine loop")
@@ -288,10 +292,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "x link)")
     p.add_argument("--json", metavar="PATH", help="write the rows there too")
     args = p.parse_args(argv)
-    if not 0 < args.timeout < float("inf"):  # before the ranks start: torch's store takes it
-        raise SystemExit(f"bench_tier.py: error: --timeout {args.timeout:g} must be a positive "
-                         "number of seconds; e.g. --timeout 300")
-    args.page_bytes = parse_size(args.page_bytes, "--page-bytes")
     args.blocks = [int(b) for b in args.blocks.split(",")]
     # both: on, off, on again, so a drift over the run does not pass for the checksums' cost
     args.integrity = {"on": [True], "off": [False], "both": [True, False, True]}[args.integrity]
@@ -304,8 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = run(args)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), **result}, f, indent=1)
+        write_json(args.json, {"args": vars(args), **result}, "--json")
     print_table(args, result)
     return 0 if all(row["verified"] for row in result["rows"]) else 1
 

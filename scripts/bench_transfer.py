@@ -18,7 +18,6 @@ phases aligned by a barrier, to see contention on the host link.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -31,8 +30,10 @@ import numpy as np
 import torch
 from bench_ranks import run_ranks  # this script's folder
 
+from offload.bounds import flag_type
+from offload.observe.report import write_json
 from offload.region.nameless import memfd_mapping
-from offload.sizes import format_size, parse_size
+from offload.sizes import format_size, parse_size, parse_sizes
 from offload.transfer import Direction, SlotLayout
 from offload.transfer.cuda import DEFAULT_COPY_PROGRAMS, PerBlockEngine, StreamEngine
 from offload.transfer.registration import host_registered
@@ -238,9 +239,10 @@ def print_table(results: list[dict[str, Any]]) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default=DEFAULT_SIZES,
+    parser.add_argument("--sizes", type=flag_type(parse_sizes, "--sizes"), default=DEFAULT_SIZES,
                         help=f"comma-separated block sizes (default {DEFAULT_SIZES})")
-    parser.add_argument("--total-bytes", default="1GiB", help="bytes moved per size and rep")
+    parser.add_argument("--total-bytes", type=flag_type(parse_size, "--total-bytes"),
+                        default="1GiB", help="bytes moved per size and rep")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
     parser.add_argument("--per-block-max", type=int, default=4096,
                         help="blocks in the per-block sample (one copy_ each is slow)")
@@ -257,9 +259,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="warps per program of the triton kernel (default: the engine's)")
     parser.add_argument("--json", metavar="PATH", help="write the results there")
     args = parser.parse_args(argv)
-    args.sizes = [parse_size(s, "--sizes") for s in args.sizes.split(",")]
-    args.total_bytes = parse_size(args.total_bytes, "--total-bytes")
-    if min(args.sizes) <= 0 or args.total_bytes < BLOCKS_PER_CHUNK * max(args.sizes):
+    sizes = args.sizes or [0]
+    if min(sizes) <= 0 or args.total_bytes < BLOCKS_PER_CHUNK * max(sizes):
         parser.error(f"--total-bytes must hold {BLOCKS_PER_CHUNK} blocks of the largest size")
     return args
 
@@ -272,11 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results = run_ranks(rank_result, args.ranks, args)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"total_bytes": args.total_bytes, "ranks": args.ranks,
-                       "programs": {"load": args.load_programs,
-                                    "store": args.store_programs},
-                       "results": results}, f, indent=1)
+        write_json(args.json, {"total_bytes": args.total_bytes, "ranks": args.ranks,
+                               "programs": {"load": args.load_programs,
+                                            "store": args.store_programs},
+                               "results": results}, "--json")
     print_table(results)
     return 0 if all(row["verified"] for r in results for row in r["rows"]) else 1
 

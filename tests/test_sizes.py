@@ -2,6 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from offload.bounds import MAX_INT
 from offload.errors import OffloadError
 from offload.sizes import format_size, parse_size, round_up
 
@@ -31,9 +32,24 @@ def test_ints_pass_through(n: int) -> None:
     assert parse_size(n) == n
 
 
-@given(st.integers(1 << 53, 1 << 70))
+@given(st.integers(1 << 53, MAX_INT))
 def test_large_byte_counts_are_exact(n: int) -> None:
     assert parse_size(str(n)) == n
+
+
+@given(st.integers(MAX_INT + 1, 1 << 70))
+def test_a_size_past_what_a_file_offset_holds_is_one_line(n: int) -> None:
+    """Such a size used to pass, and fail later in mmap or ftruncate with OverflowError."""
+    for given_as in (n, str(n)):
+        with pytest.raises(OffloadError, match="is above the largest size, "
+                                               f"{MAX_INT} B .*; give a smaller size"):
+            parse_size(given_as, "--cpu-bytes")
+
+
+@pytest.mark.parametrize("value", [True, 1.5, None])
+def test_a_size_of_another_type_is_one_line(value: object) -> None:
+    with pytest.raises(OffloadError, match="is a .*, not a size"):
+        parse_size(value, "--cpu-bytes")  # type: ignore[arg-type]
 
 
 def test_exact_decimal_sizes() -> None:

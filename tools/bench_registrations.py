@@ -46,7 +46,6 @@ import argparse
 import ctypes
 import errno
 import itertools
-import json
 import mmap
 import os
 import sys
@@ -60,15 +59,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from offload.bounds import flag_type  # noqa: E402
 from offload.config import TierConfig  # noqa: E402
-from offload.errors import OffloadError  # noqa: E402
+from offload.observe.report import write_json  # noqa: E402
 from offload.region.background import BackgroundSetup  # noqa: E402
 from offload.region.geometry import ByteRange, RegionGeometry, setup_units  # noqa: E402
 from offload.region.nameless import memfd_mapping  # noqa: E402
 from offload.region.pin import Pinner, Registrar, choose_registrar  # noqa: E402
 from offload.region.prefault import madvise_populate, touch_pages  # noqa: E402
 from offload.region.shm import Mapping  # noqa: E402
-from offload.sizes import format_size, parse_size  # noqa: E402
+from offload.sizes import (  # noqa: E402
+    format_size,
+    parse_size,
+    parse_sizes,  # noqa: E402
+)
 from offload.system.cuda_driver import driver_call  # noqa: E402
 
 
@@ -127,10 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     if waits is not None:
         _print_probe(waits)
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"bytes": args.bytes, "memory": args.memory, "device": str(device),
-             "own_context": own_context, "populate": args.populate, "populate_s": populate_s,
-             "whole": whole, "units": runs, "probe": waits, "before": args.before}, indent=1))
+        write_json(args.json, {
+            "bytes": args.bytes, "memory": args.memory, "device": str(device),
+            "own_context": own_context, "populate": args.populate, "populate_s": populate_s,
+            "whole": whole, "units": runs, "probe": waits, "before": args.before}, "--json")
     return 0
 
 
@@ -288,19 +292,12 @@ def _print_probe(waits: dict[str, Any]) -> None:
           f"{waits['worst_at_s']:.2f} s {beside}, {waits['over_2ms']} over 2 ms")
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except OffloadError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bytes", type=_size, default=parse_size("64GiB"),
+    p.add_argument("--bytes", type=flag_type(parse_size, "--bytes"), default="64GiB",
                    help="memory to register (default 64GiB)")
-    p.add_argument("--units", default="8MiB",
+    p.add_argument("--units", type=flag_type(parse_sizes, "--units"), default="8MiB",
                    help="registration sizes to try after the whole range, in order, "
                         "comma-separated (default 8MiB, background set-up's)")
     p.add_argument("--memory", choices=("anonymous", "memfd"), default="anonymous",
@@ -336,10 +333,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="cpu: the recording stand-in, to check the script without CUDA")
     p.add_argument("--json", default=None, help="write every figure there")
     args = p.parse_args(argv)
-    try:
-        args.units = [parse_size(u) for u in args.units.split(",") if u]
-    except OffloadError as exc:
-        p.error(f"--units: {exc}")
     if args.populate == "beside" and (args.whole or len(args.units) != 1):
         p.error("--populate beside registers the memory as it is populated, once: give one "
                 "--units size and leave out --whole")

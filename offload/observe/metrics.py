@@ -13,7 +13,8 @@ Primitives:
 * `outcome_of` -- a decided job's outcome label from its failure reason;
 * `TierCollector` -- a ``prometheus_client`` collector over one `HostTier`;
 * `serve_metrics` -- register it and serve ``/metrics`` (``TierConfig.metrics_port`` + local
-  rank), or register it in the caller's registry.
+  rank; `offload.observe.metrics_http`, bounded against idle connections), or register it in the
+  caller's registry.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from offload.bounds import MAX_PORT
 from offload.errors import OffloadError, is_damage
+from offload.observe.metrics_http import MetricsHTTPServer
 
 if TYPE_CHECKING:
     from offload.control.topology import Topology
@@ -36,7 +39,6 @@ DIRECTIONS = ("store", "load")
 OUTCOMES = ("ok", "failed", "not_ready", "integrity")
 # submit -> decided, seconds: from a small job decided within one poll to a large load behind
 # a busy link
-MAX_PORT = 65535
 LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
                    1.0, 2.5, 5.0, 10.0)
 
@@ -194,8 +196,8 @@ class MetricsServer:
     """What `serve_metrics` started; `bind` gives it the tier, `close` stops the HTTP server
     and unregisters the collector."""
 
-    def __init__(self, registry: Any, collector: TierCollector, server: Any = None,
-                 url: str | None = None) -> None:
+    def __init__(self, registry: Any, collector: TierCollector,
+                 server: MetricsHTTPServer | None = None, url: str | None = None) -> None:
         self.registry, self.collector, self.server, self.url = registry, collector, server, url
 
     def bind(self, tier: HostTier) -> None:
@@ -203,8 +205,7 @@ class MetricsServer:
 
     def close(self) -> None:
         if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
+            self.server.close()
             self.server = None
         if self.collector is not None:
             self.registry.unregister(self.collector)
@@ -225,7 +226,7 @@ def serve_metrics(topology: Topology, port: int | None, addr: str, registry: Any
         try:
             if own > MAX_PORT:
                 raise OverflowError(f"port {own} is past {MAX_PORT}")
-            server, _ = client.start_http_server(own, addr=addr, registry=registry)
+            server = MetricsHTTPServer(addr, own, registry)
         except (OSError, OverflowError) as exc:
             registry.unregister(collector)
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)

@@ -8,8 +8,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from offload.errors import OffloadError
 from offload.observe.timeline import PHASES
 from offload.sizes import format_size
+from offload.system.paths import write_atomic
 
 _PHASES = (*(name for name, _ in PHASES), "total")
 
@@ -156,10 +158,16 @@ def _align(rows: Sequence[Sequence[str]]) -> list[str]:
             for row in rows]
 
 
-def write_json(path: str, report: dict[str, Any]) -> None:
-    """Write atomically (temp file + rename) so a reader never sees half a report."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2, sort_keys=False)
-        f.write("\n")
-    os.replace(tmp, path)
+def write_json(path: str, report: object, what: str = "--report-json") -> None:
+    """Write ``report`` to ``path`` atomically, never following a planted link
+    (`offload.system.paths.write_atomic`): a reader never sees half a report.
+
+    Raises:
+        OffloadError: the file cannot be written (one line naming ``what`` and the path).
+    """
+    text = json.dumps(report, indent=2, sort_keys=False) + "\n"
+    try:
+        write_atomic(path, text)
+    except OSError as exc:
+        raise OffloadError(f"{what} {path} cannot be written ({exc.strerror or exc}); pass a "
+                           "path in a directory you can write") from None

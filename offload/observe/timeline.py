@@ -10,10 +10,13 @@ decided successfully.  matplotlib is an optional extra (``pip install offload[pl
 
 from __future__ import annotations
 
+import io
+import os
 from collections.abc import Sequence
 from typing import Any
 
 from offload.errors import OffloadError
+from offload.system.paths import write_atomic
 
 PHASES = (("plan", "#9e9e9e"), ("create", "#4c72b0"), ("prefault", "#55a868"),
           ("pin", "#c44e52"))
@@ -63,5 +66,11 @@ def draw_timeline(ranks: Sequence[dict[str, Any]], path: str, title: str = "",
     ax.set_title(title or "offload start-up per rank")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    image = io.BytesIO()  # rendered here, written as one file that follows no planted link
+    fig.savefig(image, dpi=110, format=os.path.splitext(path)[1][1:] or "png")
     plt.close(fig)
+    try:
+        write_atomic(path, image.getvalue())
+    except OSError as exc:
+        raise OffloadError(f"--timeline {path} cannot be written ({exc.strerror or exc}); pass "
+                           "a path in a directory you can write") from None

@@ -45,6 +45,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from offload.system.paths import write_atomic
+
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parents[1]  # the package root: the C sources live beside their callers
@@ -176,19 +178,9 @@ def compile_private(source: Path, cc: str, flags: Sequence[str] = ()) -> bytes:
 
 
 def install(data: bytes, name: str, dir_fd: int) -> None:
-    """Write ``data`` as ``name`` in ``dir_fd`` atomically: an ``O_EXCL`` temporary name,
-    renamed over whatever was there (the rename replaces a symlink, never follows it)."""
-    partial = f".{name}.{os.getpid()}.{os.urandom(4).hex()}"
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o600, dir_fd=dir_fd)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-        os.replace(partial, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(partial, dir_fd=dir_fd)
-        raise
+    """Write ``data`` as ``name`` in ``dir_fd`` atomically (`offload.system.paths.write_atomic`: an
+    ``O_EXCL`` temporary name, renamed over whatever was there, never following a link)."""
+    write_atomic(name, data, dir_fd)
 
 
 def build(source: Path, directory: Path, cc: str, flags: Sequence[str] = ()) -> Path:

@@ -1,5 +1,6 @@
 """Checks of user-given directories, shared by the settings that name one (``--shm-dir``,
-``--fs-tier``): each failure is one line naming the setting, the path and the fix.
+``--fs-tier``): each failure is one line naming the setting, the path and the fix; and the one
+way the package writes a whole file (`write_atomic`).
 
 The tier creates its files in such a directory and finds them again by name (a peer opens a
 named region's segments, a restarted file tier its fingerprint folder).  Whoever may rename
@@ -11,7 +12,10 @@ sticky (as ``/dev/shm`` and ``/tmp`` are): there only an entry's owner may renam
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import secrets
 import stat
 
 from offload.errors import OffloadError
@@ -45,3 +49,50 @@ def check_entries_are_ours(st: os.stat_result, path: str, name: str) -> None:
                            f"tier's files in it; run chmod +t {path}, or pass a directory of "
                            f"your own inside it (mkdir -m 700 {os.path.join(path, 'offload')}: "
                            "a Kubernetes emptyDir is mode 777 and not sticky)")
+
+
+def write_atomic(path: str, data: bytes | str, dir_fd: int | None = None) -> None:
+    """Write ``data`` as the file ``path`` (relative to ``dir_fd`` when given) so that a reader
+    sees the old file or the whole new one, and nothing planted in the directory is followed.
+
+    NOTE: a fixed temporary name (``<path>.tmp``) opened with a plain ``open`` follows a
+    symlink another user planted there, in a directory others can write, and overwrites
+    whatever file of ours it points to.  The bytes go instead to a new file under a random
+    name in the same directory, created ``O_CREAT|O_EXCL|O_NOFOLLOW`` mode 0600 (as
+    ``tempfile.mkstemp`` does: a planted name fails it, never redirects it), flushed to disk,
+    then renamed over ``path`` (a rename replaces a symlink at ``path``, never follows it).  The
+    directory is opened once and both names are resolved in it.
+
+    Raises:
+        OSError: the directory cannot be opened or written, or ``path`` belongs to another
+            user in a sticky directory; the temporary file is removed.
+    """
+    folder, name = os.path.split(path)
+    if not name:
+        raise IsADirectoryError(errno.EISDIR, "names a directory, not a file", path)
+    if dir_fd is not None:
+        if folder:
+            raise ValueError(f"{path}: with dir_fd, give a name inside that directory")
+        _write_in(dir_fd, name, data.encode() if isinstance(data, str) else data)
+        return
+    own_fd = os.open(folder or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        _write_in(own_fd, name, data.encode() if isinstance(data, str) else data)
+    finally:
+        os.close(own_fd)
+
+
+def _write_in(dir_fd: int, name: str, data: bytes) -> None:
+    tmp = f".{name}.{secrets.token_hex(6)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600, dir_fd=dir_fd)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise

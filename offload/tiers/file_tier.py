@@ -71,6 +71,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
+from offload.bounds import check_seconds
 from offload.errors import OffloadError
 from offload.sizes import format_size
 from offload.tiers.direct_io import PROBE_PREFIX, IoMode, detect_io_mode, transfer_all
@@ -91,7 +92,7 @@ from offload.tiers.file_format import (
 from offload.tiers.fs_io import FileIO
 from offload.tiers.keyed_pool import KeyedPool, all_done, done
 from offload.tiers.lru import Lru
-from offload.tiers.tier_dir import check_directory, open_locked_subdir
+from offload.tiers.tier_dir import FOLDER_PREFIX, check_directory, open_locked_subdir
 
 log = logging.getLogger(__name__)
 
@@ -221,10 +222,8 @@ class FileTier:
                  io_timeout_s: float = DEFAULT_IO_TIMEOUT_S, io: FileIO | None = None) -> None:
         self._crc = _load_crc32c()
         _check_geometry(budget_bytes, row_bytes, io_threads, page_size)
-        if not io_timeout_s > 0:
-            raise OffloadError(f"fs_io_timeout_s = {io_timeout_s} must be positive; give the "
-                               "seconds one file-tier read or write may take, such as 5")
-        self.io_timeout_s = io_timeout_s
+        self.io_timeout_s = check_seconds(io_timeout_s, "fs_io_timeout_s", "give the seconds "
+                                          "one file-tier read or write may take, such as 5")
         self.io_threads = io_threads
         self._io = io if io is not None else FileIO()
         self._tmpfile = hasattr(os, "O_TMPFILE")  # until the filesystem refuses it
@@ -242,7 +241,7 @@ class FileTier:
             {"geometry": dict(geometry), "row_bytes": row_bytes, "header_bytes": page_size,
              "format": FORMAT_VERSION})
         root = check_directory(directory)
-        self.directory = os.path.join(root, "fp-" + self.fingerprint.hex()[:16])
+        self.directory = os.path.join(root, FOLDER_PREFIX + self.fingerprint.hex()[:16])
         self._dir_fd = open_locked_subdir(root, self.directory)
         try:
             self.mode = detect_io_mode(self._dir_fd, page_size)

@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from offload.bounds import bounded_wait
 from offload.control.plan import Plan
 from offload.control.topology import Topology
 from offload.integrity import move_sums, trailer_bytes
@@ -143,8 +144,8 @@ class RankFiles:
         # one deadline for the call, as for a promotion's reads: spills queued behind each
         # other on the I/O threads get their turn, and k stalled ones cost one timeout, not k
         count = sum(len(s) for _, s in spills) + len(wanted & set(self._reading))
-        deadline = time.monotonic() + self.tier.io_timeout_s * math.ceil(
-            count / self.tier.io_threads)
+        deadline = time.monotonic() + bounded_wait(self.tier.io_timeout_s * math.ceil(
+            count / self.tier.io_threads))
         for _, released in spills:
             for spill in released:
                 self.tier.release(spill, max(0.0, deadline - time.monotonic()))
@@ -191,8 +192,8 @@ class RankFiles:
         self.wait_rows(chunk for _, chunk in items)
         reads = [self.tier.get(key, self.row(chunk)) for key, chunk in items]
         # every read has its deadline; queued behind others it waits its turn on the threads
-        deadline = time.monotonic() + self.tier.io_timeout_s * math.ceil(
-            max(1, len(reads)) / self.tier.io_threads)
+        deadline = time.monotonic() + bounded_wait(self.tier.io_timeout_s * math.ceil(
+            max(1, len(reads)) / self.tier.io_threads))
         verified = []
         for (_, chunk), read in zip(items, reads, strict=True):
             ok = self.tier.wait_read(read, deadline)

@@ -24,9 +24,16 @@ import errno
 import fcntl
 import os
 import stat
+import time
 
 from offload.errors import OffloadError
 from offload.system.paths import check_entries_are_ours, check_writable_dir
+
+FOLDER_PREFIX = "fp-"  # a tier's folder in DIR: fp-<fingerprint>
+# How long a tier retries the lock of its folder before it takes the folder for another
+# process's: `offload.tiers.disk_room` holds a folder's lock for a moment to see whether a live
+# tier holds it, and for a removal.
+LOCK_RETRY_S = 2.0
 
 
 def check_directory(directory: str) -> str:
@@ -56,8 +63,36 @@ def check_fs_dir(directory: str, name: str) -> None:
 def open_locked_subdir(root: str, path: str) -> int:
     """Create (0700) and open the fingerprint subdirectory ``path`` (an entry of ``root``)
     without following a planted symlink, check that it is ours and that no one else can write
-    it, and lock it so a second process with the same geometry cannot share it.  Returns the
-    directory's descriptor."""
+    it, and lock it so a second process with the same geometry cannot share it.  A folder
+    removed while this waited for its lock (an eviction of old folders) is made anew.  Returns
+    the directory's descriptor."""
+    deadline = time.monotonic() + LOCK_RETRY_S
+    while True:
+        fd = _open_subdir(root, path)
+        try:
+            _lock(fd, path, deadline)
+        except BaseException:
+            os.close(fd)
+            raise
+        if os.fstat(fd).st_nlink > 0:
+            return fd
+        os.close(fd)  # removed before we got the lock: make it again
+
+
+def _lock(fd: int, path: str, deadline: float) -> None:
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise OffloadError(f"file tier directory {path} is in use by another process "
+                                   "with the same geometry; give each job its own "
+                                   "directory") from None
+            time.sleep(0.01)
+
+
+def _open_subdir(root: str, path: str) -> int:
     try:
         root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
@@ -65,11 +100,7 @@ def open_locked_subdir(root: str, path: str) -> int:
                            "pass another directory") from None
     try:
         check_entries_are_ours(os.fstat(root_fd), root, "file tier directory")
-        name = os.path.relpath(path, root)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(name, 0o700, dir_fd=root_fd)
-        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     dir_fd=root_fd)
+        fd = _make_and_open(root_fd, os.path.relpath(path, root))
     except OSError as exc:
         if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise OffloadError(f"file tier directory {root} is not writable ({exc.strerror}); "
@@ -83,13 +114,22 @@ def open_locked_subdir(root: str, path: str) -> int:
     except BaseException:
         os.close(fd)
         raise
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise OffloadError(f"file tier directory {path} is in use by another process with the "
-                           "same geometry; give each job its own directory") from None
     return fd
+
+
+def _make_and_open(root_fd: int, name: str) -> int:
+    """Create folder ``name`` (0700) unless it exists, and open it; a removal between the two
+    (an eviction of old folders) makes it again."""
+    for _ in range(3):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, 0o700, dir_fd=root_fd)
+        try:
+            return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                           dir_fd=root_fd)
+        except FileNotFoundError:
+            continue
+    return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                   dir_fd=root_fd)
 
 
 def check_owned(fd: int, path: str) -> None:

@@ -166,7 +166,7 @@ def test_an_unusable_fs_tier_is_one_line(problem: str, fs_dir: Path, tmp_path: P
               "file": f"fs_dir (--fs-tier) {path} is not a directory",
               "small": "file tier budget fs_bytes = 307200 B (300.00 KiB) per node holds no "
                        "chunk: one chunk needs ",  # (its size depends on --no-integrity)
-              "timeout": "fs_io_timeout_s (--fs-io-timeout) = 0.0 must be positive"}[problem]
+              "timeout": "--fs-io-timeout 0 must be positive"}[problem]
     assert needle in errors[0], errors[0]
     assert not our_tracebacks(proc), proc.stderr[-3000:]
     assert [p for p in os.listdir(fs_dir) if p != "f"] == []
