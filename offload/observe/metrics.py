@@ -11,7 +11,7 @@ Primitives:
 
 * `JobTally` -- per-direction bytes, jobs by outcome and a latency histogram, as plain ints;
 * `outcome_of` -- a decided job's outcome label from its failure reason;
-* `TierCollector` -- a ``prometheus_client`` collector over one `HostTier`;
+* `TierCollector` -- a ``prometheus_client`` collector over one tier (`MetricsSource`);
 * `serve_metrics` -- register it and serve ``/metrics`` (``TierConfig.metrics_port`` + local
   rank; `offload.observe.metrics_http`, bounded against idle connections), or register it in the
   caller's registry.
@@ -23,15 +23,18 @@ import bisect
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from offload.bounds import MAX_PORT
 from offload.errors import OffloadError, is_damage
 from offload.observe.metrics_http import MetricsHTTPServer
 
 if TYPE_CHECKING:
+    from offload.actor import RankActor
+    from offload.control.plan import Plan
+    from offload.control.quorum import Words
     from offload.control.topology import Topology
-    from offload.tier import HostTier
+    from offload.manager import ChunkManager
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +91,37 @@ def _require_client() -> Any:
     return prometheus_client
 
 
+class ReadyRows(Protocol):
+    @property
+    def rows(self) -> int: ...
+
+
+class MetricsSource(Protocol):
+    """What the collector reads of a tier at scrape time; `offload.tier.HostTier` is one.  Named
+    here, read-only, so that this module needs nothing of the tier that serves it."""
+
+    @property
+    def tally(self) -> JobTally: ...
+    @property
+    def actor(self) -> RankActor: ...
+    @property
+    def plan(self) -> Plan: ...
+    @property
+    def manager(self) -> ChunkManager | None: ...
+    @property
+    def last_ready(self) -> ReadyRows: ...
+    @property
+    def last_words(self) -> Words | None: ...
+    @property
+    def submitted(self) -> int: ...
+
+
 class TierCollector:
     """Builds the ``offload_*`` families from one tier's counters at scrape time (nothing until
     the tier exists: the server is up before set-up, so a taken port fails early)."""
 
     def __init__(self) -> None:
-        self.tier: HostTier | None = None
+        self.tier: MetricsSource | None = None
 
     def describe(self) -> list[Any]:
         return []  # families are built on collect; nothing to pre-register
@@ -140,7 +168,7 @@ class TierCollector:
         yield from self._lag(core, tier)
 
     @staticmethod
-    def _manager(core: Any, tier: HostTier) -> Iterator[Any]:
+    def _manager(core: Any, tier: MetricsSource) -> Iterator[Any]:
         manager = tier.manager
         if manager is None:
             return
@@ -161,7 +189,7 @@ class TierCollector:
             yield family
 
     @staticmethod
-    def _files(core: Any, tier: HostTier) -> Iterator[Any]:
+    def _files(core: Any, tier: MetricsSource) -> Iterator[Any]:
         files = tier.actor.files
         if files is None or files.tier is None:  # no file tier, or not a writer of one
             return
@@ -177,7 +205,7 @@ class TierCollector:
         yield from (moved, errors)
 
     @staticmethod
-    def _lag(core: Any, tier: HostTier) -> Iterator[Any]:
+    def _lag(core: Any, tier: MetricsSource) -> Iterator[Any]:
         words = tier.last_words
         if words is None:
             return
@@ -200,7 +228,7 @@ class MetricsServer:
                  server: MetricsHTTPServer | None = None, url: str | None = None) -> None:
         self.registry, self.collector, self.server, self.url = registry, collector, server, url
 
-    def bind(self, tier: HostTier) -> None:
+    def bind(self, tier: MetricsSource) -> None:
         self.collector.tier = tier
 
     def close(self) -> None:
