@@ -135,7 +135,6 @@ def build_engine(name: str, kv: list[torch.Tensor], region: torch.Tensor, layout
     from offload.transfer.kernel import (
         MAX_TILE_BYTES,
         MAX_WORD,
-        NUM_WARPS,
         STEP_BYTES,
         TritonEngine,
     )
@@ -143,7 +142,7 @@ def build_engine(name: str, kv: list[torch.Tensor], region: torch.Tensor, layout
     programs, step, word, tile, warps = (kernel.split(":") + [""] * 4)[:5]
     return TritonEngine(kv, region, layout, chunk_count,
                         {"store": int(programs), "load": int(programs)},
-                        int(warps) if warps else NUM_WARPS,
+                        int(warps) if warps else None,
                         step_bytes=int(step) << 10 if step else STEP_BYTES,
                         max_word=int(word) if word else MAX_WORD,
                         tile_bytes=int(tile) << 10 if tile else MAX_TILE_BYTES)

@@ -140,7 +140,7 @@ class Bench:
 def bench_size(b: Bench, size: int) -> list[Row]:
     """Both directions at one block size; each ends verified (the KV data is unchanged after
     the round trip and equals what the triton engine loads back from the host)."""
-    from offload.transfer.kernel import NUM_WARPS, TritonEngine  # imports triton: needs CUDA
+    from offload.transfer.kernel import TritonEngine  # imports triton: needs CUDA
 
     n = b.gpu.numel() // size // BLOCKS_PER_CHUNK * BLOCKS_PER_CHUNK
     layout = SlotLayout(BLOCKS_PER_CHUNK * size, 0, BLOCKS_PER_CHUNK, (size,), (0,))
@@ -160,7 +160,7 @@ def bench_size(b: Bench, size: int) -> list[Row]:
         ours = HybridEngine([kv], region, layout, chunks, programs)
     else:
         ours = TritonEngine([kv], region, layout, chunks, programs,
-                            b.args.num_warps or NUM_WARPS)
+                            b.args.num_warps)
     slow = PerBlockEngine([kv], region, layout, chunks)
     slots = b.rng.permutation(n)
     job = (b.rng.permutation(n), slots // BLOCKS_PER_CHUNK, slots % BLOCKS_PER_CHUNK)

@@ -33,7 +33,7 @@ from offload.system.cuda_driver import allocation_ranges
 from offload.transfer.base import Direction
 from offload.transfer.batch_copy import BatchCopier, kv_allocations, page_copies
 from offload.transfer.cuda import StreamEngine
-from offload.transfer.kernel import NUM_WARPS, kernel_copier
+from offload.transfer.kernel import kernel_copier
 from offload.transfer.layout import Job, SlotLayout
 from offload.transfer.staged import StagedCopier
 from offload.transfer.staging import merged_ranges, stage_plan, whole_chunks
@@ -58,7 +58,7 @@ class HybridEngine(StreamEngine):
 
     def __init__(self, kv_tensors: Sequence[torch.Tensor], region: torch.Tensor,
                  layout: SlotLayout, chunk_count: int,
-                 programs: Mapping[Direction, int] | None = None, num_warps: int = NUM_WARPS,
+                 programs: Mapping[Direction, int] | None = None, num_warps: int | None = None,
                  priority: int = 0, min_run: int = COPY_ENGINE_MIN_RUN,
                  staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         super().__init__(kv_tensors, region, layout, chunk_count, priority)

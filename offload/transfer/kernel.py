@@ -68,6 +68,11 @@ from offload.transfer.native import NativeIssuer, driver_entry_points, library
 STEP_BYTES = 32 << 10  # per program and step in flight
 MAX_TILE_BYTES = UNIT_BYTES  # one work item: a page, or a piece of a larger one (a checksum unit)
 NUM_WARPS = 4
+# Warps per program with page checksums: each 8-byte word costs a splitmix64 finaliser (two
+# 64-bit multiplies), and with 4 warps the few persistent programs of a copy stalled on that
+# arithmetic (0.55 / 0.65x the link for stores / loads); 8 warps restore 0.93-0.95x at the same
+# program counts (docs/BENCHMARKS.md, "Integrity: checksum cost").
+CHECKED_WARPS = 8
 # Widest access in bytes.  16 (two int64 lanes, vectorised) copies no faster than 8 on whole
 # 16 KiB pages, and stores of pages split into several pieces (64 KiB, 1 MiB) fall to a third of
 # the rate with it (docs/BENCHMARKS.md, "Figures moved from code comments"): 8 until that is
@@ -178,7 +183,7 @@ class KernelCopier:
                  stream: torch.cuda.Stream, ordered: torch.cuda.Event,
                  wait_for: Callable[[int], None], generations: np.ndarray,
                  programs: Mapping[Direction, int] | None = None,
-                 num_warps: int = NUM_WARPS, step_bytes: int = STEP_BYTES,
+                 num_warps: int | None = None, step_bytes: int = STEP_BYTES,
                  max_word: int = MAX_WORD, tile_bytes: int = MAX_TILE_BYTES) -> None:
         device = stream.device
         self._stream = stream
@@ -207,7 +212,7 @@ class KernelCopier:
         self._row_stride = layout.row_stride // element
         self._bpc = layout.blocks_per_chunk
         self._programs = {**DEFAULT_COPY_PROGRAMS, **(programs or {})}
-        self._num_warps = num_warps
+        self._num_warps = num_warps or (CHECKED_WARPS if self.integrity else NUM_WARPS)
         fits = max(num_blocks, chunk_count * layout.blocks_per_chunk) < 2**31
         self._index_type = torch.int32 if fits else torch.int64
         self._capacity = 0
@@ -541,7 +546,7 @@ class TritonEngine(StreamEngine):
 
     def __init__(self, kv_tensors: Sequence[torch.Tensor], region: torch.Tensor,
                  layout: SlotLayout, chunk_count: int,
-                 programs: Mapping[Direction, int] | None = None, num_warps: int = NUM_WARPS,
+                 programs: Mapping[Direction, int] | None = None, num_warps: int | None = None,
                  priority: int = 0, step_bytes: int = STEP_BYTES,
                  max_word: int = MAX_WORD, tile_bytes: int = MAX_TILE_BYTES) -> None:
         super().__init__(kv_tensors, region, layout, chunk_count, priority)
@@ -593,7 +598,7 @@ class TritonEngine(StreamEngine):
 
 
 def kernel_copier(engine: StreamEngine, programs: Mapping[Direction, int] | None = None,
-                  num_warps: int = NUM_WARPS, step_bytes: int = STEP_BYTES,
+                  num_warps: int | None = None, step_bytes: int = STEP_BYTES,
                   max_word: int = MAX_WORD, tile_bytes: int = MAX_TILE_BYTES) -> KernelCopier:
     """The kernel over ``engine``'s tensors, region and stream."""
     return KernelCopier(engine._kv_bases.tolist(), engine._block_strides.tolist(),
