@@ -67,7 +67,9 @@ RAW = re.compile(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b")  # `one_line` of 
 # ---------------------------------------------------------------------- arbitrary integers
 
 
-def _fuzz(rank: int, fs_dir: str, examples: int) -> object:
+def _fuzz(rank: int, fs_dir: str, examples: int, backend: str = "host") -> object:
+    """One rank, ``backend`` (KV on CUDA for any but the host's): hypothesis draws jobs and
+    promotions with arbitrary values in some fields (module docstring)."""
     import numpy as np
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
@@ -76,10 +78,12 @@ def _fuzz(rank: int, fs_dir: str, examples: int) -> object:
     from offload import CopyJob, HostTier, JobFailed, MalformedJob, OffloadError, fs_actions
 
     row = BPC * PAGE
-    tier = HostTier.create(_kv(rank), TierConfig(cpu_bytes_per_node=6 * row, blocks_per_chunk=BPC,
-                                                 tp=1, timeout_s=20, fs_dir=fs_dir,
-                                                 fs_namespace="fuzz", fs_bytes=6 * row))
+    kv = [t.to("cpu" if backend == "host" else "cuda") for t in _kv(rank)]  # type: ignore
+    tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=6 * row, blocks_per_chunk=BPC,
+                                          tp=1, timeout_s=20, fs_dir=fs_dir,
+                                          fs_namespace="fuzz", fs_bytes=6 * row), backend=backend)
     actor, region = tier.actor, tier.actor.region
+    engine = actor.engine.name
     chunks_total, stride = tier.plan.chunk_count, tier.plan.row_stride(0)
     low, high = region.address, region.address + region.tensor.numel()
     outside: list[tuple[int, int]] = []
@@ -211,13 +215,14 @@ def _fuzz(rank: int, fs_dir: str, examples: int) -> object:
     finally:
         rank_files.host_view = real_view
         tier.close()
-    return seen, sorted({r.split(":")[0][:40] for r in reasons})
+    return seen, sorted({r.split(":")[0][:40] for r in reasons}), engine
 
 
 def test_arbitrary_integers_in_every_field_never_write_outside_the_region(tmp_path) -> None:
     out = run_group(_fuzz, 1, args=(str(tmp_path), 300), timeout=600)
     assert out[0].ok, out[0].error
-    seen, _ = out[0].value
+    seen, _, engine = out[0].value
+    assert engine == "host"
     # the draws reach every outcome: refused at once, failed through the quorum, run; a
     # promotion refused or run
     assert all(seen.values()), seen
