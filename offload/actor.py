@@ -199,7 +199,7 @@ class RankActor:
         here and, through the quorum, on every rank -- never waits, never moves a byte."""
         refuse_unready(checked.host_pages // self._installed().blocks_per_chunk,
                        self.ready_rows, self.topology.rank,
-                       f"job {show_value(job.job_id)} {job.direction}s",
+                       f"{_owner(job)} {job.direction}s",
                        "use the chunks the manager hands out (HostTier.ready) or call "
                        "HostTier.wait_ready() first", self._installed().chunk_count)
 
@@ -279,12 +279,13 @@ class RankActor:
         leaving the groups' events in `layer_events` (Nones for a refused job)."""
         self.last_event = None
         self.layer_events = []
+        valid_id = type(job.job_id) is int or _is_id(job.job_id)
         # a job without an int id is refused on every rank and never kept: no rank returns it
-        entry = self.jobs.open(job.job_id, job, keep and _is_id(job.job_id),
-                               time.perf_counter(), time.monotonic(), self.topology.rank)
+        entry = self.jobs.open(job.job_id, job, keep and valid_id, time.perf_counter(),
+                               time.monotonic(), self.topology.rank)
         taken = False  # whether the engine holds the job (it then reports it in poll)
         try:
-            checked = self._screen(entry, job, layer_groups)
+            checked = self._screen(entry, job, layer_groups, valid_id)
             engine = self._engine()
             if self.files is not None and job.direction == "store":
                 self.files.wait_rows(job.chunks)  # no row is overwritten while a spill reads it
@@ -316,33 +317,35 @@ class RankActor:
         self.progress_copies()
         return entry.seq
 
-    def _screen(self, entry: Entry, job: CopyJob, layer_groups: int | None) -> Job:
+    def _screen(self, entry: Entry, job: CopyJob, layer_groups: int | None, valid_id: bool
+                ) -> Job:
         """Check every field of ``job`` before anything of it runs, then write out its spills
         whatever its fate -- in sequence on every rank, so the ranks' file tiers (their LRUs)
         stay in step with each other and the chunk manager's -- and return the checked job,
         or raise its refusal: `MalformedJob` first (the same on every rank), then this rank's
         own."""
         plan = self._installed()
-        owner = f"job {show_value(job.job_id)}"
         malformed: MalformedJob | None = None
-        if not _is_id(job.job_id):
+        if not valid_id:
             malformed = MalformedJob(f"job id {show_value(job.job_id)} is not an int; give "
                                      "every job an int id")
         local: Exception | None = None
         spills: tuple[WorkItem, ...] = ()
-        try:
-            spills = check_work_items(job.spills, "spills", plan.chunk_count, plan.page_size,
-                                      owner)
-        except MalformedJob as exc:
-            malformed = malformed or exc
+        if not (type(job.spills) is tuple and not job.spills):  # () is every job's but stores'
+            try:
+                spills = check_work_items(job.spills, "spills", plan.chunk_count,
+                                          plan.page_size, _owner(job))
+            except MalformedJob as exc:
+                malformed = malformed or exc
         checked: Job | None = None
         try:
-            checked = self._prepare(entry.seq, job, owner, layer_groups)
+            checked = self._prepare(entry.seq, job, layer_groups)
         except MalformedJob as exc:
             malformed = malformed or exc
         except Exception as exc:
             local = exc
-        local = self._spill(owner, spills) or local
+        if spills:
+            local = self._spill(job, spills) or local
         if malformed is not None:
             raise malformed
         if entry.error is not None:  # a reused id
@@ -354,39 +357,44 @@ class RankActor:
             self._check_ready(job, checked)
         return checked
 
-    def _prepare(self, seq: int, job: CopyJob, owner: str, layer_groups: int | None) -> Job:
+    def _prepare(self, seq: int, job: CopyJob, layer_groups: int | None) -> Job:
         """The job's own rules, then the engine's check of its indices (`EngineBase.prepare`):
         `MalformedJob` for anything the plan and the job alone decide."""
-        direction = job.direction
-        if not (isinstance(direction, str) and direction in ("store", "load")):
-            raise MalformedJob(f"{owner} has direction {show_value(direction)}; use 'store' "
-                               "or 'load'")
-        if not isinstance(job.writer_only, bool | np.bool_):
-            raise MalformedJob(f"{owner}: writer_only is {show_value(job.writer_only)}; give "
-                               "True or False")
-        if job.writer_only and not (direction == "store" and self.config.layout ==
-                                    "replicated"):
-            raise MalformedJob(f"{owner}: writer_only applies to stores in the replicated "
-                               f"layout, not a {direction} in {self.config.layout!r}; drop "
-                               "writer_only")
+        direction, writer_only = job.direction, job.writer_only
+        if type(direction) is not str or (direction != "store" and direction != "load"):
+            raise MalformedJob(f"{_owner(job)} has direction {show_value(direction)}; use "
+                               "'store' or 'load'")
+        if writer_only is not False:
+            self._check_writer_only(job)
         if layer_groups is not None and direction != "load":
-            raise MalformedJob(f"{owner}: layer_groups applies to loads, not a {direction}; "
-                               "drop layer_groups")
-        moves = not (job.writer_only and not self.topology.is_stage_writer)
+            raise MalformedJob(f"{_owner(job)}: layer_groups applies to loads, not a "
+                               f"{direction}; drop layer_groups")
+        moves = not (writer_only and not self.topology.is_stage_writer)
         return self._engine().prepare(seq, direction, job.blocks, job.chunks, job.positions,
                                       move=moves)
 
-    def _spill(self, owner: str, spills: Sequence[WorkItem]) -> Exception | None:
+    def _check_writer_only(self, job: CopyJob) -> None:
+        """``writer_only`` is a bool, and True only for a store in the replicated layout."""
+        if not isinstance(job.writer_only, bool | np.bool_):
+            raise MalformedJob(f"{_owner(job)}: writer_only is {show_value(job.writer_only)}; "
+                               "give True or False")
+        if job.writer_only and not (job.direction == "store" and self.config.layout ==
+                                    "replicated"):
+            raise MalformedJob(f"{_owner(job)}: writer_only applies to stores in the replicated "
+                               f"layout, not a {job.direction} in {self.config.layout!r}; "
+                               "drop writer_only")
+
+    def _spill(self, job: CopyJob, spills: Sequence[WorkItem]) -> Exception | None:
         """Start writing out checked ``spills`` (`RankFiles.spill`); return this rank's
         refusal, if any: a spill of a row it has not set up is skipped ("not ready": such a
         row cannot be read), or the error that stopped the spills."""
-        if self.files is None or not spills:
+        if self.files is None:
             return None
         ready = self.ready_rows
         try:
             self.files.spill([item for item in spills if item[1] < ready])
             refuse_unready([chunk for _, chunk in spills], ready, self.topology.rank,
-                           f"{owner} spills", "spill the chunks the manager hands out",
+                           f"{_owner(job)} spills", "spill the chunks the manager hands out",
                            self._installed().chunk_count)
         except Exception as exc:
             return exc
@@ -541,6 +549,11 @@ class RankActor:
         if self.engine is None:
             raise RuntimeError("this rank has no transfer engine yet")
         return self.engine
+
+
+def _owner(job: CopyJob) -> str:
+    """A job as error lines name it."""
+    return f"job {show_value(job.job_id)}"
 
 
 def _is_id(job_id: object) -> bool:
