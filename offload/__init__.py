@@ -19,6 +19,7 @@ _EXPORTS = {
     "OffloadError": "offload.errors",
     "PeerError": "offload.errors",
     "JobFailed": "offload.errors",
+    "MalformedJob": "offload.errors",
     "TransferResult": "offload.tier",
     "parse_size": "offload.sizes",
 }

@@ -20,16 +20,16 @@ import numpy as np
 import torch
 
 from offload.config import TierConfig
-from offload.control.jobs import JobBook
+from offload.control.jobs import Entry, JobBook
 from offload.control.plan import Plan, RankDescriptor
 from offload.control.quorum import Quorum
 from offload.control.topology import Topology
-from offload.errors import OffloadError, one_line
+from offload.errors import MalformedJob, OffloadError, one_line
 from offload.observe.audit import Auditor
 from offload.region.host_region import HostRegion
 from offload.region.numa import cuda_numa_node
 from offload.region.pin import Registrar, choose_registrar
-from offload.tiers.rank_files import RankFiles
+from offload.tiers.rank_files import RankFiles, WorkItem, check_work_items
 from offload.transfer import (
     SlotLayout,
     TransferEngine,
@@ -38,7 +38,7 @@ from offload.transfer import (
     triton_available,
 )
 from offload.transfer.base import After, Direction
-from offload.transfer.layout import Indices
+from offload.transfer.layout import Indices, Job, show_value
 
 log = logging.getLogger(__name__)
 
@@ -193,12 +193,13 @@ class RankActor:
         """Rows this rank can copy into and out of (all of them once set-up finished)."""
         return self._region_rows if self._compiled.is_set() else 0
 
-    def _check_ready(self, job: CopyJob) -> None:
+    def _check_ready(self, job: CopyJob, checked: Job) -> None:
         """Refuse a job that touches a row this rank has not made usable yet (background
         set-up): copying into unregistered memory would fault the GPU, so the job fails
         here and, through the quorum, on every rank -- never waits, never moves a byte."""
-        refuse_unready(job.chunks, self.ready_rows, self.topology.rank,
-                       f"job {job.job_id} {job.direction}s",
+        refuse_unready(checked.host_pages // self._installed().blocks_per_chunk,
+                       self.ready_rows, self.topology.rank,
+                       f"{_owner(job)} {job.direction}s",
                        "use the chunks the manager hands out (HostTier.ready) or call "
                        "HostTier.wait_ready() first", self._installed().chunk_count)
 
@@ -263,61 +264,154 @@ class RankActor:
         """Queue a copy on this rank (non-blocking where the backend allows) and return its
         sequence number: its place in the submission order, the same on every rank.
 
-        Every job takes its place, whatever happens next: one this rank refuses (a reused id,
-        a bad index, an engine error) is failed with its reason, reaches every rank through
-        the quorum, and the error is raised after.  ``keep`` keeps the job in the book until
-        the tier takes its result (SPMD); its id is live until then.  ``after`` (a CUDA event
-        or stream; default the current stream) is what the copy waits for; the copy's own
-        completion event is left in `last_event` (None when this rank moves nothing, or on the
-        host backend).  ``layer_groups`` loads layer group by layer group
-        (`TransferEngine.load_layers`), leaving the groups' events in `layer_events`."""
+        Every job takes its place, whatever happens next, and its spills run in that place
+        (`_screen`).  A job the plan alone refuses -- an index out of range, a field of the
+        wrong type, a repeated destination: `MalformedJob` -- is refused alike on every rank,
+        failed, and the error raised.  A job only this rank refuses (a reused id, a row not
+        set up yet, a block past its KV cache, an engine error) is failed with its reason and
+        the call returns normally: the quorum reports the failure on every rank alike, so no
+        rank's control flow diverges.  ``keep`` keeps the job in the book until the tier
+        takes its result (SPMD); its id is live until then.  ``after`` (a CUDA event or
+        stream; default the current stream) is what the copy waits for; the copy's own
+        completion event is left in `last_event` (None when this rank moves nothing -- a
+        refused job, a replicated store's non-writer -- or on the host backend).
+        ``layer_groups`` loads layer group by layer group (`TransferEngine.load_layers`),
+        leaving the groups' events in `layer_events` (Nones for a refused job)."""
         self.last_event = None
         self.layer_events = []
-        entry = self.jobs.open(job.job_id, job, keep, time.perf_counter(), time.monotonic(),
-                               self.topology.rank)
+        valid_id = type(job.job_id) is int or _is_id(job.job_id)
+        # a job without an int id is refused on every rank and never kept: no rank returns it
+        entry = self.jobs.open(job.job_id, job, keep and valid_id, time.perf_counter(),
+                               time.monotonic(), self.topology.rank)
         taken = False  # whether the engine holds the job (it then reports it in poll)
         try:
-            if entry.error is not None:
-                raise OffloadError(entry.error)
+            checked = self._screen(entry, job, layer_groups, valid_id)
             engine = self._engine()
-            if self.ready_rows < self._installed().chunk_count:
-                self._check_ready(job)
-            blocks, chunks, positions = job.blocks, job.chunks, job.positions
-            if self.files is not None:
-                self.files.spill(job.spills)
-                if job.direction == "store":  # no row is overwritten while a spill reads it
-                    self.files.wait_rows(chunks)
-            if job.writer_only and not (job.direction == "store" and self.config.layout ==
-                                        "replicated"):
-                raise OffloadError(f"job {job.job_id}: writer_only applies to stores in the "
-                                   f"replicated layout, not a {job.direction} in "
-                                   f"{self.config.layout!r}; drop writer_only")
-            if layer_groups is not None and job.direction != "load":
-                raise OffloadError(f"job {job.job_id}: layer_groups applies to loads, not a "
-                                   f"{job.direction}; drop layer_groups")
+            if self.files is not None and job.direction == "store":
+                self.files.wait_rows(job.chunks)  # no row is overwritten while a spill reads it
             if job.writer_only and not self.topology.is_stage_writer:
-                engine.check(entry.seq, blocks, chunks, positions)  # the stage's writer copies
+                engine.renew_store(entry.seq, checked)  # the stage's writer copies
                 entry.done = True
             else:
                 if layer_groups is not None:
-                    self.layer_events = engine.load_layers(entry.seq, blocks, chunks,
-                                                           positions, layer_groups, after=after)
+                    self.layer_events = engine.issue_layers(entry.seq, checked, layer_groups,
+                                                            after=after)
                     self.last_event = self.layer_events[-1]
                 else:
-                    self.last_event = engine.submit(entry.seq, job.direction, blocks, chunks,
-                                                    positions, after=after)
+                    self.last_event = engine.issue(entry.seq, job.direction, checked,
+                                                   after=after)
                 taken = True
-                entry.bytes = len(blocks) * self._block_bytes
+                entry.bytes = len(checked) * self._block_bytes
             if self.auditor is not None and job.direction == "store":
                 # after the job was checked; hashes read the blocks in compute-stream order
                 self.auditor.record(self.kv_tensors, job.blocks, job.chunks, job.positions)
+        except MalformedJob as exc:  # the same on every rank: raised on every rank
+            entry.error = None  # its reason wins over this rank's own (a reused id)
+            self._refused(entry, exc, taken, layer_groups)
+            raise
+        except Exception as exc:  # this rank's alone: every rank learns it from the quorum
+            self._refused(entry, exc, taken, layer_groups)
         except BaseException as exc:
-            entry.error = entry.error or one_line(exc)
-            entry.done = entry.done or not taken  # not the engine's: it completes (failed) now
-            self._advance()
+            self._refused(entry, exc, taken, layer_groups)
             raise
         self.progress_copies()
         return entry.seq
+
+    def _screen(self, entry: Entry, job: CopyJob, layer_groups: int | None, valid_id: bool
+                ) -> Job:
+        """Check every field of ``job`` before anything of it runs, then write out its spills
+        whatever its fate -- in sequence on every rank, so the ranks' file tiers (their LRUs)
+        stay in step with each other and the chunk manager's -- and return the checked job,
+        or raise its refusal: `MalformedJob` first (the same on every rank), then this rank's
+        own."""
+        plan = self._installed()
+        malformed: MalformedJob | None = None
+        if not valid_id:
+            malformed = MalformedJob(f"job id {show_value(job.job_id)} is not an int; give "
+                                     "every job an int id")
+        local: Exception | None = None
+        spills: tuple[WorkItem, ...] = ()
+        if not (type(job.spills) is tuple and not job.spills):  # () is every job's but stores'
+            try:
+                spills = check_work_items(job.spills, "spills", plan.chunk_count,
+                                          plan.page_size, _owner(job))
+            except MalformedJob as exc:
+                malformed = malformed or exc
+        checked: Job | None = None
+        try:
+            checked = self._prepare(entry.seq, job, layer_groups)
+        except MalformedJob as exc:
+            malformed = malformed or exc
+        except Exception as exc:
+            local = exc
+        if spills:
+            local = self._spill(job, spills) or local
+        if malformed is not None:
+            raise malformed
+        if entry.error is not None:  # a reused id
+            raise OffloadError(entry.error)
+        if local is not None:
+            raise local
+        assert checked is not None
+        if self.ready_rows < plan.chunk_count:
+            self._check_ready(job, checked)
+        return checked
+
+    def _prepare(self, seq: int, job: CopyJob, layer_groups: int | None) -> Job:
+        """The job's own rules, then the engine's check of its indices (`EngineBase.prepare`):
+        `MalformedJob` for anything the plan and the job alone decide."""
+        direction, writer_only = job.direction, job.writer_only
+        if type(direction) is not str or (direction != "store" and direction != "load"):
+            raise MalformedJob(f"{_owner(job)} has direction {show_value(direction)}; use "
+                               "'store' or 'load'")
+        if writer_only is not False:
+            self._check_writer_only(job)
+        if layer_groups is not None and direction != "load":
+            raise MalformedJob(f"{_owner(job)}: layer_groups applies to loads, not a "
+                               f"{direction}; drop layer_groups")
+        moves = not (writer_only and not self.topology.is_stage_writer)
+        return self._engine().prepare(seq, direction, job.blocks, job.chunks, job.positions,
+                                      move=moves)
+
+    def _check_writer_only(self, job: CopyJob) -> None:
+        """``writer_only`` is a bool, and True only for a store in the replicated layout."""
+        if not isinstance(job.writer_only, bool | np.bool_):
+            raise MalformedJob(f"{_owner(job)}: writer_only is {show_value(job.writer_only)}; "
+                               "give True or False")
+        if job.writer_only and not (job.direction == "store" and self.config.layout ==
+                                    "replicated"):
+            raise MalformedJob(f"{_owner(job)}: writer_only applies to stores in the replicated "
+                               f"layout, not a {job.direction} in {self.config.layout!r}; "
+                               "drop writer_only")
+
+    def _spill(self, job: CopyJob, spills: Sequence[WorkItem]) -> Exception | None:
+        """Start writing out checked ``spills`` (`RankFiles.spill`); return this rank's
+        refusal, if any: a spill of a row it has not set up is skipped ("not ready": such a
+        row cannot be read), or the error that stopped the spills."""
+        if self.files is None:
+            return None
+        ready = self.ready_rows
+        try:
+            self.files.spill([item for item in spills if item[1] < ready])
+            refuse_unready([chunk for _, chunk in spills], ready, self.topology.rank,
+                           f"{_owner(job)} spills", "spill the chunks the manager hands out",
+                           self._installed().chunk_count)
+        except Exception as exc:
+            return exc
+        return None
+
+    def _refused(self, entry: Entry, exc: BaseException, taken: bool,
+                 layer_groups: int | None) -> None:
+        """Fail ``entry`` with ``exc``'s reason (unless it has one) and complete it now unless
+        the engine holds it; a job not issued leaves no events (a None per layer group)."""
+        entry.error = entry.error or one_line(exc)
+        entry.done = entry.done or not taken  # not the engine's: it completes (failed) now
+        self._advance()
+        if not taken:
+            self.last_event = None
+            groups = (layer_groups if type(layer_groups) is int and
+                      1 <= layer_groups <= len(self.kv_tensors) else 0)
+            self.layer_events = [None] * groups
 
     def progress_copies(self) -> float:
         """Collect copies that finished since the last call and raise this rank's watermark;
@@ -455,6 +549,16 @@ class RankActor:
         if self.engine is None:
             raise RuntimeError("this rank has no transfer engine yet")
         return self.engine
+
+
+def _owner(job: CopyJob) -> str:
+    """A job as error lines name it."""
+    return f"job {show_value(job.job_id)}"
+
+
+def _is_id(job_id: object) -> bool:
+    """Whether ``job_id`` is an integer (a numpy one too), the only ids the book keeps."""
+    return isinstance(job_id, int | np.integer) and not isinstance(job_id, bool)
 
 
 def _close_after_io(files: RankFiles, region: HostRegion) -> None:

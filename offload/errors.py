@@ -12,6 +12,13 @@ class OffloadError(Exception):
     """A user-facing error whose message is a single self-explanatory line."""
 
 
+class MalformedJob(OffloadError):
+    """A job whose fields break limits the plan alone sets (an index out of range, a field of
+    the wrong type, a repeated destination): every rank has the same plan and the same job, so
+    every rank refuses it alike and `submit` raises it at once -- no rank's control flow
+    diverges.  The job still takes its sequence place and is decided failed."""
+
+
 class PeerError(OffloadError):
     """Another rank failed or stopped answering; the message names the rank(s)."""
 

@@ -312,10 +312,16 @@ class HostTier:
                ) -> torch.cuda.Event | None | list[torch.cuda.Event | None]:
         """Queue this rank's share of ``job``; every rank submits the same jobs in the same
         order (a job's sequence number is its place in that order).  A job id may be reused
-        once `finished` or `wait` has returned the job on this rank.  A job that raises here
-        on some rank -- a reused id still in flight there, a bad index, an engine error -- is
-        still in the sequence and comes back failed from `finished` on every rank, naming that
-        rank and its reason.
+        once `finished` or `wait` has returned the job on this rank.
+
+        A refused job behaves the same on every rank, so SPMD code never branches apart: it
+        keeps its place in the sequence (its spills still run there) and comes back failed
+        from `finished` / `wait` on every rank, naming the lowest refusing rank and its
+        reason.  A refusal only some ranks make -- an id still in flight there, a row not set
+        up yet ("not ready"), a block past that rank's KV cache, an engine error -- returns
+        normally (no event).  Only a malformed job, which every rank refuses alike (an index
+        out of the plan's range, a field of the wrong type, a repeated destination, a spill
+        outside the region), raises `MalformedJob` at once, on every rank.
 
         The copy runs after ``after`` (a CUDA event or stream; default: the current stream)
         and the call returns the copy's completion event, which the compute stream can
@@ -323,14 +329,14 @@ class HostTier:
         the copy is done, not that it verified (the verdict comes with the decision); a loaded
         piece that fails its checksum is overwritten with all-ones bytes (NaN in fp16 to fp64)
         before the event fires, so nothing read ahead of the verdict is a damaged byte.  None
-        when this rank moves nothing (a replicated store's non-writer) or its KV lives in host
-        memory.
+        when this rank moves nothing (a refused job, a replicated store's non-writer) or its
+        KV lives in host memory.
 
         ``layer_groups=G`` (loads): the copy runs group by group over ``G`` runs of
         consecutive KV tensors, in the order given to `create` (G = layers: each layer's K
         and V), and the call returns ``G`` events, one per group in that order, so the
         forward pass can wait for each layer's KV just before that layer (the completion
-        and the verdict stay per job)."""
+        and the verdict stay per job; a refused job's G events are None)."""
         self.actor.submit(job, keep=True, after=after, layer_groups=layer_groups)
         if layer_groups is not None:
             return list(self.actor.layer_events)
@@ -653,7 +659,8 @@ def _whole_nodes(topology: Topology, late: Sequence[int]) -> str:
 
 def _submit_quietly(actor: RankActor, job: CopyJob) -> None:
     """A driven job on one rank: a refusal is recorded as the job's failure by `submit` and
-    reaches rank 0 through the quorum, so it is not raised here."""
+    reaches rank 0 through the quorum, so a malformed job's `MalformedJob` (the only refusal
+    `submit` raises) is not raised here."""
     with contextlib.suppress(OffloadError):
         actor.submit(job)
 

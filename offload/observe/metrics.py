@@ -73,7 +73,11 @@ class JobTally:
 
     def add(self, direction: str, success: bool, error: str | None, size: int,
             seconds: float | None) -> None:
-        """Count one decided job; ``seconds`` (submit -> decided) only where it was timed."""
+        """Count one decided job; ``seconds`` (submit -> decided) only where it was timed.  A
+        job of neither direction (malformed: refused at `submit` on every rank) has no label
+        to count under and is left out."""
+        if direction not in self.bytes:
+            return
         self.jobs[direction, outcome_of(success, error)] += 1
         if success:
             self.bytes[direction] += size

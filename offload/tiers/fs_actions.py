@@ -17,11 +17,18 @@ from typing import TYPE_CHECKING, Any
 
 from offload.actor import refuse_unready
 from offload.config import FS_BYTES_FACTOR
-from offload.errors import OffloadError
-from offload.integrity import promotion_generation
+from offload.errors import MalformedJob, OffloadError
+from offload.integrity import PROMOTED, promotion_generation
 from offload.sizes import format_size
 from offload.tiers import disk_room
-from offload.tiers.rank_files import RankFiles, WorkItem, agree_on_files, disk_capacity
+from offload.tiers.rank_files import (
+    RankFiles,
+    WorkItem,
+    agree_on_files,
+    check_work_items,
+    disk_capacity,
+)
+from offload.transfer.layout import show_value
 
 if TYPE_CHECKING:
     from offload.actor import RankActor
@@ -88,11 +95,24 @@ def promote(actor: RankActor, spills: Sequence[WorkItem], reads: Sequence[WorkIt
     """Promotion ``job_id`` (the chunk manager's; `RankFiles.promote`).  Returns, per read,
     True when this rank's bytes are verified, and the chunks whose rows a read that passed its
     deadline may still fill (`RankFiles.busy_rows`: the chunk manager keeps them
-    quarantined)."""
+    quarantined).
+
+    Every item is checked before any runs: a chunk outside the region or a bad key is
+    `MalformedJob` (the same on every rank), a row this rank has not set up "not ready"."""
     files = _files(actor)
+    plan = actor._installed()
+    owner = f"promotion {show_value(job_id)}"
+    if type(job_id) is not int or not 0 <= job_id < PROMOTED:  # its rows' generation
+        raise MalformedJob(f"{owner}: the job id must be an int in 0..{PROMOTED - 1}; pass "
+                           "the chunk manager's PromoteJob")
+    reads = check_work_items(reads, "reads", plan.chunk_count, plan.page_size, owner)
+    spills = check_work_items(spills, "spills", plan.chunk_count, plan.page_size, owner)
     # the manager hands out ready rows only: a caller named another
+    fix = "promote into the chunks the manager hands out"
     refuse_unready([chunk for _, chunk in reads], actor.ready_rows, actor.topology.rank,
-                   "a promotion reads into", "promote into the chunks the manager hands out")
+                   "a promotion reads into", fix)
+    refuse_unready([chunk for _, chunk in spills], actor.ready_rows, actor.topology.rank,
+                   "a promotion spills", fix)
     verified = files.promote(reads, promotion_generation(job_id), spills)
     return verified, files.busy_rows()
 

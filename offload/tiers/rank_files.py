@@ -47,14 +47,55 @@ import numpy as np
 from offload.bounds import bounded_wait
 from offload.control.plan import Plan
 from offload.control.topology import Topology
+from offload.errors import MalformedJob
 from offload.integrity import move_sums, trailer_bytes
+from offload.tiers.file_format import key_bytes, max_key_bytes
 from offload.tiers.file_tier import DEFAULT_IO_TIMEOUT_S, FileTier, Spill, host_view
 from offload.tiers.fs_io import FileIO
 from offload.tiers.plan_files import file_capacity, rank_budget, rank_geometry
-from offload.transfer.layout import SlotLayout
+from offload.transfer.layout import SlotLayout, show_value
 
 WorkItem = tuple[Hashable, int]  # (chunk key, chunk id)
 FILE_CHUNK = -1  # the chunk id a file's checksums are mixed with: no row's
+
+
+def check_work_items(items: object, field: str, rows: int, page_size: int, owner: str
+                     ) -> tuple[WorkItem, ...]:
+    """``items`` as (key, chunk) pairs, each chunk a row of the region (0 .. ``rows`` - 1, as a
+    plain int) and each key one a file header holds (its repr fits a ``page_size`` header).
+    Anything else is refused as `MalformedJob`, naming ``owner`` (the job), the ``field``, the
+    entry, the value and the range: the plan alone decides, so every rank refuses alike, and
+    before any item runs (a spill of chunk -2 would re-mix a trailer before the region)."""
+    try:
+        entries = list(items)  # type: ignore[call-overload]
+    except TypeError:
+        raise MalformedJob(f"{owner}: {field} is {show_value(items)}; pass a sequence of "
+                           "(key, chunk) pairs (the chunk manager's job has them)") from None
+    checked = []
+    for i, item in enumerate(entries):
+        if not isinstance(item, tuple | list) or len(item) != 2:
+            raise MalformedJob(f"{owner}: {field}[{i}] is {show_value(item)}, not a (key, "
+                               "chunk) pair; take them from the chunk manager's job")
+        key, chunk = item
+        if type(chunk) is not int and not isinstance(chunk, np.integer):
+            raise MalformedJob(f"{owner}: {field}[{i}] has chunk {show_value(chunk)}, not an "
+                               f"integer; valid chunks are 0..{rows - 1}")
+        if not 0 <= chunk < rows:
+            raise MalformedJob(f"{owner}: {field}[{i}] has chunk {show_value(int(chunk))}, out "
+                               f"of range: the region has {rows} chunks, valid chunks are "
+                               f"0..{rows - 1}")
+        try:
+            size = len(key_bytes(key))
+        except Exception:  # a repr that raises: no file could be named for it
+            raise MalformedJob(f"{owner}: {field}[{i}] has a key of type "
+                               f"{type(key).__name__} without a repr; use ints, bytes, "
+                               "strings or tuples of them") from None
+        if size > max_key_bytes(page_size):
+            raise MalformedJob(f"{owner}: {field}[{i}] has a key whose repr is {size} bytes, "
+                               f"past the {max_key_bytes(page_size)} a file header holds; use "
+                               "shorter keys (e.g. a hash of the prefix)")
+        checked.append((key, int(chunk)))
+    return tuple(checked)
 
 
 def file_writers(plan: Plan, topology: Topology) -> tuple[int, ...]:
@@ -77,8 +118,9 @@ class RankFiles:
 
     def __init__(self, tier: FileTier | None, base: int, row_stride: int, slot_offset: int,
                  slot_bytes: int, sums: SlotLayout | None = None,
-                 generations: np.ndarray | None = None) -> None:
+                 generations: np.ndarray | None = None, rows: int | None = None) -> None:
         self.tier = tier
+        self._rows = rows  # the region's rows: no item addresses memory past them
         self._base, self._stride = base, row_stride
         self._offset, self._bytes = slot_offset, slot_bytes
         self._sums = sums  # this rank's slot layout, where its slots carry checksums
@@ -111,12 +153,22 @@ class RankFiles:
                             io_timeout_s=io_timeout_s, io=io)
         layout = SlotLayout.from_plan(plan, rank)
         return cls(tier, region_address, plan.row_stride(rank), slot.slot_offset,
-                   slot.slot_bytes, layout if layout.integrity else None, generations)
+                   slot.slot_bytes, layout if layout.integrity else None, generations,
+                   plan.chunk_count)
 
     def row(self, chunk: int) -> memoryview:
         """This rank's slot of host row ``chunk`` (page-aligned: rows and slots are page
         multiples of a page-aligned mapping)."""
+        self._inside([chunk])
         return host_view(self._base + chunk * self._stride + self._offset, self._bytes)
+
+    def _inside(self, chunks: Iterable[int]) -> None:
+        """The last guard against an address outside the region: callers check their items
+        first (`check_work_items`), so a chunk past the rows here is a bug."""
+        if self._rows is not None:
+            bad = [c for c in chunks if not 0 <= c < self._rows]
+            if bad:
+                raise ValueError(f"chunk {bad[0]} is not a row of this {self._rows}-row region")
 
     # ------------------------------------------------------------------ work items
     def spill(self, items: Sequence[WorkItem]) -> None:
@@ -124,6 +176,7 @@ class RankFiles:
         busy until `wait_rows` says they were released."""
         if self.tier is None:
             return
+        self._inside(chunk for _, chunk in items)  # all of them before the first re-mix
         for key, chunk in items:
             # NOTE: the row is being evicted: the manager never hands its key back to host
             # memory without a promotion (which re-mixes the sums again), so re-mixing here,
@@ -179,6 +232,7 @@ class RankFiles:
         made most recently used first (so the spills' disk evictions never pick them), then
         the spills start, then each read waits until its row is released.  The chunk manager
         replays the same order (`DiskIndex`)."""
+        self._inside(chunk for _, chunk in (*items, *spills))
         if self.tier is not None:
             for key, _ in items:
                 self.tier.touch(key)
@@ -211,6 +265,7 @@ class RankFiles:
         s = self._sums
         if s is not None and s.trailer_offset is not None:
             assert self._generations is not None  # __init__ requires them with checksums
+            self._inside([chunk])
             view = host_view(self._base + chunk * self._stride + self._offset + s.trailer_offset,
                              trailer_bytes(s.page_bytes, s.blocks_per_chunk))
             bpc = s.blocks_per_chunk

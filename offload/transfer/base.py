@@ -13,7 +13,7 @@ from typing import Literal, Protocol, TypeAlias
 import numpy as np
 import torch
 
-from offload.errors import OffloadError
+from offload.errors import MalformedJob, OffloadError
 from offload.integrity import UNIT_BYTES, WORD, store_generation, trailer_bytes
 from offload.transfer.fast_check import FastCheck, Target, checker_library
 from offload.transfer.layout import (
@@ -22,6 +22,7 @@ from offload.transfer.layout import (
     SlotLayout,
     UniqueDestinations,
     check_job,
+    show_value,
     tensor_ranges,
 )
 from offload.transfer.tensors import KVGeometry, kv_geometry, page_view, region_pages
@@ -47,6 +48,10 @@ class TransferEngine(Protocol):
     ``wait_event``-s it may read loaded blocks (or overwrite stored ones) without a host round
     trip.  The host backend finishes the job inside ``submit`` and returns ``None``.
 
+    ``submit`` is ``prepare`` (every check, nothing moved) then ``issue``: a caller that may
+    still refuse a checked job for reasons of its own (the actor: a row not set up on this
+    rank) calls the two itself, so every index is checked before anything of the job runs.
+
     Integrity (a layout with a checksum trailer): a store writes every page's checksum, a load
     checks it.  A finished job whose check failed is still reported by ``poll``/``wait_all``;
     ``job_error`` then names what did not match, and ``mismatches`` counts such jobs.
@@ -67,6 +72,17 @@ class TransferEngine(Protocol):
 
     def check(self, job_id: int, gpu_blocks: object, chunk_ids: object, positions: object
               ) -> None: ...
+
+    def prepare(self, job_id: int, direction: Direction, gpu_blocks: object, chunk_ids: object,
+                positions: object, move: bool = True) -> Job: ...
+
+    def issue(self, job_id: int, direction: Direction, job: Job, after: After = None
+              ) -> torch.cuda.Event | None: ...
+
+    def issue_layers(self, job_id: int, job: Job, groups: int, after: After = None
+                     ) -> list[torch.cuda.Event | None]: ...
+
+    def renew_store(self, job_id: int, job: Job) -> None: ...
 
     def renew(self, host_pages: object, generation: int) -> None: ...
 
@@ -177,11 +193,34 @@ class EngineBase:
 
     def submit(self, job_id: int, direction: Direction, gpu_blocks: object, chunk_ids: object,
                positions: object, after: After = None) -> torch.cuda.Event | None:
-        """Queue job ``job_id``; validation errors are raised here, before anything moves."""
+        """Queue job ``job_id``; validation errors are raised here, before anything moves
+        (`prepare`, then `issue`)."""
+        job = self.prepare(job_id, direction, gpu_blocks, chunk_ids, positions)
+        return self.issue(job_id, direction, job, after)
+
+    def prepare(self, job_id: int, direction: Direction, gpu_blocks: object, chunk_ids: object,
+                positions: object, move: bool = True) -> Job:
+        """Check job ``job_id`` and return it checked, moving and renewing nothing, so a caller
+        can refuse the job for reasons of its own before `issue`.
+
+        Raises `MalformedJob` for what the plan and the job alone decide (a direction other
+        than store or load, index types and lengths, a chunk id or position out of range, a
+        destination written twice: every rank refuses alike), `OffloadError` for a GPU block
+        past this rank's KV cache or a closed engine.  A job to ``move`` is packed where the
+        next `issue` takes it from (a kernel engine's staging buffer): issue it before the
+        next `prepare`, or drop it."""
         self._refuse_if_closed(job_id)
-        if direction not in DIRECTIONS:
-            raise OffloadError(f"job {job_id} has direction {direction!r}; use 'store' or 'load'")
-        job = self._check(gpu_blocks, chunk_ids, positions, direction, self._pack_target)
+        if not (isinstance(direction, str) and direction in DIRECTIONS):
+            raise MalformedJob(f"job {job_id} has direction {show_value(direction)}; use "
+                               "'store' or 'load'")
+        return self._check(gpu_blocks, chunk_ids, positions, direction,
+                           self._pack_target if move else None)
+
+    def issue(self, job_id: int, direction: Direction, job: Job, after: After = None
+              ) -> torch.cuda.Event | None:
+        """Move ``job``, which the last `prepare` checked (for this ``direction``); a store
+        first renews its pages (`renew`).  Returns what `submit` returns."""
+        self._refuse_if_closed(job_id)
         if direction == "store":  # ids unique, from 0 up (the actor's sequence numbers)
             self.renew(job.host_pages, store_generation(job_id))
         done = self._issue(job_id, direction, job, after)
@@ -198,9 +237,15 @@ class EngineBase:
         its event fired.  The job is still one job: it completes, and is checked, as a whole
         (`poll`, `job_error`).  A backend without group launches (the copy engines, the host)
         returns the job's completion event (None on the host) for every group."""
+        tensor_ranges(self._layout.num_tensors, groups)  # a bad count before the check
+        job = self.prepare(job_id, "load", gpu_blocks, chunk_ids, positions)
+        return self.issue_layers(job_id, job, groups, after)
+
+    def issue_layers(self, job_id: int, job: Job, groups: int, after: After = None
+                     ) -> list[torch.cuda.Event | None]:
+        """`load_layers` for a load the last `prepare` checked."""
         self._refuse_if_closed(job_id)
         ranges = tensor_ranges(self._layout.num_tensors, groups)
-        job = self._check(gpu_blocks, chunk_ids, positions, "load", self._pack_target)
         events = self._issue_layers(job_id, job, ranges, after)
         self._count_route()
         return events
@@ -225,7 +270,11 @@ class EngineBase:
         """Validate store ``job_id`` without moving anything (a replicated store's non-writer
         ranks) and renew its chunks as the stage's writer does: this rank checks the sums the
         writer stores."""
-        job = self._check(gpu_blocks, chunk_ids, positions, "store")
+        self.renew_store(job_id, self.prepare(job_id, "store", gpu_blocks, chunk_ids,
+                                              positions, move=False))
+
+    def renew_store(self, job_id: int, job: Job) -> None:
+        """`check` for a store `prepare` checked (``move=False``): renew its pages."""
         self.renew(job.host_pages, store_generation(job_id))
 
     def renew(self, host_pages: object, generation: int) -> None:

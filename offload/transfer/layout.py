@@ -16,7 +16,7 @@ import numpy as np
 
 from offload import integrity
 from offload.control.plan import Plan
-from offload.errors import OffloadError
+from offload.errors import MalformedJob, OffloadError
 
 IndexArray = np.ndarray[Any, np.dtype[np.int64]]
 # what a job's index fields accept: numpy integer arrays need no conversion per job
@@ -177,25 +177,46 @@ def pack_generations(words: np.ndarray, entries: int, host_pages: np.ndarray,
     pairs[1::2] = current >> 32
 
 
-def as_index_array(values: object, what: str) -> IndexArray:
+def as_index_array(values: object, what: str, limit: int | None = None) -> IndexArray:
     """A 1-D integer array of a job (list, tuple, numpy array or CPU torch tensor), without a
     copy when it already is one.  A CUDA tensor is refused: reading it would hide a device
-    synchronisation in ``submit``."""
+    synchronisation in ``submit``.  Anything else is refused as `MalformedJob` (the same on
+    every rank); ``limit`` is the field's range, named when an entry is past any index."""
     if type(values) is np.ndarray and values.ndim == 1 and values.dtype.kind in "iu":
         return values  # the engine's usual case, with no further checks
     if hasattr(values, "detach"):  # a torch tensor, kept free of a torch import here
         if getattr(values, "is_cuda", False):
-            raise OffloadError(f"{what} is a CUDA tensor; pass job indices in host memory "
+            raise MalformedJob(f"{what} is a CUDA tensor; pass job indices in host memory "
                                "(a list, numpy array or CPU tensor)")
         values = values.detach().numpy()
     array = np.asarray(values)
     if array.size == 0:
         return np.zeros(0, dtype=np.int64)
+    if array.ndim == 1 and array.dtype == object:
+        _refuse_huge(array, what, limit)
     if array.ndim != 1 or array.dtype.kind not in "iu":
-        raise OffloadError(
+        raise MalformedJob(
             f"{what} must be a 1-D array of integers, got shape {array.shape} of {array.dtype}"
         )
     return array
+
+
+def _refuse_huge(array: np.ndarray, what: str, limit: int | None) -> None:
+    """A list of Python ints that numpy holds as objects: some int is past int64.  Name it."""
+    for i, value in enumerate(array.tolist()):
+        if type(value) is int and not 0 <= value < 2**63:
+            valid = f"valid ids are 0..{limit - 1}" if limit is not None else "indices fit int64"
+            raise MalformedJob(f"{what} entry {i} is {show_value(value)}, out of range: {valid}")
+
+
+def show_value(value: object, width: int = 40) -> str:
+    """``value`` for an error line: its repr, cut to ``width`` characters (an int of thousands
+    of digits has no repr at all past Python's conversion limit)."""
+    try:
+        text = repr(value)
+    except Exception:
+        return f"a {type(value).__name__}"
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def check_job(layout: SlotLayout, gpu_blocks: object, chunk_ids: object, positions: object,
@@ -206,16 +227,21 @@ def check_job(layout: SlotLayout, gpu_blocks: object, chunk_ids: object, positio
     destination written twice.  Costs a few whole-array numpy operations, nothing per page or
     per tensor.  Engines check jobs natively first (`offload.transfer.fast_check`); this is the
     one fallback, which also words every error (docs/BENCHMARKS.md, "The job check's numpy
-    fallback")."""
-    blocks = as_index_array(gpu_blocks, "gpu_blocks")
-    chunks = as_index_array(chunk_ids, "chunk_ids")
-    slots = as_index_array(positions, "positions")
+    fallback").
+
+    Raises `MalformedJob` for what the plan and the job alone decide (types, lengths, chunk ids,
+    positions, repeats: every rank refuses alike) and plain `OffloadError` for a GPU block past
+    this rank's KV cache (ranks may hold KV caches of different sizes)."""
+    blocks = as_index_array(gpu_blocks, "gpu_blocks", num_blocks)
+    chunks = as_index_array(chunk_ids, "chunk_ids", chunk_count)
+    slots = as_index_array(positions, "positions", layout.blocks_per_chunk)
     if not len(blocks) == len(chunks) == len(slots):
-        raise OffloadError(
+        raise MalformedJob(
             f"a job needs equally long arrays, got {len(blocks)} gpu_blocks, {len(chunks)} "
             f"chunk_ids and {len(slots)} positions"
         )
-    blocks = _in_range(blocks, num_blocks, "gpu block", "the KV cache has {} blocks")
+    blocks = _in_range(blocks, num_blocks, "gpu block", "the KV cache has {} blocks",
+                       OffloadError)
     chunks = _in_range(chunks, chunk_count, "chunk id", "the region has {} chunks")
     slots = _in_range(slots, layout.blocks_per_chunk, "position", "a chunk holds {} blocks")
     job = Job(blocks, chunks * layout.blocks_per_chunk + slots)
@@ -224,13 +250,14 @@ def check_job(layout: SlotLayout, gpu_blocks: object, chunk_ids: object, positio
     return job
 
 
-def _in_range(values: np.ndarray, limit: int, what: str, meaning: str) -> IndexArray:
+def _in_range(values: np.ndarray, limit: int, what: str, meaning: str,
+              error: type[OffloadError] = MalformedJob) -> IndexArray:
     """``values`` as int64 after one reduction: viewed unsigned, a negative index is huge."""
-    values = values.astype(np.int64, copy=False)
-    if values.size == 0 or values.view(np.uint64).max() < limit:
-        return values
-    i = int(np.flatnonzero((values < 0) | (values >= limit))[0])
-    raise OffloadError(
+    wide = values.astype(np.int64, copy=False)
+    if wide.size == 0 or wide.view(np.uint64).max() < limit:
+        return wide
+    i = int(np.flatnonzero((wide < 0) | (wide >= limit))[0])  # named as given (uint64 too)
+    raise error(
         f"{what} {int(values[i])} (entry {i} of the job) is out of range: "
         f"{meaning.format(limit)}, valid ids are 0..{limit - 1}"
     )
@@ -279,7 +306,7 @@ class UniqueDestinations:
         first, second = np.flatnonzero(dest == value)[:2].tolist()
         where = (f"GPU block {value}" if self.field == "blocks"
                  else f"chunk {value // self._bpc} position {value % self._bpc}")
-        raise OffloadError(
+        raise MalformedJob(
             f"entries {first} and {second} of the job both write {where}; two copies to one "
             "destination race, so give every destination once per job"
         )
@@ -305,9 +332,10 @@ def tensor_ranges(num_tensors: int, groups: int) -> list[tuple[int, int]]:
     at most one (the earlier ones larger): the layer groups of a layer-wise load, which follow
     the order the KV tensors were given in (an engine's [K0, V0, K1, V1, ...] and
     ``groups`` = layers puts each layer's K and V in one group)."""
-    if not 1 <= groups <= num_tensors:
-        raise OffloadError(f"layer_groups = {groups} for {num_tensors} KV tensors; give 1 to "
-                           f"{num_tensors} (one group per layer: the number of layers)")
+    if type(groups) is not int or not 1 <= groups <= num_tensors:
+        raise OffloadError(f"layer_groups = {show_value(groups)} for {num_tensors} KV tensors; "
+                           f"give 1 to {num_tensors} (one group per layer: the number of "
+                           "layers)")
     size, extra = divmod(num_tensors, groups)
     ranges, first = [], 0
     for g in range(groups):

@@ -1,0 +1,32 @@
+"""offload: a host-memory tier for KV-cache blocks of TP x PP torchrun jobs.
+
+The package mirrors the lifecycle: `topology` -> `plan` (pure capacity math) -> `region`
+(shm files, pre-fault, pinning) -> `transfer` (batched block copies) -> `quorum` -> `manager` ->
+`actor` / `tier` (the per-rank API).  Public names are imported lazily so that importing one
+layer does not drag in the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "HostTier": "offload.tier",
+    "CopyJob": "offload.actor",
+    "TierConfig": "offload.config",
+    "ChunkManager": "offload.manager",
+    "OffloadError": "offload.errors",
+    "PeerError": "offload.errors",
+    "JobFailed": "offload.errors",
+    "TransferResult": "offload.tier",
+    "parse_size": "offload.sizes",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'offload' has no attribute {name!r}")
