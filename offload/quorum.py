@@ -13,10 +13,11 @@ Where the watermarks live:
 * **other nodes**: each node's leader copies its node's board words into one store key
   (``node/<i>``) when they changed, once per poll -- not per job, not per rank; a reader fetches
   one key per other node.  Single-node tiers never touch the store.
-* **failures**: a rank whose copy failed rewrites its one record key ``fail/<rank>`` (its
-  failure count and the (sequence, message) of each of its failures some rank may still look
-  up) *before* its watermark word counts the failure, so whoever sees the count finds the
-  record.  Failures are rare; the success path never reads a record.
+* **failures**: a rank whose copy failed rewrites its one record key ``fail/<rank>`` -- a
+  JSON line ``[sequence, message]`` for each of its failures some rank may still look up, in
+  order, then its failure count -- *before* its watermark word counts the failure, so whoever
+  sees the count finds the record; a reader decodes only the lines it has not read.  Failures
+  are rare; the success path never reads a record.
 
 Failure records do not pile up.  Each rank publishes a *floor* (board word 3, shared across nodes
 under ``floor/<i>`` rounded down to `FLOOR_STEP`): the lowest sequence whose record it may still
@@ -102,7 +103,7 @@ class Quorum:
         self._node = topology.nodes.index(topology.node)
         self._remote = [(i, n.ranks) for i, n in enumerate(topology.nodes) if i != self._node]
         self._written = 0  # this rank's failures so far
-        self._kept: list[Failure] = []  # this rank's records in its key: (seq, message), in order
+        self._kept: list[tuple[int, str]] = []  # this rank's records in its key: (seq, JSON)
         self._floor = 0  # this rank's published floor
         self._read: dict[int, int] = {}  # rank -> its failures counted in the record read last
         self._seen: dict[int, int] = {}  # rank -> failure count of its word when read last
@@ -126,13 +127,14 @@ class Quorum:
         """Rewrite this rank's record key with the new failures, leaving out those below every
         rank's floor (nobody looks them up any more)."""
         self._written += len(failures)
-        self._kept.extend(failures)
+        self._kept.extend((seq, json.dumps([seq, message])) for seq, message in failures)
         low = self._lowest_floor()
         drop = 0
         while drop < len(self._kept) and self._kept[drop][0] < low:
             drop += 1
         del self._kept[:drop]
-        self.store.set(f"fail/{self.topology.rank}", json.dumps([self._written, self._kept]))
+        lines = [record for _, record in self._kept]  # each encoded once
+        self.store.set(f"fail/{self.topology.rank}", "\n".join([*lines, str(self._written)]))
 
     def _lowest_floor(self) -> int:
         """A lower bound of every rank's floor: this node's from the board, the others' from
@@ -236,12 +238,14 @@ class Quorum:
             return
         values = self.store.multi_get([f"fail/{rank}" for rank in ranks])
         for rank, value in zip(ranks, values, strict=True):
-            count, records = json.loads(value)
-            new = count - self._read.get(rank, 0)  # the last ``new`` records (none dropped)
-            if new > 0:
-                self._read[rank] = count
-                for seq, message in records[-new:]:
-                    self._note(seq, rank, message)
+            records, _, count = value.rpartition(b"\n")
+            new = int(count) - self._read.get(rank, 0)
+            if new <= 0:
+                continue
+            self._read[rank] = int(count)
+            for line in records.rsplit(b"\n", new)[-new:] if records else ():  # the new ones
+                seq, message = json.loads(line)
+                self._note(seq, rank, message)
 
     def _note(self, seq: int, rank: int, message: str) -> None:
         """Index one record by its sequence; the lowest failing rank's message wins."""
