@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from offload.config import TierConfig
 from tests.harness import run_group
 
@@ -206,44 +208,82 @@ def test_every_rank_learns_the_same_decisions_under_a_random_schedule() -> None:
         assert results == expected, decider
 
 
-def _many_failures(rank: int, batches: int, batch: int) -> object:
-    """Every job fails on rank 1 (node b): ``batch`` jobs at a time, decided by rank 0 and
-    learned by rank 1.  Returns, after half the batches and after all, the store's key count
-    and this rank's records kept in memory and in its key."""
+def _many_failures(rank: int, batches: int, batch: int, driven: bool) -> object:
+    """Every job fails on rank 1 (node b), ``batch`` jobs at a time: SPMD, decided by rank 0
+    and learned by rank 1; or driven, rank 0 running each job while rank 1 serves.  Returns,
+    after half the batches and after all, the store's key count and the most records a rank
+    keeps in memory and in its key (rank 0's view; none on rank 1, driven)."""
     import torch.distributed as dist
 
     from offload import CopyJob
 
     tier = _tier(rank, 0, 2)
-    quorum = tier.actor.quorum  # type: ignore[attr-defined]
     if rank == 1:  # its engine fails every job
         tier.actor.engine.job_error = lambda seq: "integrity: simulated"  # type: ignore
     sizes = []
-    for b in range(batches):
-        for i in range(batch):
-            tier.submit(CopyJob(i, "store", (i % 16,), (0,), (i % 4,)))  # type: ignore
-        results: list = []
-        while rank == 0 and len(results) < batch:
-            results += tier.finished()  # type: ignore[attr-defined]
-        box = [tier.mark if rank == 0 else None]  # type: ignore[attr-defined]
-        dist.broadcast_object_list(box, src=0)
-        if rank == 1:
-            results = tier.finished(box[0])  # type: ignore[attr-defined]
-        assert [r.failed_rank for r in results] == [1] * batch
-        if b + 1 in (batches // 2, batches):
-            dist.barrier()
-            sizes.append((quorum.store.num_keys(), len(quorum._failed) + len(quorum._kept)))
+    if driven and rank == 1:
+        tier.serve()  # type: ignore[attr-defined]
+    else:
+        for b in range(batches):
+            jobs = [CopyJob(i, "store", (i % 16,), (0,), (i % 4,)) for i in range(batch)]
+            failed = _driven_batch(tier, jobs) if driven else _spmd_batch(tier, rank, jobs)
+            assert failed == [1] * batch
+            if b + 1 in (batches // 2, batches):
+                kept: list = [None, None]
+                if driven:  # rank 1 serves: ask it
+                    kept = tier.call(_kept_records)  # type: ignore[attr-defined]
+                else:
+                    dist.all_gather_object(kept, _kept_records(tier.actor))  # type: ignore
+                sizes.append((tier.actor.quorum.store.num_keys(), max(kept)))  # type: ignore
+        if driven:
+            tier.release()  # type: ignore[attr-defined]
     tier.close()  # type: ignore[attr-defined]
     return sizes
 
 
-def test_failure_records_stay_flat_in_a_tier() -> None:
+def _kept_records(actor: object) -> int:
+    """Failure records a rank keeps: in memory (by sequence) and in its store key."""
+    quorum = actor.quorum  # type: ignore[attr-defined]
+    return len(quorum._failed) + len(quorum._kept)
+
+
+def _driven_batch(tier: object, jobs: list) -> list[int | None]:
+    """Rank 0 runs each job; the failing rank of each."""
+    from offload import JobFailed
+
+    failed: list[int | None] = []
+    for job in jobs:
+        try:
+            tier.run(job)  # type: ignore[attr-defined]
+            failed.append(None)
+        except JobFailed as exc:
+            failed.append(exc.rank)
+    return failed
+
+
+def _spmd_batch(tier: object, rank: int, jobs: list) -> list[int | None]:
+    """Every rank submits ``jobs``; rank 0 decides them all, rank 1 learns its mark."""
+    import torch.distributed as dist
+
+    for job in jobs:
+        tier.submit(job)  # type: ignore[attr-defined]
+    results: list = []
+    while rank == 0 and len(results) < len(jobs):
+        results += tier.finished()  # type: ignore[attr-defined]
+    box = [tier.mark if rank == 0 else None]  # type: ignore[attr-defined]
+    dist.broadcast_object_list(box, src=0)
+    if rank == 1:
+        results = tier.finished(box[0])  # type: ignore[attr-defined]
+    return [r.failed_rank for r in results]
+
+
+@pytest.mark.parametrize("driven", [False, True], ids=["spmd", "driven"])
+def test_failure_records_stay_flat_in_a_tier(driven: bool) -> None:
     from offload.quorum import FLOOR_STEP
 
     batch = 40
-    out = run_group(_many_failures, 2, args=(30, batch), nodes=["a", "b"], timeout=240)
+    out = run_group(_many_failures, 2, args=(30, batch, driven), nodes=["a", "b"], timeout=240)
     assert all(o.ok for o in out), [o.error for o in out]
-    for o in out:
-        (keys, kept), (keys_after, kept_after) = o.value  # after 600 and 1200 failures
-        assert keys_after == keys, o.value
-        assert max(kept, kept_after) <= FLOOR_STEP + 2 * batch, o.value
+    (keys, kept), (keys_after, kept_after) = out[0].value  # after 600 and 1200 failures
+    assert keys_after == keys, out[0].value
+    assert max(kept, kept_after) <= FLOOR_STEP + 2 * batch, out[0].value
