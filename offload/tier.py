@@ -109,10 +109,14 @@ class Readiness:
 class DecisionMark:
     """Where the decider's decisions stand: every job with a sequence number below
     ``through`` is decided, and ``failed`` of the results `finished` returned so far were
-    failures.  Small and picklable: the scheduler sends it with its step broadcast."""
+    failures.  ``records`` holds (rank, failures) for each rank the decider had read failures
+    of: a follower fetches failure records up to these counts, so it finds every failure the
+    decider found, however stale its own view of another node.  Small and picklable (empty
+    until some job fails): the scheduler sends it with its step broadcast."""
 
     through: int = 0
     failed: int = 0
+    records: tuple[tuple[int, int], ...] = ()
 
 
 class HostTier:
@@ -139,6 +143,8 @@ class HostTier:
         self._ready_checked = 0.0  # monotonic time of the last look (multi-node: throttled)
         self.first_success_at: float | None = None  # perf_counter of the first job decided ok
         self.mark = DecisionMark()
+        self._awaiting: int | None = None  # the driven job `run` waits for
+        actor.quorum.first_needed = self._first_needed
         self.tally = JobTally()  # decided jobs, for live metrics (plain ints, no lock)
         self.last_words: Words | None = None  # the decider's last look at the watermarks
         self.metrics: MetricsServer | None = None
@@ -377,9 +383,8 @@ class HostTier:
             if through == self._learned:
                 self._check_overdue(words)
                 return []
-            results = self._learn(through, quorum.failures(words, self._learned, through))
-            self.mark = DecisionMark(through, self._failed)
-            return results
+            quorum.read(words)
+            return self._learn(through)
         if mark is None:
             raise OffloadError(f"rank {self.topology.rank} is not the decider (rank "
                                f"{self.decider}); pass the decider's tier.mark from your step "
@@ -389,15 +394,8 @@ class HostTier:
                                f"(through {self._learned} of {self.actor.submitted} submitted "
                                "jobs); pass the decider's latest mark of this tier")
         self._drained(mark.through)
-        failed: dict[int, tuple[int, str]] = {}
-        if mark.failed != self._failed:
-            failed = quorum.failures(quorum.words(), self._learned, mark.through)
-        results = self._learn(mark.through, failed)
-        if self._failed != mark.failed:
-            raise RuntimeError(f"rank {self.topology.rank} counted {self._failed} failed jobs "
-                               f"where the decider counted {mark.failed}")
-        self.mark = mark
-        return results
+        quorum.catch_up(mark.records)  # this rank's view of the decider's node may be stale
+        return self._learn(mark.through, mark)
 
     def wait(self, job_ids: Sequence[int], timeout_s: float | None = None) -> None:
         """Block until every rank has completed the jobs (for simple programs; engines use
@@ -424,6 +422,7 @@ class HostTier:
         failed = self.actor.quorum.failures(words, seqs[0], seqs[-1] + 1)
         taken = book.take(seqs)
         self._count(taken, failed)
+        self.actor.quorum.settle()
         bad = [e for e in taken if e.seq in failed]
         if bad:
             rank, message = failed[bad[0].seq]
@@ -437,24 +436,40 @@ class HostTier:
     def _failed(self) -> int:
         return self.mark.failed
 
-    def _learn(self, through: int, failed: dict[int, tuple[int, str]]
+    def _learn(self, through: int, mark: DecisionMark | None = None
                ) -> list[TransferResult]:
-        """Results of the live jobs below ``through`` (the decided ones), in order."""
+        """Results of the live jobs below ``through`` (the decided ones), in order, from the
+        failure records read.  A follower passes the decider's ``mark``: its failure count
+        must match before anything moves, so a failed check leaves the jobs, the mark and the
+        records as they were."""
+        quorum = self.actor.quorum
+        entries = self.actor.jobs.kept_below(through)
+        failed = {e.seq: f for e in entries if (f := quorum.failure(e.seq)) is not None}
         results = []
-        failures = self.mark.failed
-        entries = self.actor.jobs.take_below(through)
-        self._count(entries, failed)
         for entry in entries:
             rank, reason = failed.get(entry.seq, (None, None))
-            success = rank is None
-            if not entry.ok and success:
+            if not entry.ok and rank is None:
                 raise RuntimeError(f"job {entry.job_id} failed on rank {self.topology.rank} "
                                    "but the quorum has no record of it")
-            failures += not success
-            results.append(TransferResult(entry.job_id, success, entry.bytes, entry.seconds,
-                                          rank, reason))
-        self.mark = DecisionMark(through, failures)
+            results.append(TransferResult(entry.job_id, rank is None, entry.bytes,
+                                          entry.seconds, rank, reason))
+        failures = self._failed + len(failed)
+        if mark is not None and failures != mark.failed:
+            raise RuntimeError(f"rank {self.topology.rank} counted {failures} failed jobs "
+                               f"where the decider counted {mark.failed}")
+        self.actor.jobs.take([e.seq for e in entries])
+        self._count(entries, failed)
+        self.mark = DecisionMark(through, failures, quorum.counts()) if mark is None else mark
+        quorum.settle()
         return results
+
+    def _first_needed(self) -> int:
+        """The lowest sequence whose failure record this rank may still look up: its oldest
+        job `finished` or `wait` has not returned, the driven job `run` waits for, or else the
+        next job it submits (`Quorum.settle`)."""
+        oldest = self.actor.jobs.oldest_live()
+        first = self.actor.submitted if oldest is None else oldest.seq
+        return first if self._awaiting is None else min(first, self._awaiting)
 
     def _count(self, entries: Sequence[Entry], failed: dict[int, tuple[int, str]]) -> None:
         """Feed decided jobs to the live metrics; the decider also times them (submit to
@@ -528,11 +543,15 @@ class HostTier:
         needs to come back.  Raises `OffloadError` naming the rank whose copy failed,
         `PeerError` naming the ranks that did not complete it within the timeout; after either,
         pass `submitted` as the fence to the chunk manager's ``complete_*``."""
-        seq = self.actor.submitted
-        request, _ = self.rpc.post(_submit_quietly, job, actor=self.actor)
-        words = self._await(seq, time.monotonic() + self.actor.config.timeout_s)
-        self.rpc.forget(request)  # every rank executed it: its watermark passed the job
-        failed = self.actor.quorum.failures(words, seq, seq + 1)
+        seq = self._awaiting = self.actor.submitted  # its failure record stays until read
+        try:
+            request, _ = self.rpc.post(_submit_quietly, job, actor=self.actor)
+            words = self._await(seq, time.monotonic() + self.actor.config.timeout_s)
+            self.rpc.forget(request)  # every rank executed it: its watermark passed the job
+            failed = self.actor.quorum.failures(words, seq, seq + 1)
+        finally:
+            self._awaiting = None
+        self.actor.quorum.settle()
         if failed:
             rank, message = failed[seq]
             raise JobFailed(job.job_id, rank, message)

@@ -19,13 +19,17 @@ time under the rank's lock (`RankActor._publish_ready`) -- so the same single-wr
 single-aligned-store argument as for the watermark below covers it: a reader who sees ``rows``
 may copy into or out of those rows.
 
+Word 3 of each rank's line is its *floor*: the rank will never again look up the failure record
+of a job below it (`offload.control.quorum`: records below every rank's floor are dropped).  It only
+rises, and only its rank's main thread writes it.
+
 (Word 1 of rank 0's line is the RPC doorbell: the number of the latest request rank 0 posted to
 the store, which workers on its node watch instead of polling the store; same single-writer,
 single aligned store argument, the store's acknowledged ``set`` preceding the ring.)
 
 ``completed``: this rank's jobs are complete through sequence ``completed - 1`` (jobs complete in
 submission order on every rank, so one number says it all); ``failures``: how many of them
-failed on this rank (each failure's record is in the store under ``fail/<rank>/<i>`` *before* the
+failed on this rank (each failure's record is in the store under ``fail/<rank>`` *before* the
 word counts it).  Packing both into one word means a reader never sees a watermark without the
 failures it covers.
 
@@ -185,6 +189,15 @@ class Board:
     def ready_words(self) -> list[int]:
         """Every rank's ready word of this node, in local-rank order (`unpack_ready`)."""
         return self._words[2::_WORDS_PER_LINE].tolist()
+
+    def publish_floor(self, floor: int) -> None:
+        """This rank looks up no failure record of a job below ``floor`` any more (one aligned
+        8-byte store, as `publish`)."""
+        self._words[self.slot * _WORDS_PER_LINE + 3] = floor
+
+    def floors(self) -> list[int]:
+        """Every rank's floor of this node, in local-rank order."""
+        return self._words[3::_WORDS_PER_LINE].tolist()
 
     def ring(self, seq: int) -> None:
         """Rank 0 (slot 0 of its node, being its lowest rank): announce RPC request ``seq`` in

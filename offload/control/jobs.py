@@ -149,6 +149,11 @@ class JobBook:
             taken.append(entry)
         return taken
 
-    def take_below(self, through: int) -> list[Entry]:
-        """Hand back every kept job with a sequence below ``through``, in order."""
-        return self.take([seq for seq in self._kept if seq < through])
+    def kept_below(self, through: int) -> list[Entry]:
+        """The kept jobs with a sequence below ``through``, in order (still kept)."""
+        below = []
+        for seq, entry in self._kept.items():  # in sequence order
+            if seq >= through:
+                break
+            below.append(entry)
+        return below

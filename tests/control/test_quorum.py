@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import os
+import random
+import statistics
 import time
 
 import pytest
 import torch.distributed as dist
 
 from offload.control.board import LINE_BYTES, Board, new_failures, pack, unpack
-from offload.control.quorum import Quorum, default_store
+from offload.control.quorum import FLOOR_STEP, Quorum, default_store
 from offload.control.topology import NodeInfo, Topology
 from offload.errors import OffloadError
 from offload.region.nameless import create_memfd
@@ -57,13 +59,14 @@ def test_failure_records_are_stored_before_the_word_counts_them() -> None:
     q = _one_rank_quorum(store)
     q.advance(2)
     q.advance(5, [(2, "boom"), (4, "bad block 99")])
-    assert store.get("fail/0/1") == b"4 bad block 99"
+    assert store.get("fail/0") == b'[2, "boom"]\n[4, "bad block 99"]\n2'
     words = q.words()
     assert q.through(words) == 5 and q.laggards(words, 5) == [0] and q.laggards(words, 4) == []
     assert q.failures(words, 0, 5) == {2: (0, "boom"), 4: (0, "bad block 99")}
     assert q.failures(words, 3, 5) == {4: (0, "bad block 99")}
-    store.delete_key("fail/0/0")  # records already read are not fetched again
+    store.delete_key("fail/0")  # records already read are not fetched again
     assert q.failures(q.words(), 0, 3) == {2: (0, "boom")}
+    assert q.counts() == ((0, 2),)
     q.board.close()
 
 
@@ -88,9 +91,124 @@ def test_no_reader_can_see_a_failure_count_before_its_record() -> None:
     q.store = store  # type: ignore[assignment]
     q.advance(3)
     q.advance(7, [(4, "boom"), (6, "bad")])
-    assert store.words_at_set == [pack(3, 0), pack(3, 0)]
-    assert unpack(q.board.words()[0]) == (7, 2)
+    q.advance(9, [(8, "worse")])
+    assert store.words_at_set == [pack(3, 0), pack(7, 2)]
+    assert unpack(q.board.words()[0]) == (9, 3)
     q.board.close()
+
+
+def _simulated_nodes(nodes: list[str], store: dist.Store) -> list[Quorum]:
+    """One `Quorum` per rank in this process: ``nodes[r]`` is rank r's node, each node its own
+    board, every rank on the one ``store``."""
+    names = list(dict.fromkeys(nodes))
+    infos = tuple(NodeInfo(n, tuple(r for r, m in enumerate(nodes) if m == n)) for n in names)
+    fds = {i.node_id: create_memfd("test-board", len(i.ranks) * LINE_BYTES) for i in infos}
+    try:
+        quorums = []
+        for rank, name in enumerate(nodes):
+            (info,) = (i for i in infos if i.node_id == name)
+            board = Board(fds[name], len(info.ranks), info.ranks.index(rank))
+            quorums.append(Quorum(store, Topology(rank, len(nodes), len(nodes), 1, infos),
+                                  board))
+        return quorums
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+class _Learner:
+    """A rank's decisions in a quorum simulation, as the tier makes them: everything below
+    ``learned`` is decided, and the floor is that mark (every job is kept until decided)."""
+
+    def __init__(self, quorum: Quorum) -> None:
+        self.quorum = quorum
+        self.learned = 0
+        self.decided: dict[int, tuple[int, str] | None] = {}
+        quorum.first_needed = lambda: self.learned
+
+    def learn(self, through: int) -> None:
+        self.decided.update((s, self.quorum.failure(s)) for s in range(self.learned, through))
+        self.learned = through
+        self.quorum.settle()
+
+
+@pytest.mark.parametrize("decider", [0, 1, 2])
+def test_a_follower_finds_every_failure_the_decider_counted(decider: int) -> None:
+    """Ranks complete and fail jobs, leaders share and followers learn the decider's marks in
+    a random order (marks skipped too): every follower reads the decider's very failures --
+    the lowest failing rank's message for each job -- from the counts the mark carries, never
+    from its own, possibly stale, view of another node."""
+    rng = random.Random(decider)
+    jobs = 400
+    quorums = _simulated_nodes(["a", "a", "b"], dist.HashStore())
+    ranks = [_Learner(q) for q in quorums]
+    completed = [0] * 3
+    truth: dict[int, tuple[int, str]] = {}
+    marks: list[tuple[int, tuple[tuple[int, int], ...]]] = []
+    while min(r.learned for r in ranks) < jobs:
+        action = rng.random()
+        if action < 0.4:  # a rank completes a few jobs, failing some
+            r = rng.randrange(3)
+            end = min(jobs, completed[r] + rng.randint(1, 4))
+            failed = [(s, f"rank {r} failed {s}") for s in range(completed[r], end)
+                      if rng.random() < 0.2]
+            for s, message in failed:  # the lowest failing rank's message wins
+                truth[s] = min(truth.get(s, (r, message)), (r, message))
+            quorums[r].advance(end, failed)
+            completed[r] = end
+        elif action < 0.6:  # a leader shares its node's words
+            quorums[rng.choice([0, 2])].share()
+        elif action < 0.8:  # the decider decides what its view shows
+            words = quorums[decider].words()
+            through = quorums[decider].through(words)
+            if through > ranks[decider].learned:
+                quorums[decider].read(words)
+                ranks[decider].learn(through)
+                marks.append((through, quorums[decider].counts()))
+        else:  # a follower learns a mark: the next one or the latest
+            r = rng.choice([r for r in range(3) if r != decider])
+            later = [m for m in marks if m[0] > ranks[r].learned]
+            if later:
+                through, counts = later[0] if rng.random() < 0.5 else later[-1]
+                quorums[r].catch_up(counts)
+                ranks[r].learn(through)
+    expected = {s: truth.get(s) for s in range(jobs)}
+    for r in ranks:
+        assert r.decided == expected
+        assert all(s >= r.learned for s in r.quorum._failed)  # nothing kept below the floor
+    for q in quorums:
+        q.board.close()
+
+
+def test_failure_records_stay_flat() -> None:
+    """10^5 jobs fail on rank 1 (node b) and rank 0 (node a) decides them, rank 1 follows:
+    the store's keys, every rank's kept records and the cost of a decision stay flat."""
+    store = dist.HashStore()
+    quorums = _simulated_nodes(["a", "b"], store)
+    decider, follower = (_Learner(q) for q in quorums)
+    chunk, sizes, times = 10_000, [], []
+    for seq in range(10 * chunk):
+        began = time.perf_counter()
+        quorums[1].advance(seq + 1, [(seq, f"integrity: job {seq}")])
+        quorums[0].advance(seq + 1)
+        for q in quorums:  # each node's leader polls
+            q.share()
+        words = quorums[0].words()
+        quorums[0].read(words)
+        decider.learn(quorums[0].through(words))
+        quorums[1].catch_up(quorums[0].counts())
+        follower.learn(decider.learned)
+        times.append(time.perf_counter() - began)
+        if (seq + 1) % chunk == 0:  # fail at the first chunk that grew, not after 10^5
+            kept = [len(q._failed) + len(q._kept) + len(q._read) for q in quorums]
+            sizes.append(store.num_keys())
+            assert sizes == [sizes[0]] * len(sizes) and max(kept) <= 3 * FLOOR_STEP, (sizes, kept)
+    assert decider.decided[77_777] == follower.decided[77_777] == (1, "integrity: job 77777")
+    # the second chunk is the reference: records up to a floor step are kept from there on
+    second, last = (statistics.median(times[i:i + chunk]) for i in (chunk, len(times) - chunk))
+    assert last < 2 * second + 20e-6, (second, last)
+    for q in quorums:
+        q.board.close()
 
 
 def test_default_store_falls_back_to_the_torchrun_address(monkeypatch: pytest.MonkeyPatch
