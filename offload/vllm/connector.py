@@ -43,7 +43,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from offload.errors import OffloadError
 from offload.tier import DecisionMark
 from offload.vllm import core
-from offload.vllm.spec import HostTierManager, HostTierSpec, HostTierWorker
+from offload.vllm.spec import HostTierChunks, HostTierManager, HostTierSpec, HostTierWorker
 
 SPEC_DEFAULTS = {"spec_name": "HostTierSpec", "spec_module_path": "offload.vllm"}
 
@@ -80,6 +80,8 @@ class HostTierHandshake(KVConnectorHandshakeMetadata):
 
 class HostTierConnectorWorker(OffloadingConnectorWorker):
     """vLLM's worker side, with failures reported instead of asserted away."""
+
+    _connector_worker_meta: OffloadingWorkerMetadata
 
     def __init__(self, *args: Any, world_size: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -143,6 +145,8 @@ class HostTierConnector(OffloadingConnector):
     ``"kv_connector": "HostTierConnector", "kv_connector_module_path": "offload.vllm"``;
     ``spec_name`` and ``spec_module_path`` default to this package's spec."""
 
+    connector_worker: OffloadingConnectorWorker | None
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         transfer = vllm_config.kv_transfer_config
@@ -192,9 +196,11 @@ class HostTierConnector(OffloadingConnector):
         meta = super().build_connector_meta(scheduler_output)
         assert isinstance(meta, OffloadingConnectorMetadata)
         for job_id, job in meta.load_jobs.items():
-            self.index.bind(job_id, getattr(job.src_spec, "manager_job"))
+            assert isinstance(job.src_spec, HostTierChunks)
+            self.index.bind(job_id, job.src_spec.manager_job)
         for job_id, job in meta.store_jobs.items():
-            self.index.bind(job_id, getattr(job.dst_spec, "manager_job"))
+            assert isinstance(job.dst_spec, HostTierChunks)
+            self.index.bind(job_id, job.dst_spec.manager_job)
         manager = self.scheduler.manager
         assert isinstance(manager, HostTierManager)
         return HostTierConnectorMetadata(meta.load_jobs, meta.store_jobs, meta.jobs_to_flush,

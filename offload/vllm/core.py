@@ -268,8 +268,9 @@ class LoadPlan:
 # ---------------------------------------------------------------------- job mapping
 
 
-def copy_job(job_id: int, direction: Literal["store", "load"], gpu_blocks: Sequence[int],
-             first_block: int, chunks: Sequence[int], blocks_per_chunk: int,
+def copy_job(job_id: int, direction: Literal["store", "load"],
+             gpu_blocks: Sequence[int] | np.ndarray, first_block: int,
+             chunks: Sequence[int] | np.ndarray, blocks_per_chunk: int,
              writer_only: bool = False, spills: tuple[tuple[Key, int], ...] = ()) -> CopyJob:
     """vLLM's transfer of ``gpu_blocks`` as the tier's `CopyJob`.
 
@@ -543,7 +544,8 @@ class TierWorker:
         return TierSetup(tier.plan.chunk_count, disk, ready)
 
     def submit(self, job_id: int, direction: Literal["store", "load"],
-               gpu_blocks: Sequence[int], first_block: int, chunks: Sequence[int],
+               gpu_blocks: Sequence[int] | np.ndarray, first_block: int,
+               chunks: Sequence[int] | np.ndarray,
                spills: tuple[tuple[Key, int], ...] = ()) -> None:
         """Queue vLLM's job ``job_id`` on this rank (see `copy_job`)."""
         job = copy_job(job_id, direction, gpu_blocks, first_block, chunks,

@@ -87,10 +87,10 @@ class HostTierManager(OffloadingManager):
         plan = self.index.prepare_store(list(keys))
         if plan is None:
             return None
-        return PrepareStoreOutput(keys_to_store=list(plan.keys),
+        return PrepareStoreOutput(keys_to_store=_keys(plan.keys),
                                   store_spec=HostTierChunks(plan.chunks, plan.job_id,
                                                             plan.spills),
-                                  evicted_keys=list(plan.evicted))
+                                  evicted_keys=_keys(plan.evicted))
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -108,11 +108,16 @@ class HostTierManager(OffloadingManager):
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         for keys, removed in self.index.take_events():
-            yield OffloadingEvent(keys=list(keys), medium=Medium.CPU, removed=removed)
+            yield OffloadingEvent(keys=_keys(keys), medium=Medium.CPU, removed=removed)
 
     def take_promotions(self) -> list[core.PromotePlan]:
         plans, self.promotions = self.promotions, []
         return plans
+
+
+def _keys(keys: Iterable[Any]) -> list[OffloadKey]:
+    """The index's keys are the offload keys vLLM gave it."""
+    return [OffloadKey(k) for k in keys]
 
 
 # ---------------------------------------------------------------------- worker

@@ -1,0 +1,140 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The tier under a real vLLM engine (vLLM's CPU build, a tiny random Llama), end to end.
+
+Each configuration runs once, in its own process (`tests/vllm_engine.py`), and the checks
+below read what it saw:
+
+* **reload** -- request A stores its prefix; the GPU's prefix cache is reset; request B with
+  the same prefix gets it from the tier only: B's cached tokens cover the prefix, the index
+  counts chunks stored and loaded, and B's tokens and logprobs are those of B served from the
+  GPU's prefix cache and those of an engine without the connector.
+* **negative control** -- every stored host page damaged: B's load fails its checksum, vLLM
+  recomputes (``kv_load_failure_policy: recompute``), B's tokens and logprobs are unchanged,
+  the failure is counted, and the engine keeps serving (the next runs store and reload).
+* **pressure** -- 24 prompts against a tier of 15 chunks, then again in reverse order:
+  tokens identical, chunks evicted, the last prompts reloaded, no hold or store left over.
+* TP=2 over vLLM's worker processes with the shared layout and background set-up; the
+  replicated layout with a file tier, whose prefix comes back from disk.
+
+PP=2: vLLM 0.32's CPU backend does not run pipeline stages (its model runner fails the first
+step without any connector), so pipeline stages are covered by the core's tests only.
+Skipped where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed (pip install -e .[vllm])")
+
+SCENARIO_TIMEOUT_S = 900
+PREFIX_TOKENS = 128
+
+
+def run_scenario(name: str, *args: str) -> dict:
+    """Run one scenario in a fresh process; its JSON result (or the failure's output)."""
+    model = tempfile.mkdtemp(prefix="offload-vllm-model-")
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        proc = subprocess.run([sys.executable, os.path.join(root, "tests", "vllm_engine.py"),
+                               name, model, *args], capture_output=True, text=True, env=env,
+                              timeout=SCENARIO_TIMEOUT_S)
+    finally:
+        shutil.rmtree(model, ignore_errors=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(f"scenario {name} failed (exit {proc.returncode}):\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def private() -> dict:
+    return run_scenario("private")
+
+
+@pytest.fixture(scope="module")
+def baseline() -> dict:
+    return run_scenario("baseline")
+
+
+@pytest.fixture(scope="module")
+def shared_tp2() -> dict:
+    return run_scenario("shared_tp2")
+
+
+@pytest.fixture(scope="module")
+def replicated_fs() -> Iterator[dict]:
+    fs_dir = tempfile.mkdtemp(prefix="offload-vllm-fs-")
+    try:
+        yield run_scenario("replicated_fs", fs_dir)
+    finally:
+        shutil.rmtree(fs_dir, ignore_errors=True)
+
+
+def same_output(run: dict, reference: dict) -> None:
+    assert run["tokens"] == reference["tokens"]
+    assert run["logprobs"] == reference["logprobs"]
+
+
+def verify_reload(reload: dict) -> None:
+    """B's prefix came from the tier, and B is what the GPU's prefix cache gave."""
+    assert reload["a"]["cached"] == 0
+    assert reload["reference"]["cached"] >= PREFIX_TOKENS  # the GPU's prefix cache hit
+    assert reload["b"]["cached"] >= PREFIX_TOKENS  # ... and after its reset, the tier's
+    same_output(reload["b"], reload["reference"])
+    counters = reload["counters"]
+    assert counters["stored_chunks"] >= 2 and counters["loaded_chunks"] >= 2
+    assert counters["held"] == counters["storing"] == 0
+
+
+def test_a_prefix_reloads_from_host_memory(private: dict, baseline: dict) -> None:
+    verify_reload(private["reload"])
+    # the engine without the connector computes the same A and B
+    same_output(private["reload"]["a"], baseline["a"])
+    same_output(private["reload"]["b"], baseline["b"])
+
+
+def test_a_damaged_page_is_recomputed_and_the_engine_keeps_serving(private: dict) -> None:
+    damaged, reference = private["damaged"], private["reload"]["reference"]
+    assert damaged["b"]["cached"] < PREFIX_TOKENS  # not served from the damaged pages
+    same_output(damaged["b"], reference)
+    counters = damaged["counters"]
+    assert counters["damaged_loads"] == counters["failed_loads"] == 1
+    assert counters["held"] == 0
+    recomputed, reloaded = damaged["served"]
+    same_output(recomputed, reference)
+    assert reloaded["cached"] >= PREFIX_TOKENS  # stored again, and from the tier again
+    same_output(reloaded, reference)
+
+
+def test_pressure_evicts_without_changing_outputs_or_leaking_holds(private: dict) -> None:
+    pressure = private["pressure"]
+    assert [r["tokens"] for r in pressure["second"]] == [r["tokens"] for r in pressure["first"]]
+    assert any(r["cached"] >= PREFIX_TOKENS for r in pressure["second"])  # some from the tier
+    counters = pressure["counters"]
+    assert counters["evictions"] > 0
+    assert counters["stored_chunks"] > counters["chunk_count"]
+    assert counters["held"] == counters["storing"] == counters["quarantined"] == 0
+
+
+def test_tp2_shared_layout_with_background_setup(shared_tp2: dict) -> None:
+    verify_reload(shared_tp2["reload"])
+
+
+def test_replicated_layout_reloads_a_prefix_from_the_file_tier(replicated_fs: dict) -> None:
+    assert replicated_fs["spilled"]["spilled"] > 0  # A's prefix left host memory for disk
+    reload = replicated_fs["reload"]
+    verify_reload(reload)
+    assert reload["counters"]["promoted_chunks"] >= 2
