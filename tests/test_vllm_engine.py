@@ -34,8 +34,14 @@ from collections.abc import Iterator
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vLLM is not installed (pip install -e .[vllm])")
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vLLM is not installed (scripts/setup_env.sh installs its CPU "
+                              "build)"),
+    # one xdist worker runs every engine (scripts/test.sh: --dist loadgroup): each scenario
+    # once, one engine at a time
+    pytest.mark.xdist_group("vllm"),
+]
 
 SCENARIO_TIMEOUT_S = 900
 PREFIX_TOKENS = 128
