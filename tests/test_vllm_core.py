@@ -329,3 +329,24 @@ def test_the_decider_speaks_for_every_worker_and_a_damaged_load_fails() -> None:
     assert decider[1] == other[1] == DecisionMark(2, 1)  # rank 1 learned the same
     assert decider[2] == (True, 0, None)
     assert decider[3] and other[3]  # chunk 0 loaded right on both ranks
+
+
+def test_the_job_stream_benchmark_runs_on_cpu(tmp_path) -> None:
+    """scripts/bench_vllm_jobs.py: a short stream through the core and the raw API, the same
+    jobs on both, figures for each."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench_vllm_jobs.py"),
+                           "--steps", "6", "--layers", "2", "--page-bytes", "1KiB",
+                           "--gpu-blocks", "256", "--cpu-bytes", "4MiB", "--json", str(out)],
+                          capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {row["path"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows["core"]["jobs"] == rows["raw"]["jobs"] > 0
+    assert "core vs raw" in proc.stdout
