@@ -350,3 +350,16 @@ def test_the_job_stream_benchmark_runs_on_cpu(tmp_path) -> None:
     rows = {row["path"]: row for row in json.loads(out.read_text())["rows"]}
     assert rows["core"]["jobs"] == rows["raw"]["jobs"] > 0
     assert "core vs raw" in proc.stdout
+
+
+def test_the_core_imports_without_vllm() -> None:
+    """``offload.vllm`` and its core never import vLLM; the shells load on first use."""
+    import subprocess
+    import sys
+
+    code = ("import sys, offload.vllm, offload.vllm.core; "
+            "assert not [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')]; "
+            "assert sorted(offload.vllm.__all__) == ['HostTierConnector', 'HostTierSpec']")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

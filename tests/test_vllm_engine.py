@@ -144,3 +144,44 @@ def test_replicated_layout_reloads_a_prefix_from_the_file_tier(replicated_fs: di
     reload = replicated_fs["reload"]
     verify_reload(reload)
     assert reload["counters"]["promoted_chunks"] >= 2
+
+
+def offloading_config(extra: dict) -> object:
+    """vLLM's normalized offloading config for a one-group, one-rank engine."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(32, ("layer.0",), 0),), worker_kv_bytes_per_block=65536,
+        enable_kv_cache_events=False, extra_config=extra, engine_id="e",
+        model=OffloadingModelConfig("tiny", "float32"), cache=OffloadingCacheConfig(32, 2),
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, 0, True))
+
+
+def test_the_spec_reads_its_extra_config_once_and_refuses_bad_keys() -> None:
+    from offload.errors import OffloadError
+    from offload.vllm import HostTierSpec
+
+    spec = HostTierSpec(offloading_config({"cpu_bytes_per_node": "8MiB", "layout": "shared"}))
+    assert (spec.tier_config.cpu_bytes_per_node, spec.tier_config.layout,
+            spec.tier_config.blocks_per_chunk) == (8 << 20, "shared", 2)
+    with pytest.raises(OffloadError) as err:
+        HostTierSpec(offloading_config({"cpu_bytes_per_node": "8MiB", "colour": "red",
+                                        "integrity": 1}))
+    assert len(str(err.value).splitlines()) == 2
+
+
+def test_the_spec_refuses_vllms_stock_connector() -> None:
+    """The stock OffloadingConnector asserts every transfer succeeded: a failed checksum
+    would end the worker, so the spec runs only under HostTierConnector."""
+    from offload.errors import OffloadError
+    from offload.vllm import HostTierSpec
+
+    spec = HostTierSpec(offloading_config({"cpu_bytes_per_node": "8MiB"}))
+    with pytest.raises(OffloadError, match="HostTierConnector"):
+        spec.get_worker(None)  # type: ignore[arg-type]

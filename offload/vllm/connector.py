@@ -30,6 +30,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
     OffloadingWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+    get_offloading_group_ids,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
     OffloadingConnectorWorker,
 )
@@ -37,7 +40,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    MLAAttentionSpec,
+    iter_layer_specs,
+)
 from vllm.v1.outputs import KVConnectorOutput
 
 from offload.errors import OffloadError
@@ -154,6 +162,7 @@ class HostTierConnector(OffloadingConnector):
         extra = transfer.kv_connector_extra_config
         for key, value in SPEC_DEFAULTS.items():
             extra.setdefault(key, value)
+        _check_kv_groups(kv_cache_config)
         if transfer.kv_load_failure_policy != "recompute":
             raise OffloadError(f"kv_load_failure_policy = {transfer.kv_load_failure_policy!r}"
                                " would fail requests whose KV failed its checksum; add "
@@ -227,3 +236,18 @@ class HostTierConnector(OffloadingConnector):
         if not isinstance(worker, HostTierConnectorWorker):
             return None
         return worker.handshake()
+
+
+def _check_kv_groups(kv_cache_config: KVCacheConfig) -> None:
+    """One full-attention KV cache group: every GPU block of an offloaded block is then
+    present, in order (sliding-window and hybrid models skip blocks, which the job mapping
+    does not express)."""
+    groups = get_offloading_group_ids(kv_cache_config)
+    kinds = sorted({type(spec).__name__ for g in groups
+                    for spec in iter_layer_specs(kv_cache_config.kv_cache_groups[g]
+                                                 .kv_cache_spec)})
+    if len(groups) != 1 or not set(kinds) <= {FullAttentionSpec.__name__,
+                                               MLAAttentionSpec.__name__}:
+        raise OffloadError(f"HostTierConnector offloads one full-attention KV cache group; "
+                           f"this model has {len(groups)} group(s) of {', '.join(kinds)}: "
+                           "serve it without the host tier")
