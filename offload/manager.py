@@ -283,6 +283,11 @@ class ChunkManager:
         if self._disk is not None:
             self._disk.seed(stored)
 
+    def disk_keys(self) -> list[bytes]:
+        """The keys on disk in their stored form, least recently used first: what
+        `seed_disk` takes (a manager elsewhere adopts this one's disk picture)."""
+        return self._disk.lru() if self._disk is not None else []
+
     def _allocate(self, keys: Sequence[ChunkKey], cached: Callable[[ChunkKey], bool]
                   ) -> tuple[Pairs, tuple[ChunkKey, ...], tuple[ChunkKey, ...], Pairs]:
         """Take chunks for the keys not ``cached`` (chunks, skipped, dropped, spills)."""

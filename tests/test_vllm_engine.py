@@ -13,8 +13,9 @@ below read what it saw:
   the failure is counted, and the engine keeps serving (the next runs store and reload).
 * **pressure** -- 24 prompts against a tier of 15 chunks, then again in reverse order:
   tokens identical, chunks evicted, the last prompts reloaded, no hold or store left over.
-* TP=2 over vLLM's worker processes with the shared layout and background set-up; the
-  replicated layout with a file tier, whose prefix comes back from disk.
+* TP=2 over vLLM's worker processes with the shared layout and background set-up (and the
+  tier's metrics served); the replicated layout with a file tier, whose prefix comes back
+  from disk, also in a restarted engine.
 
 PP=2: vLLM 0.32's CPU backend does not run pipeline stages (its model runner fails the first
 step without any connector), so pipeline stages are covered by the core's tests only.
@@ -84,7 +85,9 @@ def shared_tp2() -> dict:
 def replicated_fs() -> Iterator[dict]:
     fs_dir = tempfile.mkdtemp(prefix="offload-vllm-fs-")
     try:
-        yield run_scenario("replicated_fs", fs_dir)
+        result = run_scenario("replicated_fs", fs_dir)
+        result["restart"] = run_scenario("fs_restart", fs_dir)
+        yield result
     finally:
         shutil.rmtree(fs_dir, ignore_errors=True)
 
@@ -144,6 +147,15 @@ def test_replicated_layout_reloads_a_prefix_from_the_file_tier(replicated_fs: di
     reload = replicated_fs["reload"]
     verify_reload(reload)
     assert reload["counters"]["promoted_chunks"] >= 2
+
+
+def test_a_restarted_engine_adopts_the_file_tier(replicated_fs: dict) -> None:
+    """A new engine (new process, empty host memory) on the same files: B's prefix comes
+    from the files the engine before wrote."""
+    restart = replicated_fs["restart"]
+    assert restart["b"]["cached"] >= PREFIX_TOKENS
+    same_output(restart["b"], replicated_fs["reload"]["reference"])
+    assert restart["counters"]["promoted_chunks"] >= 2
 
 
 def offloading_config(extra: dict) -> object:

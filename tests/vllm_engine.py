@@ -172,11 +172,17 @@ def scenario_shared_tp2(model: str) -> dict:
     return {"reload": reload(llm)}
 
 
+def fs_extra(fs_dir: str) -> dict:
+    # the namespace names the model for the files' fingerprint: each scenario process saves
+    # the same weights under another temporary path, so the path cannot name them
+    return {"cpu_bytes_per_node": "1MiB", "layout": "replicated", "fs_tier": fs_dir,
+            "fs_bytes": "16MiB", "fs_namespace": "tiny-llama-seed0"}
+
+
 def scenario_replicated_fs(model: str, fs_dir: str) -> dict:
     """TP=1, replicated layout, a file tier behind a host tier of a few chunks: A's prefix is
     evicted to disk by later prompts and B's comes back from disk."""
-    llm = make_llm(model, extra={"cpu_bytes_per_node": "1MiB", "layout": "replicated",
-                                 "fs_tier": fs_dir, "fs_bytes": "16MiB"})
+    llm = make_llm(model, extra=fs_extra(fs_dir))
     a = run(llm, [PREFIX + [200, 201, 202]])[0]
     reference = run(llm, [PREFIX + [300, 301]])[0]
     drain(llm)
@@ -189,6 +195,15 @@ def scenario_replicated_fs(model: str, fs_dir: str) -> dict:
     drain(llm)
     return {"reload": {"a": a, "reference": reference, "b": b, "counters": counters(llm)},
             "spilled": spilled}
+
+
+def scenario_fs_restart(model: str, fs_dir: str) -> dict:
+    """A new engine on the file tier of `scenario_replicated_fs`: B's prefix is on disk only,
+    from the engine before."""
+    llm = make_llm(model, extra=fs_extra(fs_dir))
+    b = run(llm, [PREFIX + [300, 301]])[0]
+    drain(llm)
+    return {"b": b, "counters": counters(llm)}
 
 
 def scenario_pp2(model: str) -> dict:

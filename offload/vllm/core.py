@@ -195,6 +195,7 @@ class TierSetup:
     chunk_count: int
     disk_capacity: int = 0
     ready_rows: int | None = None  # None: every row (no background set-up)
+    disk_keys: tuple[bytes, ...] = ()  # what a restarted file tier found, LRU first
 
 
 @dataclass(frozen=True)
@@ -344,6 +345,7 @@ class TierIndex:
         """Take the workers' plan: from now on keys can be stored."""
         self.manager = ChunkManager(setup.chunk_count, setup.disk_capacity,
                                     ready=setup.ready_rows)
+        self.manager.seed_disk(setup.disk_keys)  # a restarted engine finds its files
 
     # ------------------------------------------------------------------ lookups
     def lookup(self, key: Key) -> Lookup:
@@ -529,7 +531,10 @@ class TierWorker:
         self._loads: dict[int, tuple[int, ...]] = {}  # load job id -> its GPU blocks
         self._promoted: dict[int, tuple[Key, ...]] = {}
         self._closed = False
-        if self.is_decider:  # the scheduler's index owns the chunks; the tier's is unused
+        # the scheduler's index owns the chunks; the tier's own manager is unused, except
+        # for what a restarted file tier found, which the index adopts (`setup`)
+        self._disk_keys = tuple(tier.manager.disk_keys()) if tier.manager is not None else ()
+        if self.is_decider:
             tier.manager = None
 
     def setup(self) -> TierSetup:
@@ -541,7 +546,7 @@ class TierWorker:
         disk = (disk_capacity(tier.plan, tier.topology, config.fs_bytes_per_node)
                 if config.fs_dir is not None else 0)
         ready = tier.last_ready.rows if config.background else None
-        return TierSetup(tier.plan.chunk_count, disk, ready)
+        return TierSetup(tier.plan.chunk_count, disk, ready, self._disk_keys)
 
     def submit(self, job_id: int, direction: Literal["store", "load"],
                gpu_blocks: Sequence[int] | np.ndarray, first_block: int,
