@@ -140,6 +140,10 @@ def test_pressure_evicts_without_changing_outputs_or_leaking_holds(private: dict
 
 def test_tp2_shared_layout_with_background_setup(shared_tp2: dict) -> None:
     verify_reload(shared_tp2["reload"])
+    for rank_lines in shared_tp2["metrics"]:  # each worker counts the decided loads
+        loads = [float(line.split()[-1]) for line in rank_lines
+                 if 'direction="load"' in line and 'outcome="ok"' in line]
+        assert loads and loads[0] >= 1, rank_lines
 
 
 def test_replicated_layout_reloads_a_prefix_from_the_file_tier(replicated_fs: dict) -> None:

@@ -165,11 +165,41 @@ def scenario_baseline(model: str) -> dict:
     return {"a": a, "b": b}
 
 
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive free TCP ports on this host (best effort)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        try:
+            for port in range(first, first + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError("no free ports")
+
+
+def scrape(port: int) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        return reply.read().decode()
+
+
 def scenario_shared_tp2(model: str) -> dict:
-    """TP=2 over vLLM's worker processes, shared layout, background set-up."""
+    """TP=2 over vLLM's worker processes, shared layout, background set-up, the tier's
+    metrics served by each worker (port + local rank)."""
+    port = free_ports(2)
     llm = make_llm(model, tp=2, extra={"cpu_bytes_per_node": "4MiB", "layout": "shared",
-                                       "background": True})
-    return {"reload": reload(llm)}
+                                       "background": True, "metrics_port": port})
+    result = {"reload": reload(llm)}
+    result["metrics"] = [[line for line in scrape(port + r).splitlines()
+                          if line.startswith("offload_jobs_total")] for r in range(2)]
+    return result
 
 
 def fs_extra(fs_dir: str) -> dict:
