@@ -305,11 +305,12 @@ def _two_workers(rank: int) -> object:
             seen.extend((o.job_id, o.success, o.damaged, o.blocks) for o in outcomes)
             box = [worker.report(outcomes).mark if rank == 0 else None]
             dist.broadcast_object_list(box, src=0)
-            worker.learn(box[0])
+            learned.extend(worker.learn(box[0]))
             if box[0] is not None and box[0].through >= tier.submitted or \
                     time.monotonic() > deadline:
                 return
 
+    learned: list[int] = []
     step(lambda: worker.submit(1, "store", [0, 1, 2, 3], 0, [0, 1]))
     if rank == 1:
         tier.actor.region.tensor_view(0)[1, 0, 100] ^= 0x40
@@ -317,7 +318,8 @@ def _two_workers(rank: int) -> object:
     setup = worker.setup()
     ok = bool(torch.equal(kv[0][4:6], kv[0][0:2]))
     worker.close()
-    return seen, tier.mark, (setup.chunk_count > 0, setup.disk_capacity, setup.ready_rows), ok
+    return (seen, tier.mark, (setup.chunk_count > 0, setup.disk_capacity, setup.ready_rows),
+            ok, learned, len(worker._loads))
 
 
 def test_the_decider_speaks_for_every_worker_and_a_damaged_load_fails() -> None:
@@ -329,6 +331,8 @@ def test_the_decider_speaks_for_every_worker_and_a_damaged_load_fails() -> None:
     assert decider[1] == other[1] == DecisionMark(2, 1)  # rank 1 learned the same
     assert decider[2] == (True, 0, None)
     assert decider[3] and other[3]  # chunk 0 loaded right on both ranks
+    assert (decider[4], other[4]) == ([], [1, 2])  # the other rank learned both jobs
+    assert decider[5] == other[5] == 0  # no load is remembered past its decision
 
 
 def test_the_job_stream_benchmark_runs_on_cpu(tmp_path) -> None:

@@ -105,7 +105,8 @@ class HostTierConnectorWorker(OffloadingConnectorWorker):
     def handle_preemptions(self, kv_connector_metadata: OffloadingConnectorMetadata) -> None:
         meta = kv_connector_metadata
         if isinstance(meta, HostTierConnectorMetadata):
-            self.tier_worker.core.learn(meta.mark)
+            for job_id in self.tier_worker.core.learn(meta.mark):
+                self._load_jobs.pop(job_id, None)  # the decider reported it finished
         super().handle_preemptions(meta)
         if isinstance(meta, HostTierConnectorMetadata):
             for plan in meta.promotions:  # after the stores sent before them, as planned

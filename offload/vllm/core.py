@@ -562,12 +562,15 @@ class TierWorker:
         except OffloadError as exc:  # refused here: decided failed on every rank
             log.warning("rank %d refused job %d: %s", self.tier.topology.rank, job_id, exc)
 
-    def learn(self, mark: DecisionMark | None) -> None:
-        """Non-deciders: the decisions up to ``mark`` (from vLLM's step metadata)."""
+    def learn(self, mark: DecisionMark | None) -> list[int]:
+        """Non-deciders: learn the decisions up to ``mark`` (from vLLM's step metadata);
+        returns the ids of the jobs decided (the decider reported them already)."""
         if self.is_decider or mark is None or mark.through <= self.tier.mark.through:
-            return
-        for result in self.tier.finished(mark):
-            self._loads.pop(result.job_id, None)
+            return []
+        decided = [result.job_id for result in self.tier.finished(mark)]
+        for job_id in decided:
+            self._loads.pop(job_id, None)
+        return decided
 
     def finished(self) -> list[Outcome]:
         """The decider: the jobs decided since the last call; others: poll (publish this
