@@ -530,6 +530,7 @@ class TierWorker:
                                 else flush_timeout_s)
         self._loads: dict[int, tuple[int, ...]] = {}  # load job id -> its GPU blocks
         self._promoted: dict[int, tuple[Key, ...]] = {}
+        self._reported: tuple[DecisionMark | None, int | None] = (None, None)  # mark, rows
         self._closed = False
         # the scheduler's index owns the chunks; the tier's own manager is unused, except
         # for what a restarted file tier found, which the index adopts (`setup`)
@@ -616,9 +617,13 @@ class TierWorker:
         if not self.is_decider:
             return StepReport()
         tier = self.tier
+        # only news travels: vLLM builds the worker's metadata only when there is some
+        mark = tier.mark if tier.mark != self._reported[0] else None
         rows = tier.last_ready.rows if tier.actor.config.background else None
+        rows = rows if rows != self._reported[1] else None
+        self._reported = (tier.mark, rows if rows is not None else self._reported[1])
         promoted, self._promoted = self._promoted, {}
-        return StepReport(tier.mark, rows, {o.job_id: o for o in outcomes if not o.success},
+        return StepReport(mark, rows, {o.job_id: o for o in outcomes if not o.success},
                           promoted)
 
     def close(self) -> None:
