@@ -264,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device here", file=sys.stderr)
         return 2
+    if args.vllm and args.device != "cuda":
+        print("--vllm: vLLM's handler moves CUDA tensors only; add --device cuda",
+              file=sys.stderr)
+        return 2
     os.environ.setdefault("OFFLOAD_NODE_ID", "bench")
     store_dir = init_group()
     kv = kv_tensors(args)

@@ -261,6 +261,7 @@ def test_disk_only_keys_are_promoted_before_they_hit() -> None:
     assert index.pending_work
     promote = index.flush_promotions()
     assert promote is not None and [k for k, _ in promote.job.chunks] == [b"a", b"b"]
+    assert index.lookup(b"a") == "pending" and index.flush_promotions() is None  # once
     index.apply(core.StepReport(promoted={promote.job.job_id: (b"b",)}))
     assert not index.pending_work
     assert (index.lookup(b"a"), index.lookup(b"b")) == ("hit", "miss")

@@ -359,13 +359,15 @@ class TierIndex:
         if where in ("host", "both"):
             self.stats.hits += 1
             return "hit"
+        if manager.storing(key):  # a store, or a promotion already on its way
+            return "pending"
         if where == "disk":
             if key in self._no_room:
                 self._no_room.discard(key)
                 return "miss"
             self._promote[key] = None
             return "pending"
-        return "pending" if manager.storing(key) else "miss"
+        return "miss"
 
     # ------------------------------------------------------------------ jobs
     def prepare_load(self, keys: Sequence[Key]) -> LoadPlan:
