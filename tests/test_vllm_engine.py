@@ -146,6 +146,17 @@ def test_tp2_shared_layout_with_background_setup(shared_tp2: dict) -> None:
         assert loads and loads[0] >= 1, rank_lines
 
 
+def test_tp2_a_page_damaged_on_the_other_rank_is_recomputed(shared_tp2: dict) -> None:
+    """Rank 1's pages damaged: its load fails its checksum, rank 0 decides the job failed for
+    both, vLLM recomputes on both; afterwards no worker holds a job or a load."""
+    damaged, reference = shared_tp2["damaged"], shared_tp2["reload"]["reference"]
+    assert damaged["b"]["cached"] < PREFIX_TOKENS
+    same_output(damaged["b"], reference)
+    assert damaged["counters"]["damaged_loads"] == 1
+    for books in damaged["books"]:
+        assert books["live"] == books["load_jobs"] == books["loads"] == 0, books
+
+
 def test_replicated_layout_reloads_a_prefix_from_the_file_tier(replicated_fs: dict) -> None:
     assert replicated_fs["spilled"]["spilled"] > 0  # A's prefix left host memory for disk
     reload = replicated_fs["reload"]

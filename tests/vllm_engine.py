@@ -115,14 +115,26 @@ def reload(llm: Any) -> dict:
     return {"a": a, "reference": reference, "b": b, "counters": counters(llm)}
 
 
-def damage_every_row() -> None:
-    """Flip one bit of every chunk's first page in this process's tier (TP=1: the worker
-    lives here)."""
+def damage_every_row(_worker: Any = None, rank: int | None = None) -> None:
+    """Flip one bit of every chunk's first page in this process's tier (only on tier rank
+    ``rank`` when given); runs in a worker (`LLM.collective_rpc`) or, at TP=1, here."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     tier = get_kv_transfer_group().connector_worker.tier_worker.core.tier
-    view = tier.actor.region.tensor_view(0)
-    view[:, 0, 7] ^= 0x10
+    if rank is None or tier.topology.rank == rank:
+        view = tier.actor.region.tensor_view(0)
+        view[:, 0, 7] ^= 0x10
+
+
+def worker_books(_worker: Any = None) -> dict:
+    """What a worker still holds: its tier's jobs not yet handed back, vLLM's map of loads in
+    flight, loads remembered for their GPU blocks."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector_worker = get_kv_transfer_group().connector_worker
+    core = connector_worker.tier_worker.core
+    return {"rank": core.tier.topology.rank, "live": core.tier.actor.jobs.live,
+            "load_jobs": len(connector_worker._load_jobs), "loads": len(core._loads)}
 
 
 def scenario_private(model: str) -> dict:
@@ -199,6 +211,15 @@ def scenario_shared_tp2(model: str) -> dict:
     result = {"reload": reload(llm)}
     result["metrics"] = [[line for line in scrape(port + r).splitlines()
                           if line.startswith("offload_jobs_total")] for r in range(2)]
+    # negative control on the rank that does not decide: its pages damaged, B again
+    llm.collective_rpc(damage_every_row, kwargs={"rank": 1})
+    llm.reset_prefix_cache()
+    b = run(llm, [PREFIX + [300, 301]])[0]
+    drain(llm)
+    run(llm, [[5] * 40])  # one more step each, so every worker learns the last decisions
+    drain(llm)
+    result["damaged"] = {"b": b, "counters": counters(llm),
+                         "books": llm.collective_rpc(worker_books)}
     return result
 
 
