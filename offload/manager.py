@@ -76,13 +76,16 @@ class StoreJob:
     ``dropped`` keys found no chunk.  Once one key is dropped every later new key is too, so
     the stored keys are always the request's new keys up to the first dropped one.
     ``spills`` are evicted readable keys to write to disk first, with the chunk they leave
-    (each rank writes its slot of the row out before the store copies into it)."""
+    (each rank writes its slot of the row out before the store copies into it); ``evicted``
+    lists every key this job evicted from host memory (spilled or not), oldest first, for
+    an engine that announces removals."""
 
     job_id: int
     chunks: tuple[tuple[ChunkKey, int], ...]
     skipped: tuple[ChunkKey, ...]
     dropped: tuple[ChunkKey, ...]
     spills: tuple[tuple[ChunkKey, int], ...] = ()
+    evicted: tuple[ChunkKey, ...] = ()
 
     @property
     def truncated(self) -> bool:
@@ -159,6 +162,7 @@ class ChunkManager:
         self._load_jobs: dict[int, LoadJob] = {}
         self._job_ids = itertools.count()
         self._evictions = 0
+        self._evicted: list[ChunkKey] = []  # victims of the current `prepare_store`
         # failed jobs' chunks (stores) and holds (loads) by fence, until `drained` passes it
         self._quarantine: list[tuple[int, list[int], Pairs]] = []
         # chunks whose bytes a load found damaged: their key is gone; chunk -> holds left
@@ -193,9 +197,12 @@ class ChunkManager:
         without a chunk are stored and every later new key is reported in ``dropped``: a
         stored sequence never has holes.
         """
+        evicted_before = len(self._evicted)
         chunks, skipped, dropped, spills = self._allocate(
             keys, lambda key: key in self._chunk_of or self._on_disk(key))
-        job = StoreJob(next(self._job_ids), chunks, skipped, dropped, spills)
+        evicted = tuple(self._evicted[evicted_before:])
+        del self._evicted[evicted_before:]
+        job = StoreJob(next(self._job_ids), chunks, skipped, dropped, spills, evicted)
         self._store_jobs[job.job_id] = job
         return job
 
@@ -260,6 +267,10 @@ class ChunkManager:
                 self._evictable[key] = None
                 self._promoted += 1
 
+    def storing(self, key: ChunkKey) -> bool:
+        """Whether ``key`` is being stored or promoted (readable once its job completes)."""
+        return key in self._storing
+
     def residence(self, key: ChunkKey) -> str | None:
         """Where ``key`` can be read from: ``host``, ``disk``, ``both`` or None (not cached;
         a key being stored or promoted is not readable in host memory yet)."""
@@ -271,6 +282,11 @@ class ChunkManager:
         every writer agreed, least recently used first)."""
         if self._disk is not None:
             self._disk.seed(stored)
+
+    def disk_keys(self) -> list[bytes]:
+        """The keys on disk in their stored form, least recently used first: what
+        `seed_disk` takes (a manager elsewhere adopts this one's disk picture)."""
+        return self._disk.lru() if self._disk is not None else []
 
     def _allocate(self, keys: Sequence[ChunkKey], cached: Callable[[ChunkKey], bool]
                   ) -> tuple[Pairs, tuple[ChunkKey, ...], tuple[ChunkKey, ...], Pairs]:
@@ -362,6 +378,24 @@ class ChunkManager:
         else:
             heapq.heappush(self._free, chunk)
 
+    def drop(self, keys: Collection[ChunkKey] | None = None) -> None:
+        """Forget ``keys`` (None: every cached key) on both tiers, as an engine's cache reset
+        does: no lookup finds them and a later store of one takes a new chunk.  A chunk that
+        pending loads hold is reused once they are completed; keys being stored are left to
+        their store.
+
+        The disk side forgets only in this replay: the writers' files stay where they are
+        and are never read again (no lookup names them), and their file tiers evict them
+        first, being the least recently used."""
+        if keys is None:
+            keys = [k for k in self._chunk_of if k not in self._storing]
+            if self._disk is not None:  # the replay holds keys' stored form: start it anew
+                self._disk = DiskIndex(self._disk.capacity)
+        for key in dict.fromkeys(keys):
+            self._condemn(key)
+            if self._disk is not None:
+                self._disk.discard(key)
+
     def drained(self, through: int) -> int:
         """Every rank has completed every job below ``through``: end the quarantines whose
         fence that reaches.  Returns how many chunks and holds were released."""
@@ -436,6 +470,7 @@ class ChunkManager:
             return None
         del self._evictable[victim]
         self._evictions += 1
+        self._evicted.append(victim)
         chunk = self._chunk_of.pop(victim)
         if self._disk is not None and victim not in self._disk:  # (a put would touch it)
             self._disk.put(victim)

@@ -7,4 +7,4 @@ source "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
 ruff check offload launch tests scripts tools
 mypy offload launch
-exec python -m pytest -q -n "${PYTEST_WORKERS:-2}" "$@"
+exec python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadgroup "$@"
