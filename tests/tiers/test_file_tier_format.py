@@ -9,6 +9,7 @@ import pytest
 
 from offload.tiers.file_format import (
     FIXED_BYTES,
+    FORMAT_VERSION,
     FormatError,
     Header,
     file_name,
@@ -53,8 +54,9 @@ def test_any_flipped_header_byte_is_detected(offset: int) -> None:
 
 def test_other_version_and_foreign_bytes_are_rejected_with_a_reason() -> None:
     page = _packed(_header())
-    page[8] = 2  # format version 2, header checksum not recomputed: the version check says why
-    with pytest.raises(FormatError, match="format version 2"):
+    other = FORMAT_VERSION + 1  # header checksum not recomputed: the version check says why
+    page[8] = other
+    with pytest.raises(FormatError, match=f"format version {other}"):
         unpack_header(page, CRC)
     with pytest.raises(FormatError, match="bad magic"):
         unpack_header(memoryview(bytearray(PAGE)), CRC)

@@ -91,7 +91,7 @@ _CHILD = """
 import json, subprocess, sys
 directory, fstype, options, name = sys.argv[1:5]
 subprocess.run(["mount", "-t", fstype, "-o", options, fstype, directory], check=True)
-from tests import test_file_tier_mounts as t
+from tests.tiers import test_file_tier_mounts as t
 print("RESULT " + json.dumps(getattr(t, name)(directory, t._warnings())))
 """
 
@@ -109,7 +109,7 @@ def _run(scenario: Scenario, fstype: str, options: str) -> dict[str, object]:
             ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", _CHILD,
              directory, fstype, options, scenario.__name__],
             capture_output=True, text=True, timeout=120, cwd=os.path.dirname(
-                os.path.dirname(os.path.abspath(__file__))))
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
         lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
         assert done.returncode == 0 and lines, done.stderr
         assert os.listdir(directory) == []  # the mount went away with the child

@@ -27,7 +27,7 @@ from tests.harness import free_port, has_our_traceback, tail
 from tests.other_user import NOBODY, as_root
 
 MiB = 1 << 20
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -329,7 +329,8 @@ def test_the_decider_speaks_for_every_worker_and_a_damaged_load_fails() -> None:
     decider, other = out[0].value, out[1].value
     assert decider[0] == [(1, True, False, ()), (2, False, True, (4, 5, 6, 7))]
     assert other[0] == []  # the decider reported for it
-    assert decider[1] == other[1] == DecisionMark(2, 1)  # rank 1 learned the same
+    # rank 1 learned the same mark: two jobs decided, one failure, its record read of rank 1
+    assert decider[1] == other[1] == DecisionMark(2, 1, records=((1, 1),))
     assert decider[2] == (True, 0, None)
     assert decider[3] and other[3]  # chunk 0 loaded right on both ranks
     assert (decider[4], other[4]) == ([], [1, 2])  # the other rank learned both jobs
