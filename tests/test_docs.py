@@ -3,7 +3,7 @@
 one of our scripts exists in that script's ``--help``, the main job's flag table lists exactly
 the flags of ``launch/run.py --help``, and every relative link points to an existing file (and,
 for a Markdown page, to an existing heading).  The reference pages stay current and short: no
-work-period labels ("session 27", "call D") in any doc, README.md, docs/BENCHMARKS.md and
+work-period labels (`_PERIOD`) in any doc, README.md, docs/BENCHMARKS.md and
 docs/DESIGN.md within their line limits, and DESIGN.md's module map naming every module of
 ``offload/`` and ``launch/`` by a path that exists.
 
@@ -172,8 +172,9 @@ def test_relative_links_resolve(doc: Path) -> None:
 # Reference pages stay current and short
 # ---------------------------------------------------------------------------------------------
 
-# NOTE: a doc cites a figure by its date and machine; work-period labels ("session 27",
-# "call D", "turn-1", "lease 4") mean nothing to a reader who was not there.
+# NOTE: a doc cites a figure by its date and machine; a label naming a work period (a session,
+# a device call, a turn or a lease by its number or letter) means nothing to a reader who was
+# not there.
 _PERIOD = re.compile(r"\b[Ss]essions? \d"
                      r"|\b[Cc]alls? [A-Z](?:\b|-[A-Z]\b)"
                      r"|\b[Cc]alls? \d+(?![\d-])\b(?!\s*(?:ms|us|s)\b)"
