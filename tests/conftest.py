@@ -36,8 +36,9 @@ def _children() -> dict[int, str]:
     found = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            # Bytes: a process name is cut at 15 bytes, possibly inside a UTF-8 character.
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].decode("ascii").split()
             if fields[1] != me:  # fields[0] is the state, fields[1] the parent pid
                 continue
             if fields[0] == "Z":

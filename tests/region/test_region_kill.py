@@ -42,8 +42,8 @@ def descendants(pid: int) -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/stat", "rb") as f:  # a name may not be UTF-8
+                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(entry))
@@ -86,8 +86,8 @@ def region_tier(pids: list[int], shm_dir: str | None, where: str
 def alive(pid: int) -> bool:
     """Not yet dead: a zombie has already released its memory."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        with open(f"/proc/{pid}/stat", "rb") as f:  # a name may not be UTF-8
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
     except OSError:
         return False
 

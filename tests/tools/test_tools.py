@@ -18,6 +18,7 @@ from tests.harness import tail
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "scripts"))  # bench_startup, which the samplers serve
 
 
 
