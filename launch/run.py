@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from launch import rounds, synthetic
+from offload import fs_actions
 from offload.actor import RankActor
 from offload.bounds import check_seconds
 from offload.config import FS_BYTES_FACTOR, LAYOUTS, TierConfig
@@ -51,7 +52,6 @@ from offload.observe.timeline import draw_timeline
 from offload.region import cleanup
 from offload.sizes import parse_size
 from offload.tier import HostTier
-from offload.tiers import fs_actions
 from offload.tiers.rank_files import combine_reports
 from offload.transfer.engine import BACKENDS
 

@@ -25,7 +25,6 @@ from offload.control.plan import Plan, RankDescriptor
 from offload.control.quorum import Quorum
 from offload.control.topology import Topology
 from offload.errors import MalformedJob, OffloadError, one_line
-from offload.observe.audit import Auditor
 from offload.region.host_region import HostRegion
 from offload.region.numa import cuda_numa_node
 from offload.region.pin import Registrar, choose_registrar
@@ -37,6 +36,7 @@ from offload.transfer import (
     make_engine,
     triton_available,
 )
+from offload.transfer.audit import Auditor
 from offload.transfer.base import After, Direction
 from offload.transfer.layout import Indices, Job, show_value
 
@@ -193,6 +193,10 @@ class RankActor:
         """Rows this rank can copy into and out of (all of them once set-up finished)."""
         return self._region_rows if self._compiled.is_set() else 0
 
+    def _rows(self, checked: Job) -> list[int]:
+        """The region rows (chunks) a checked job touches."""
+        return (checked.host_pages // self._installed().blocks_per_chunk).tolist()
+
     def _check_ready(self, job: CopyJob, checked: Job) -> None:
         """Refuse a job that touches a row this rank has not made usable yet (background
         set-up): copying into unregistered memory would fault the GPU, so the job fails
@@ -288,7 +292,9 @@ class RankActor:
             checked = self._screen(entry, job, layer_groups, valid_id)
             engine = self._engine()
             if self.files is not None and job.direction == "store":
-                self.files.wait_rows(job.chunks)  # no row is overwritten while a spill reads it
+                # no row is overwritten while a spill reads it (the checked rows: the job's
+                # own fields may be any shape that holds those integers)
+                self.files.wait_rows(self._rows(checked))
             if job.writer_only and not self.topology.is_stage_writer:
                 engine.renew_store(entry.seq, checked)  # the stage's writer copies
                 entry.done = True
@@ -304,7 +310,9 @@ class RankActor:
                 entry.bytes = len(checked) * self._block_bytes
             if self.auditor is not None and job.direction == "store":
                 # after the job was checked; hashes read the blocks in compute-stream order
-                self.auditor.record(self.kv_tensors, job.blocks, job.chunks, job.positions)
+                self.auditor.record(self.kv_tensors, checked.blocks, checked.host_pages)
+            elif self.auditor is not None:  # the job's arrays may be reused by the next job
+                entry.audited = (checked.blocks.copy(), checked.host_pages.copy())
         except MalformedJob as exc:  # the same on every rank: raised on every rank
             entry.error = None  # its reason wins over this rank's own (a reused id)
             self._refused(entry, exc, taken, layer_groups)
@@ -455,9 +463,8 @@ class RankActor:
         verdict = self._engine().job_error(seq)
         if verdict is not None and entry.error is None:
             entry.error = verdict
-        job = entry.job
-        if self.auditor is not None and job.direction == "load" and entry.error is None:
-            self.auditor.check(self.kv_tensors, job.blocks, job.chunks, job.positions)
+        if self.auditor is not None and entry.audited is not None and entry.error is None:
+            self.auditor.check(self.kv_tensors, *entry.audited)
 
     def _engine_failed(self, exc: Exception) -> list[int]:
         """The engine raised while reporting: which of its jobs finished is unknown, so every

@@ -14,6 +14,7 @@ from typing import Any, Literal, get_args
 
 from offload.bounds import MAX_PORT, check_int, check_seconds, check_type
 from offload.errors import OffloadError
+from offload.system.paths import check_fs_dir, check_shm_dir
 
 # The closed choices, typed for callers; the tuples are what the flags offer and what
 # `TierConfig.__post_init__` checks at run time (a value can arrive untyped from a flag or JSON).
@@ -194,9 +195,6 @@ class TierConfig:
         for name in ("timeout_s", "fs_io_timeout_s"):
             check_seconds(getattr(self, name), _describe(name), _FIX[name])
         if self.shm_dir is not None:
-            # imported here: offload.region imports this module
-            from offload.region.space import check_shm_dir
-
             check_shm_dir(self.shm_dir)
         self._check_file_tier()
 
@@ -214,8 +212,6 @@ class TierConfig:
             raise OffloadError(f"{_describe('fs_bytes')} = {self.fs_bytes} is given without "
                                f"{_describe('fs_dir')}; add --fs-tier DIR or drop it")
         if self.fs_dir is not None:
-            from offload.tiers.tier_dir import check_fs_dir
-
             check_fs_dir(self.fs_dir, _describe("fs_dir"))
 
     @property

@@ -39,6 +39,7 @@ from typing import Any, overload
 import torch
 import torch.distributed as dist
 
+from offload import fs_actions
 from offload.actor import CopyJob, RankActor
 from offload.config import TierConfig
 from offload.control.board import Board, unpack_ready
@@ -50,13 +51,12 @@ from offload.control.stores import await_key
 from offload.control.topology import NODE_GROUP_MIN_TIMEOUT_S, Topology, discover
 from offload.errors import JobFailed, OffloadError, PeerError, is_damage, one_line
 from offload.manager import ChunkManager, PromoteJob
-from offload.observe.audit import Auditor
 from offload.observe.metrics import JobTally, MetricsServer, serve_metrics
 from offload.region import cleanup
 from offload.region.pin import Registrar
 from offload.region.prefault import progress_logger
-from offload.tiers import fs_actions
 from offload.tiers.rank_files import disk_capacity
+from offload.transfer.audit import Auditor
 from offload.transfer.base import After
 
 log = logging.getLogger(__name__)
@@ -162,8 +162,8 @@ class HostTier:
 
         ``backend`` picks the transfer backend (``auto``: by device and pinning); ``audit``
         hashes every block before store and after load and counts mismatches
-        (`offload.observe.audit`).  ``registrar_factory`` makes the object that pins host memory for
-        the KV device (default `choose_registrar`: CUDA's driver API for CUDA tensors, in a
+        (`offload.transfer.audit`).  ``registrar_factory`` makes the object that pins host memory
+        for the KV device (default `choose_registrar`: CUDA's driver API for CUDA tensors, in a
         context of its own with ``config.background`` and ``config.setup_context``; a
         recording no-op else).
         ``decider`` is the rank whose `finished` decides (the engine's scheduling rank; the

@@ -51,8 +51,8 @@ from bench_ranks import run_ranks  # this script's folder
 from offload.bounds import flag_type
 from offload.integrity import trailer_bytes
 from offload.observe.report import write_json
-from offload.region.nameless import memfd_mapping
 from offload.sizes import format_size, parse_size, round_up
+from offload.system.nameless import memfd_mapping
 from offload.transfer import SlotLayout, make_engine
 from offload.transfer.registration import host_registered
 

@@ -60,11 +60,11 @@ from offload.observe.report import write_json
 from offload.observe.timeline import draw_timeline
 from offload.region import cleanup
 from offload.region.geometry import ByteRange, RegionGeometry, segment_ranges
-from offload.region.nameless import create_memfds
 from offload.region.prefault import plan_pieces, prefault
-from offload.region.shm import Mapping, close_fds, create_segments, open_segment, unlink_quiet
 from offload.sizes import format_size, parse_size, parse_sizes
+from offload.system.nameless import create_memfds
 from offload.system.paths import write_atomic
+from offload.system.shm import Mapping, close_fds, create_segments, open_segment, unlink_quiet
 
 GiB = 1 << 30
 

@@ -32,8 +32,8 @@ from bench_ranks import run_ranks  # this script's folder
 
 from offload.bounds import flag_type
 from offload.observe.report import write_json
-from offload.region.nameless import memfd_mapping
 from offload.sizes import format_size, parse_size, parse_sizes
+from offload.system.nameless import memfd_mapping
 from offload.transfer import Direction, SlotLayout
 from offload.transfer.cuda import DEFAULT_COPY_PROGRAMS, PerBlockEngine, StreamEngine
 from offload.transfer.registration import host_registered

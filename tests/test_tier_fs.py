@@ -25,14 +25,14 @@ def spmd_promote_body(rank: int, layout: str, fs_dir: str, damage: bool,
     import torch
     import torch.distributed as dist
 
-    import offload.tiers.fs_actions
+    import offload.fs_actions
     from offload import CopyJob, HostTier, OffloadError
 
     if rank == broken_rank:
         def broken(*args: object) -> None:
             raise OSError("the disk went away")
 
-        offload.tiers.fs_actions.promote = broken  # type: ignore[assignment]
+        offload.fs_actions.promote = broken  # type: ignore[assignment]
 
     gen = torch.Generator().manual_seed(100 + rank)
     kv = [torch.randint(0, 256, (3 * BPC, PAGE), generator=gen, dtype=torch.uint8)]

@@ -397,8 +397,7 @@ def test_wait_ready_waits_for_rows_a_stopped_rank_still_covers(tmp_path) -> None
 def test_a_promotion_into_a_row_not_set_up_is_refused_before_any_read() -> None:
     from types import SimpleNamespace
 
-    from offload import OffloadError
-    from offload.tiers import fs_actions
+    from offload import OffloadError, fs_actions
 
     class NoReads:
         def promote(self, reads, generation, spills):  # pragma: no cover - never reached

@@ -75,8 +75,7 @@ def _fuzz(rank: int, fs_dir: str, examples: int, backend: str = "host") -> objec
     from hypothesis import strategies as st
 
     import offload.tiers.rank_files as rank_files
-    from offload import CopyJob, HostTier, JobFailed, MalformedJob, OffloadError
-    from offload.tiers import fs_actions
+    from offload import CopyJob, HostTier, JobFailed, MalformedJob, OffloadError, fs_actions
 
     row = BPC * PAGE
     kv = [t.to("cpu" if backend == "host" else "cuda") for t in _kv(rank)]  # type: ignore
@@ -232,6 +231,48 @@ def test_arbitrary_integers_in_every_field_never_write_outside_the_region(tmp_pa
 # ---------------------------------------------------------------------- the same on every rank
 
 
+def _odd_shapes(rank: int, fs_dir: str) -> object:
+    """A store and a load whose index fields are tuples of numpy ints, and a store whose chunks
+    are an empty 2-D array, on a tier with a file tier and the block audit: the file tier's
+    wait and the audit read the checked job, never the caller's fields."""
+    import numpy as np
+
+    from offload import CopyJob, HostTier, MalformedJob
+
+    kv = _kv(rank)
+    tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=6 * BPC * PAGE, blocks_per_chunk=BPC,
+                                          tp=1, timeout_s=20, fs_dir=fs_dir,
+                                          fs_namespace="shapes", fs_bytes=6 * BPC * PAGE),
+                           audit=True)
+    try:
+        two = (np.int64(1), np.int32(2))
+        tier.submit(CopyJob(1, "store", blocks=two, chunks=(np.int64(0), np.uint8(0)),
+                            positions=two))
+        tier.wait([1])
+        kv[0][1:3] = 0
+        tier.submit(CopyJob(2, "load", blocks=two, chunks=[0, 0], positions=two))
+        tier.wait([2])
+        refused = None
+        try:
+            tier.submit(CopyJob(3, "store", blocks=[], chunks=np.zeros((1, 0), np.int64),
+                                positions=[]))
+        except MalformedJob as exc:
+            refused = str(exc)
+        return refused, tier.actor.auditor.to_json(), kv[0][1:3].eq(_kv(rank)[0][1:3]).all().item()
+    finally:
+        tier.close()
+
+
+def test_index_fields_of_any_accepted_shape_reach_the_file_tier_and_audit_checked(
+        tmp_path) -> None:
+    out = run_group(_odd_shapes, 1, args=(str(tmp_path),), timeout=120)
+    assert out[0].ok, out[0].error
+    refused, audit, restored = out[0].value
+    assert refused is not None and "chunk_ids must be a 1-D array of integers, got shape (1, 0)" \
+        in refused, refused
+    assert audit == {"checked_blocks": 2, "mismatched_blocks": 0} and restored
+
+
 def _refusals_alike(rank: int, fs_dir: str) -> object:
     import torch
 
@@ -359,8 +400,7 @@ def test_a_promotion_item_outside_the_region_is_refused_before_anything_runs(
         field: str, chunk: int) -> None:
     from types import SimpleNamespace
 
-    from offload import MalformedJob
-    from offload.tiers import fs_actions
+    from offload import MalformedJob, fs_actions
 
     class Untouched:
         def promote(self, reads, generation, spills):  # pragma: no cover - never reached

@@ -64,16 +64,16 @@ from offload.config import TierConfig  # noqa: E402
 from offload.observe.report import write_json  # noqa: E402
 from offload.region.background import BackgroundSetup  # noqa: E402
 from offload.region.geometry import ByteRange, RegionGeometry, setup_units  # noqa: E402
-from offload.region.nameless import memfd_mapping  # noqa: E402
 from offload.region.pin import Pinner, Registrar, choose_registrar  # noqa: E402
 from offload.region.prefault import madvise_populate, touch_pages  # noqa: E402
-from offload.region.shm import Mapping  # noqa: E402
 from offload.sizes import (  # noqa: E402
     format_size,
     parse_size,
     parse_sizes,  # noqa: E402
 )
 from offload.system.cuda_driver import driver_call  # noqa: E402
+from offload.system.nameless import memfd_mapping  # noqa: E402
+from offload.system.shm import Mapping  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

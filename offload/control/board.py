@@ -2,7 +2,7 @@
 """The node's progress board: one watermark word per rank in a nameless shared page.
 
 Every rank of a node maps the same small ``memfd`` (created by the node leader and handed to its
-peers over a Unix socket, `offload.region.nameless`).  Rank ``i`` of the node owns the 8-byte word
+peers over a Unix socket, `offload.system.nameless`).  Rank ``i`` of the node owns the 8-byte word
 at byte ``128 * i`` -- its own cache line pair, so a rank's stores never invalidate a line another
 rank writes (128 B covers x86's adjacent-line prefetch and Arm cores with 128 B lines).
 
@@ -76,7 +76,7 @@ import torch.distributed as dist
 
 from offload.control.stores import await_key
 from offload.control.topology import Topology
-from offload.region.nameless import (
+from offload.system.nameless import (
     FdOffer,
     check_sizes,
     create_memfd,
@@ -160,7 +160,7 @@ class Board:
         """A peer's side of `open`: fetch the board offered under ``name`` and map it, only
         when its own user's process served it (that very process where ``leader_pid``, learnt
         through the store, is given) and it is a sealed memfd of this user of exactly
-        ``ranks * LINE_BYTES`` (`offload.region.nameless.check_sizes`), so no other local user
+        ``ranks * LINE_BYTES`` (`offload.system.nameless.check_sizes`), so no other local user
         can forge or shrink the watermarks the decider trusts.
 
         Raises:

@@ -40,6 +40,8 @@ class Entry:
     bytes: int = 0
     seconds: float = 0.0
     error: str | None = None
+    # a load's checked (blocks, host pages) when an audit compares them on completion
+    audited: tuple[Any, Any] | None = None
 
     @property
     def ok(self) -> bool:

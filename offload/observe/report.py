@@ -18,7 +18,7 @@ _PHASES = (*(name for name, _ in PHASES), "total")
 
 def count_shm_files(shm_dir: str, tier_id: str) -> int:
     """Files of this job still present in the shm directory (0 after a clean close): this
-    user's entries named as the tier names its segments (`offload.region.shm.segment_paths`).
+    user's entries named as the tier names its segments (`offload.system.shm.segment_paths`).
     Another user can see the tier id and plant a name holding it; that is not ours to count."""
     prefix, uid = f"offload-{tier_id}-", os.geteuid()
     try:

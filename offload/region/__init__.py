@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Host memory regions: their geometry, shm segments, pre-fault, pinning, signal-safe clean-up
-and the per-rank ``HostRegion``.  Public names are imported lazily, so that the pure geometry
-(`offload.region.geometry`) does not pull in the syscall layers."""
+"""Host memory regions: their geometry, pre-fault, pinning, signal-safe clean-up and the
+per-rank ``HostRegion``, built on the shared-memory segments of `offload.system.shm`.  Public
+names are imported lazily, so that the pure geometry (`offload.region.geometry`) does not pull
+in the syscall layers."""
 
 from __future__ import annotations
 

@@ -50,8 +50,8 @@ from offload.region.prefault import (
     ProgressFn,
     madvise_populate,
 )
-from offload.region.shm import close_fds
 from offload.system.build_cache import SOURCES, load
+from offload.system.shm import close_fds
 
 log = logging.getLogger(__name__)
 

@@ -80,18 +80,20 @@ from offload.region.geometry import (
     sized_setup,
 )
 from offload.region.hugepages import shmem_huge_mode, small_page_hint
-from offload.region.nameless import (
+from offload.region.numa import Placement, bytes_on_node
+from offload.region.pin import Pinner, Registrar
+from offload.region.pipeline import PinPipeline
+from offload.region.prefault import ProgressFn, plan_pieces, prefault
+from offload.region.space import check_space, strict_overcommit
+from offload.region.sync import NodeSync
+from offload.system.nameless import (
     FdOffer,
     check_sizes,
     create_memfds,
     fetch_fds,
     new_socket_name,
 )
-from offload.region.numa import Placement, bytes_on_node
-from offload.region.pin import Pinner, Registrar
-from offload.region.pipeline import PinPipeline
-from offload.region.prefault import ProgressFn, plan_pieces, prefault
-from offload.region.shm import (
+from offload.system.shm import (
     Mapping,
     check_tier_id,
     close_fds,
@@ -101,8 +103,6 @@ from offload.region.shm import (
     unlink_if_ours,
     unlink_quiet,
 )
-from offload.region.space import check_space, strict_overcommit
-from offload.region.sync import NodeSync
 
 log = logging.getLogger(__name__)
 

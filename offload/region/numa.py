@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from offload.region.shm import libc
+from offload.system.shm import libc
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from offload.errors import OffloadError
 from offload.region.geometry import ByteRange, interleave_by_segment, split_work
-from offload.region.shm import libc, tensor_at
 from offload.sizes import format_size
+from offload.system.shm import libc, tensor_at
 
 MADV_POPULATE_WRITE = 23
 MIN_PIECE = 2 << 20

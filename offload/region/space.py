@@ -5,56 +5,19 @@ host or the container's cgroup has none left, and then the OOM killer, not an er
 job.  So the budget is checked against the memory this process may still fill: the kernel's
 ``MemAvailable`` estimate and, for every enclosing memory cgroup with a limit, that limit minus
 what the cgroup uses, less its reclaimable file cache (weights read from disk sit there and are
-dropped on demand; shared memory is not).  A ``--shm-dir`` must exist, be a writable directory
-and be memory-backed (tmpfs, hugetlbfs, ramfs): region files on a disk filesystem would be
-written back to the disk.
+dropped on demand; shared memory is not).  A ``--shm-dir`` itself is checked with the other
+settings (`offload.system.paths.check_shm_dir`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 from collections.abc import Iterator
 
 from offload.errors import OffloadError
 from offload.sizes import format_size
-from offload.system.paths import check_writable_dir
 
-TMPFS_MAGIC = 0x01021994
-RAMFS_MAGIC = 0x858458F6
-HUGETLBFS_MAGIC = 0x958458F6
-MEMORY_FILESYSTEMS = {TMPFS_MAGIC: "tmpfs", RAMFS_MAGIC: "ramfs", HUGETLBFS_MAGIC: "hugetlbfs"}
-_KNOWN_FILESYSTEMS = {0xEF53: "ext2/3/4", 0x58465342: "xfs", 0x9123683E: "btrfs",
-                      0x794C7630: "overlay", 0x9FA0: "proc", 0x62656572: "sysfs",
-                      0x6969: "nfs", 0x01021997: "9p", 0x65735546: "fuse"}
 _CGROUP_ROOT = "/sys/fs/cgroup"
-
-_libc = ctypes.CDLL("libc.so.6", use_errno=True)
-_libc.statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
-_libc.statfs.restype = ctypes.c_int
-
-
-def filesystem_magic(path: str) -> int:
-    """``statfs(path).f_type`` (the first field of ``struct statfs`` on 64-bit Linux; Python's
-    ``os.statvfs`` does not expose it)."""
-    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes
-    if _libc.statfs(os.fsencode(path), buf) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"statfs {path}: {os.strerror(err)}")
-    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
-
-
-def check_shm_dir(path: str) -> None:
-    """One clear error when ``path`` cannot hold region files: missing, not a directory, not
-    writable by this user, or not memory-backed."""
-    flag = f"shm_dir (--shm-dir) {path}"
-    fix = "give a tmpfs directory such as /dev/shm, or leave it unset for nameless regions"
-    check_writable_dir(path, "shm_dir (--shm-dir)", fix)
-    magic = filesystem_magic(path)
-    if magic not in MEMORY_FILESYSTEMS:
-        kind = _KNOWN_FILESYSTEMS.get(magic, f"type {magic:#x}")
-        raise OffloadError(f"{flag} is on a {kind} filesystem, not a memory-backed one (tmpfs, "
-                           f"hugetlbfs, ramfs); {fix}")
 
 
 def check_space(shm_dir: str | None, needed: int) -> None:

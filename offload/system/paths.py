@@ -1,6 +1,9 @@
-"""Checks of user-given directories, shared by the settings that name one (``--shm-dir``,
-``--fs-tier``): each failure is one line naming the setting, the path and the fix; and the one
-way the package writes a whole file (`write_atomic`).
+"""Checks of user-given directories, run with the other settings before anything exists
+(``--shm-dir``, ``--fs-tier``): each failure is one line naming the setting, the path and the
+fix; and the one way the package writes a whole file (`write_atomic`).
+
+A ``--shm-dir`` must also be memory-backed (tmpfs, hugetlbfs, ramfs): region files on a disk
+filesystem would be written back to the disk.
 
 The tier creates its files in such a directory and finds them again by name (a peer opens a
 named region's segments, a restarted file tier its fingerprint folder).  Whoever may rename
@@ -13,12 +16,25 @@ sticky (as ``/dev/shm`` and ``/tmp`` are): there only an entry's owner may renam
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import secrets
 import stat
 
 from offload.errors import OffloadError
+
+TMPFS_MAGIC = 0x01021994
+RAMFS_MAGIC = 0x858458F6
+HUGETLBFS_MAGIC = 0x958458F6
+MEMORY_FILESYSTEMS = {TMPFS_MAGIC: "tmpfs", RAMFS_MAGIC: "ramfs", HUGETLBFS_MAGIC: "hugetlbfs"}
+_KNOWN_FILESYSTEMS = {0xEF53: "ext2/3/4", 0x58465342: "xfs", 0x9123683E: "btrfs",
+                      0x794C7630: "overlay", 0x9FA0: "proc", 0x62656572: "sysfs",
+                      0x6969: "nfs", 0x01021997: "9p", 0x65735546: "fuse"}
+
+_libc = ctypes.CDLL("libc.so.6", use_errno=True)
+_libc.statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+_libc.statfs.restype = ctypes.c_int
 
 
 def check_writable_dir(path: str, name: str, fix: str) -> None:
@@ -33,6 +49,37 @@ def check_writable_dir(path: str, name: str, fix: str) -> None:
         raise OffloadError(f"{name} {path} is not writable by uid {os.geteuid()} (read-only "
                            f"mount or permissions); {fix}")
     check_entries_are_ours(os.stat(path), path, name)
+
+
+def check_shm_dir(path: str) -> None:
+    """One clear error when ``path`` cannot hold region files: missing, not a directory, not
+    writable by this user, or not memory-backed."""
+    flag = f"shm_dir (--shm-dir) {path}"
+    fix = "give a tmpfs directory such as /dev/shm, or leave it unset for nameless regions"
+    check_writable_dir(path, "shm_dir (--shm-dir)", fix)
+    magic = filesystem_magic(path)
+    if magic not in MEMORY_FILESYSTEMS:
+        kind = _KNOWN_FILESYSTEMS.get(magic, f"type {magic:#x}")
+        raise OffloadError(f"{flag} is on a {kind} filesystem, not a memory-backed one (tmpfs, "
+                           f"hugetlbfs, ramfs); {fix}")
+
+
+def check_fs_dir(directory: str, name: str) -> None:
+    """The check of ``--fs-tier``: ``directory`` must be an existing directory this user may
+    create files in.  ``name`` is how the user knows the setting (e.g. ``fs_dir
+    (--fs-tier)``)."""
+    check_writable_dir(os.path.abspath(directory), name,
+                       "pass an existing, writable directory on a local disk")
+
+
+def filesystem_magic(path: str) -> int:
+    """``statfs(path).f_type`` (the first field of ``struct statfs`` on 64-bit Linux; Python's
+    ``os.statvfs`` does not expose it)."""
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes
+    if _libc.statfs(os.fsencode(path), buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"statfs {path}: {os.strerror(err)}")
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
 
 
 def check_entries_are_ours(st: os.stat_result, path: str, name: str) -> None:

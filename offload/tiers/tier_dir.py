@@ -27,7 +27,7 @@ import stat
 import time
 
 from offload.errors import OffloadError
-from offload.system.paths import check_entries_are_ours, check_writable_dir
+from offload.system.paths import check_entries_are_ours
 
 FOLDER_PREFIX = "fp-"  # a tier's folder in DIR: fp-<fingerprint>
 # How long a tier retries the lock of its folder before it takes the folder for another
@@ -50,14 +50,6 @@ def check_directory(directory: str) -> str:
     if not stat.S_ISDIR(mode):
         raise OffloadError(f"file tier path {root} is not a directory; pass a directory")
     return root
-
-
-def check_fs_dir(directory: str, name: str) -> None:
-    """The configuration's check of ``--fs-tier``, run on every rank before anything exists:
-    ``directory`` must be an existing directory this user may create files in.  ``name`` is
-    how the user knows the setting (e.g. ``fs_dir (--fs-tier)``)."""
-    check_writable_dir(os.path.abspath(directory), name,
-                       "pass an existing, writable directory on a local disk")
 
 
 def open_locked_subdir(root: str, path: str) -> int:

@@ -190,7 +190,7 @@ def as_index_array(values: object, what: str, limit: int | None = None) -> Index
                                "(a list, numpy array or CPU tensor)")
         values = values.detach().numpy()
     array = np.asarray(values)
-    if array.size == 0:
+    if array.size == 0 and array.ndim == 1:  # [] is float64 to numpy
         return np.zeros(0, dtype=np.int64)
     if array.ndim == 1 and array.dtype == object:
         _refuse_huge(array, what, limit)

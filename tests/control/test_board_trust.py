@@ -26,9 +26,9 @@ import torch.distributed as dist
 from offload.control.board import LINE_BYTES, Board, pack
 from offload.control.topology import NodeInfo, Topology
 from offload.errors import PeerError
-from offload.region.nameless import new_socket_name
+from offload.system.nameless import new_socket_name
 from tests.other_user import NOBODY, as_root, other_process
-from tests.region.test_region_nameless import _serve
+from tests.system.test_nameless import _serve
 
 NODE = "node-a"
 

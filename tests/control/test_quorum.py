@@ -15,7 +15,7 @@ from offload.control.board import LINE_BYTES, Board, new_failures, pack, unpack
 from offload.control.quorum import FLOOR_STEP, Quorum, default_store
 from offload.control.topology import NodeInfo, Topology
 from offload.errors import OffloadError
-from offload.region.nameless import create_memfd
+from offload.system.nameless import create_memfd
 from tests.harness import free_port, run_group
 
 # ---------------------------------------------------------------- one process

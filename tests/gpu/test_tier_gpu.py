@@ -73,9 +73,9 @@ def test_replicated_pipeline_stages_load_their_own_stage_bytes_on_cuda(
 
 def test_failed_registration_rolls_back_and_leaves_no_sticky_error() -> None:
     from offload.region.geometry import ByteRange
-    from offload.region.nameless import create_memfds
     from offload.region.pin import CudaRegistrar, Pinner
-    from offload.region.shm import Mapping, close_fds
+    from offload.system.nameless import create_memfds
+    from offload.system.shm import Mapping, close_fds
 
     fds = create_memfds(f"gputest-{torch.cuda.current_device()}-rollback", [8 * MiB], 1)
     mapping = Mapping(fds, [8 * MiB])

@@ -24,10 +24,10 @@ from offload.region import background
 from offload.region.background import BackgroundSetup, native_populator
 from offload.region.geometry import ByteRange, RegionGeometry, setup_units
 from offload.region.hugepages import shmem_huge_mode
-from offload.region.nameless import create_memfds
 from offload.region.pin import Pinner, RecordingRegistrar
 from offload.region.prefault import madvise_populate
-from offload.region.shm import Mapping, close_fds, libc
+from offload.system.nameless import create_memfds
+from offload.system.shm import Mapping, close_fds, libc
 from tests.region.test_region_prefault import all_pages_mapped
 
 PAGE = 4096
@@ -152,7 +152,7 @@ def test_interpreter_exit_does_not_wait_for_the_rest_of_the_pre_fault(tmp_path) 
         from offload.region.geometry import RegionGeometry, setup_units
         from offload.region.background import BackgroundSetup
         from offload.region.pin import Pinner, RecordingRegistrar
-        from offload.region.shm import Mapping
+        from offload.system.shm import Mapping
 
         geometry = RegionGeometry("private", 100, 4096, 0, 4096, 4096)
         units = setup_units(geometry, TierConfig(cpu_bytes_per_node=1 << 30), 4096)
@@ -558,7 +558,7 @@ def test_the_c_loops_populating_never_holds_the_engines_mmaps_back() -> None:
 
 
 def _unreserved_memfds(count: int, length: int) -> list[int]:
-    from offload.region.nameless import create_memfds
+    from offload.system.nameless import create_memfds
 
     return create_memfds("test-reserve", [length] * count, 1, reserved=False)
 
@@ -566,7 +566,7 @@ def _unreserved_memfds(count: int, length: int) -> list[int]:
 @needs_cc
 def test_the_background_reservation_allocates_every_file_and_lets_go_of_it() -> None:
     """populate.c's reservation: every file allocated, each duplicate closed once reserved."""
-    from offload.region.shm import close_fds
+    from offload.system.shm import close_fds
 
     fds = _unreserved_memfds(3, 8 << 20)
     open_before = len(os.listdir("/proc/self/fd"))
@@ -590,7 +590,7 @@ def test_the_background_reservation_allocates_every_file_and_lets_go_of_it() -> 
 
 @needs_cc
 def test_a_reservation_that_fails_stops_and_says_why() -> None:
-    from offload.region.shm import close_fds
+    from offload.system.shm import close_fds
 
     fds = _unreserved_memfds(3, 8 << 20)
     readonly = os.open(f"/proc/self/fd/{fds[1]}", os.O_RDONLY)  # fallocate: EBADF
@@ -609,7 +609,7 @@ def test_a_reservation_that_fails_stops_and_says_why() -> None:
 
 def test_stopping_the_background_reservation_waits_for_one_piece_only(monkeypatch) -> None:
     """The Python loop (no compiler): `stop` waits for the piece in hand, not the file."""
-    from offload.region.shm import close_fds
+    from offload.system.shm import close_fds
 
     pieces: list[int] = []
 

@@ -23,7 +23,7 @@ from offload.region.numa import (
     pci_numa_node,
 )
 from offload.region.prefault import prefault
-from offload.region.shm import Mapping
+from offload.system.shm import Mapping
 from tests.harness import run_group
 
 MiB = 1 << 20

@@ -13,9 +13,9 @@ import torch
 
 from offload.errors import OffloadError
 from offload.region import prefault as pf
-from offload.region import shm
 from offload.region.geometry import ByteRange
-from offload.region.nameless import create_memfds
+from offload.system import shm
+from offload.system.nameless import create_memfds
 
 MiB = 1 << 20
 _HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) ")

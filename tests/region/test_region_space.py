@@ -12,14 +12,15 @@ import pytest
 from offload.config import TierConfig
 from offload.errors import OffloadError
 from offload.region import space
-from offload.region.nameless import create_memfds
+from offload.system import paths
+from offload.system.nameless import create_memfds
 from tests.other_user import NOBODY, as_root
 
 MiB = 1 << 20
 
 
 def test_a_tmpfs_shm_dir_is_accepted(shm_dir: str) -> None:
-    space.check_shm_dir(shm_dir)
+    paths.check_shm_dir(shm_dir)
     assert TierConfig(cpu_bytes_per_node=MiB, shm_dir=shm_dir).shm_dir == shm_dir
 
 
@@ -29,7 +30,7 @@ def test_nameless_is_the_default() -> None:
 
 @pytest.mark.parametrize("problem", ["missing", "file", "disk"])
 def test_an_unusable_shm_dir_is_one_clear_line(tmp_path: Path, problem: str) -> None:
-    if problem == "disk" and space.filesystem_magic(str(tmp_path)) in space.MEMORY_FILESYSTEMS:
+    if problem == "disk" and paths.filesystem_magic(str(tmp_path)) in paths.MEMORY_FILESYSTEMS:
         pytest.skip(f"{tmp_path} is memory-backed on this host")
     path = {"missing": tmp_path / "nope", "file": tmp_path / "f", "disk": tmp_path}[problem]
     if problem == "file":
@@ -48,7 +49,7 @@ def test_a_read_only_shm_dir_is_refused(shm_dir: str) -> None:
     os.chmod(shm_dir, 0o500)
     try:
         with pytest.raises(OffloadError, match="is not writable by uid"):
-            space.check_shm_dir(shm_dir)
+            paths.check_shm_dir(shm_dir)
     finally:
         os.chmod(shm_dir, 0o700)
 

@@ -6,7 +6,7 @@ K's header (kept, not indexed); J is stored, K re-stored (rank 1's write fails, 
 stays) and A touched; at the following start both hold {K, J, A}, but rank 1's K carries its
 old sequence number, so its write order differs.  Agreeing on the set alone leaves the two LRUs
 (and the manager's replay, seeded from one of them) evicting different keys.  Adopting one
-writer's order -- what `offload.tiers.fs_actions.setup` does -- makes them evict alike."""
+writer's order -- what `offload.fs_actions.setup` does -- makes them evict alike."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def test_set_up_gives_every_writer_and_the_manager_one_order(tmp_path: Path,
     """`fs_actions.setup` (rank 0's side, here over a stand-in RPC that runs each step on both
     writers in this process): after it, both writers' LRUs and the keys the chunk manager is
     seeded with are in one order."""
-    from offload.tiers import fs_actions
+    from offload import fs_actions
     from offload.tiers.rank_files import RankFiles
 
     tiers = _restart_scenario(tmp_path)

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The room a node's disk has for the file tier and the folders earlier runs left in DIR
-(`offload.tiers.disk_room`, `offload.tiers.fs_actions.agree_budget`): the default budget is bounded
+(`offload.tiers.disk_room`, `offload.fs_actions.agree_budget`): the default budget is bounded
 by the disk's room, an explicit one past it is one line, and folders of earlier runs (another
 geometry or namespace) are removed oldest first to fit the budget -- only our own, unlocked,
 never through a link.  The main job runs on a real 8 MiB tmpfs in a mount namespace of its

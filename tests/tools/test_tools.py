@@ -226,7 +226,7 @@ def test_bench_registrations_unregisters_everything_when_a_call_fails(
     import bench_registrations
 
     from offload.region.pin import RecordingRegistrar
-    from offload.region.shm import Mapping
+    from offload.system.shm import Mapping
 
     class Refusing(RecordingRegistrar):
         closed = False

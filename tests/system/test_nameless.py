@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from offload.errors import PeerError
-from offload.region.nameless import (
+from offload.system.nameless import (
     _HEADER,
     _MAGIC,
     FdOffer,
@@ -28,7 +28,7 @@ from offload.region.nameless import (
     memfd_mapping,
     new_socket_name,
 )
-from offload.region.shm import close_fds
+from offload.system.shm import close_fds
 from tests.harness import run_group
 from tests.other_user import NOBODY, as_root, other_process
 
@@ -306,7 +306,7 @@ def _shared_tier_binding(rank: int, tier_id: str) -> object:
     import torch
     import torch.distributed as dist
 
-    import offload.region.nameless as nameless
+    import offload.system.nameless as nameless
     from offload import HostTier, TierConfig
 
     uuid_module.uuid4 = lambda: uuid_module.UUID(hex=tier_id * 2)

@@ -49,7 +49,7 @@ import time
 from collections.abc import Sequence
 
 from offload.errors import OffloadError, PeerError
-from offload.region.shm import Mapping, close_fds, reserve
+from offload.system.shm import Mapping, close_fds, reserve
 
 _HEADER = struct.Struct("!II")  # magic, descriptor count
 _MAGIC = 0x0FF10AD0

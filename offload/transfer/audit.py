@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from offload.transfer.layout import Indices
-
 _BATCH = 256  # blocks hashed per kernel batch: bounds the temporary memory
 
 
@@ -41,34 +39,33 @@ def block_hashes(tensor: torch.Tensor, blocks: torch.Tensor) -> list[int]:
 
 @dataclass
 class Auditor:
-    """Remembers the hash of every stored (chunk, position, tensor) and checks loads."""
+    """Remembers the hash of every stored (host page, tensor) and checks loads.  It takes a
+    checked job's arrays (`offload.transfer.layout.Job`), never the caller's fields."""
 
-    expected: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    expected: dict[tuple[int, int], int] = field(default_factory=dict)
     checked_blocks: int = 0
     mismatched_blocks: int = 0
 
-    def record(self, kv: Sequence[torch.Tensor], blocks: Indices, chunks: Indices,
-               positions: Indices) -> None:
-        index = torch.as_tensor(np.asarray(blocks), dtype=torch.int64)
-        places = list(zip(np.asarray(chunks).tolist(), np.asarray(positions).tolist(),
-                          strict=True))
+    def record(self, kv: Sequence[torch.Tensor], blocks: np.ndarray,
+               host_pages: np.ndarray) -> None:
+        index = torch.as_tensor(blocks, dtype=torch.int64)
+        pages = host_pages.tolist()
         for t, tensor in enumerate(kv):
-            for h, (c, p) in zip(block_hashes(tensor, index), places, strict=True):
-                self.expected[(c, p, t)] = h
+            for h, page in zip(block_hashes(tensor, index), pages, strict=True):
+                self.expected[(page, t)] = h
 
-    def check(self, kv: Sequence[torch.Tensor], blocks: Indices, chunks: Indices,
-              positions: Indices) -> int:
+    def check(self, kv: Sequence[torch.Tensor], blocks: np.ndarray,
+              host_pages: np.ndarray) -> int:
         """Compare loaded blocks with their recorded hashes; return this load's mismatches."""
-        index = torch.as_tensor(np.asarray(blocks), dtype=torch.int64)
-        places = list(zip(np.asarray(chunks).tolist(), np.asarray(positions).tolist(),
-                          strict=True))
-        bad = [False] * len(places)
+        index = torch.as_tensor(blocks, dtype=torch.int64)
+        pages = host_pages.tolist()
+        bad = [False] * len(pages)
         for t, tensor in enumerate(kv):
             hashes = block_hashes(tensor, index)
-            for i, (h, (c, p)) in enumerate(zip(hashes, places, strict=True)):
-                if self.expected.get((c, p, t)) != h:
+            for i, (h, page) in enumerate(zip(hashes, pages, strict=True)):
+                if self.expected.get((page, t)) != h:
                     bad[i] = True
-        self.checked_blocks += len(places)
+        self.checked_blocks += len(pages)
         self.mismatched_blocks += sum(bad)
         return sum(bad)
 

@@ -12,8 +12,8 @@ import torch
 
 from offload.errors import OffloadError
 from offload.observe.report import count_shm_files
-from offload.region import shm
-from offload.region.shm import segment_paths
+from offload.system import shm
+from offload.system.shm import segment_paths
 from tests.harness import shm_entries
 from tests.other_user import NOBODY
 
