@@ -50,6 +50,10 @@ def page_sums_library() -> ctypes.CDLL | None:
                                          _POINTER, ctypes.c_int32, ctypes.c_int32, _POINTER]
         lib.offload_raw_sum.restype = ctypes.c_uint64
         lib.offload_raw_sum.argtypes = [_POINTER, _I64]
+        lib.offload_raw_sum_scalar.restype = ctypes.c_uint64
+        lib.offload_raw_sum_scalar.argtypes = [_POINTER, _I64]
+        lib.offload_vector_path.restype = ctypes.c_int32
+        lib.offload_vector_path.argtypes = []
     return lib
 
 
@@ -68,6 +72,10 @@ class HostEngine(EngineBase):
         self._native = page_sums_library()
         self._table = self._native_table()
         self._bad = np.zeros(3, dtype=np.int64)  # the native call's first mismatch
+        # the addresses the native call takes on every job (`renew` writes generations in
+        # place, so the array never moves)
+        self._addresses = (self._table.ctypes.data, self.generations.ctypes.data,
+                           self._bad.ctypes.data)
         if layout.integrity:
             starts = layout.trailer_offsets() - int(layout.trailer_offsets()[0])
             self._keys = np.array(layout.tensor_keys(), dtype=np.uint64)
@@ -101,19 +109,27 @@ class HostEngine(EngineBase):
     def _issue_native(self, job_id: int, direction: Direction, job: Job) -> None:
         """One native call moves (and sums) the whole job; the failed units come back
         poisoned, the first named in ``_bad``."""
-        if not len(job):
+        n = len(job)
+        if not n:
             return
-        blocks = np.ascontiguousarray(job.blocks, dtype=np.int64)
-        pages = np.ascontiguousarray(job.host_pages, dtype=np.int64)
+        # an array's .ctypes costs ~1.5 us, several times the call itself: the engine's own
+        # arrays' addresses are taken once (`_addresses`), the job's once (both halves of
+        # `Job.packed`, which the native check writes)
+        packed = job.packed
+        if (packed is None or packed.dtype != np.int64 or packed.size != 2 * n
+                or not packed.flags.c_contiguous):  # not as the check writes it: repack
+            packed = np.concatenate([job.blocks, job.host_pages]).astype(np.int64)
+        blocks = packed.ctypes.data  # ``packed`` holds the memory until the call returns
+        pages = blocks + n * packed.itemsize
+        table, generations, first_bad = self._addresses
         assert self._native is not None
         bad = self._native.offload_host_job(
-            self._table.ctypes.data, self._layout.num_tensors, self._layout.row_stride,
-            self._layout.blocks_per_chunk, blocks.ctypes.data, pages.ctypes.data, len(job),
-            self.generations.ctypes.data, direction == "load", self.integrity,
-            self._bad.ctypes.data)
+            table, self._layout.num_tensors, self._layout.row_stride,
+            self._layout.blocks_per_chunk, blocks, pages, n, generations,
+            direction == "load", self.integrity, first_bad)
         if bad:
             tensor, entry, unit = (int(v) for v in self._bad)
-            self._mismatch(job_id, tensor, int(pages[entry]), unit)
+            self._mismatch(job_id, tensor, int(job.host_pages[entry]), unit)
 
     def _issue_numpy(self, job_id: int, direction: Direction, job: Job) -> None:
         chunks, positions = divmod(job.host_pages, self._layout.blocks_per_chunk)
