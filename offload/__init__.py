@@ -8,8 +8,7 @@ layer does not drag in the others.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from offload.exports import lazy_exports
 
 _EXPORTS = {
     "HostTier": "offload.tier",
@@ -26,8 +25,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'offload' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

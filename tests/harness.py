@@ -18,6 +18,7 @@ import queue
 import random
 import socket
 import subprocess
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -227,3 +228,21 @@ def has_our_traceback(text: str) -> bool:
     must not count as ours."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return any(f'File "{os.path.join(root, part)}/' in text for part in ("offload", "launch"))
+
+
+def decide_all(tier: Any, rank: int, decider: int = 0) -> list[tuple[Any, bool, Any, Any]]:
+    """Decider: call finished() until nothing is in flight; everyone: learn the final mark.
+    Returns this rank's results as (job id, success, failed rank, error) tuples."""
+    import torch.distributed as dist
+
+    results = []
+    if rank == decider:
+        deadline = time.monotonic() + 20
+        while tier.actor.jobs.live and time.monotonic() < deadline:
+            results += tier.finished()
+            time.sleep(0.001)
+    box = [tier.mark if rank == decider else None]
+    dist.broadcast_object_list(box, src=decider)
+    if rank != decider:
+        results += tier.finished(box[0])
+    return [(r.job_id, r.success, r.failed_rank, r.error) for r in results]

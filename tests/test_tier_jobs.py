@@ -17,7 +17,7 @@ import time
 import pytest
 
 from offload.config import TierConfig
-from tests.harness import run_group
+from tests.harness import decide_all, run_group
 
 MiB = 1 << 20
 PAGE = 1024
@@ -35,24 +35,6 @@ def _stored_right(tier, kv, block: int, chunk: int, position: int = 0) -> bool:
     import torch
 
     return bool(torch.equal(tier.actor.region.tensor_view(0)[chunk, position], kv[0][block]))
-
-
-def _decide_all(tier, rank: int, decider: int = 0) -> list:
-    """Decider: call finished() until nothing is in flight; everyone: learn the final mark.
-    Returns this rank's results as (job id, success, failed rank, error) tuples."""
-    import torch.distributed as dist
-
-    results = []
-    if rank == decider:
-        deadline = time.monotonic() + 20
-        while tier.actor.jobs.live and time.monotonic() < deadline:
-            results += tier.finished()
-            time.sleep(0.001)
-    box = [tier.mark if rank == decider else None]
-    dist.broadcast_object_list(box, src=decider)
-    if rank != decider:
-        results += tier.finished(box[0])
-    return [(r.job_id, r.success, r.failed_rank, r.error) for r in results]
 
 
 def _reuse_before_learning(rank: int, learn_first: bool) -> object:
@@ -80,7 +62,7 @@ def _reuse_before_learning(rank: int, learn_first: bool) -> object:
     if rank == 1 and not learn_first:
         first = [(r.job_id, r.success, r.failed_rank, r.error) for r in tier.finished(mark)]
     tier.submit(CopyJob(2, "store", (2,), (2,), (0,)))
-    rest = _decide_all(tier, rank)
+    rest = decide_all(tier, rank)
     right = {1: _stored_right(tier, kv, 1, 1), 2: _stored_right(tier, kv, 2, 2)}
     tier.close()
     return first, rest, refused, right
@@ -176,7 +158,7 @@ def _reuse_at_random(rank: int, steps: int, seed: int) -> object:
         time.sleep(rng.random() * 0.003)
         if rank == 0:
             batches.append([(r.job_id, r.success, r.failed_rank) for r in tier.finished()])
-    final = _decide_all(tier, rank)
+    final = decide_all(tier, rank)
     decided = [job for batch in batches for job in batch] + [f[:3] for f in final]
     wrong = [seq for seq, (job, ok, _) in enumerate(decided)
              if ok and not _stored_right(tier, kv, *placed[seq])]
@@ -248,7 +230,7 @@ def _layer_wise(rank: int) -> object:
         tier.submit(CopyJob(3, "store", (2,), (2,), (0,)), layer_groups=2)
     except OffloadError as exc:
         refused = str(exc)
-    results = _decide_all(tier, rank)
+    results = decide_all(tier, rank)
     loaded = all(torch.equal(t[5:7], t[0:2]) for t in kv)
     tier.close()
     return events, refused, results, loaded

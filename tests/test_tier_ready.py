@@ -21,7 +21,7 @@ import pytest
 
 from offload.config import TierConfig
 from offload.region.pin import RecordingRegistrar
-from tests.harness import run_group
+from tests.harness import decide_all, run_group
 
 MiB = 1 << 20
 PAGE = 4096
@@ -82,19 +82,8 @@ def _wait_rows(tier, rows: int, limit_s: float = 20) -> None:
 
 
 def _decide_all(tier, rank: int) -> list:
-    import torch.distributed as dist
-
-    results = []
-    if rank == 0:
-        deadline = time.monotonic() + 20
-        while tier.actor.jobs.live and time.monotonic() < deadline:
-            results += tier.finished()
-            time.sleep(0.001)
-    box = [tier.mark if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    if rank != 0:
-        results += tier.finished(box[0])
-    return [(r.job_id, r.success, r.failed_rank, (r.error or "")[:9]) for r in results]
+    """`decide_all` with each error cut to its first words."""
+    return [(j, ok, f, (e or "")[:9]) for j, ok, f, e in decide_all(tier, rank)]
 
 
 def _not_ready_everywhere(rank: int, layout: str, gate: str, pieces: bool) -> object:

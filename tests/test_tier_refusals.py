@@ -27,7 +27,7 @@ import time
 import pytest
 
 from offload.config import TierConfig
-from tests.harness import run_group
+from tests.harness import decide_all, run_group
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -41,24 +41,6 @@ def _kv(rank: int, blocks: int = BLOCKS) -> list:
 
     gen = torch.Generator().manual_seed(11 + rank)
     return [torch.randint(1, 256, (blocks, PAGE), generator=gen, dtype=torch.uint8)]
-
-
-def _decide_all(tier, rank: int) -> list:
-    """Decider (rank 0): finished() until nothing is live; the others learn its last mark.
-    Returns (job id, success, failed rank, reason) per job."""
-    import torch.distributed as dist
-
-    results = []
-    if rank == 0:
-        deadline = time.monotonic() + 20
-        while tier.actor.jobs.live and time.monotonic() < deadline:
-            results += tier.finished()
-            time.sleep(0.001)
-    box = [tier.mark if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    if rank != 0:
-        results += tier.finished(box[0])
-    return [(r.job_id, r.success, r.failed_rank, r.error) for r in results]
 
 
 RAW = re.compile(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b")  # `one_line` of a non-user error
@@ -304,9 +286,9 @@ def _refusals_alike(rank: int, fs_dir: str) -> object:
         host.HostEngine._issue = broken  # type: ignore[method-assign]
     returned = tier.submit(CopyJob(4, "store", (1,), (1,), (0,))) is None
     host.HostEngine._issue = issue  # type: ignore[method-assign]
-    results = _decide_all(tier, rank)
+    results = decide_all(tier, rank)
     tier.submit(CopyJob(5, "store", (2,), (2,), (1,)))  # the next place: it runs everywhere
-    results += _decide_all(tier, rank)
+    results += decide_all(tier, rank)
     chunks = tier.plan.chunk_count
     tier.close()
     return raised, untouched, files, returned, results, chunks
@@ -373,7 +355,7 @@ def _spills_on_refusal(rank: int, fs_dir: str) -> object:
     third = decided(lambda: manager.prepare_store([3]))  # evicts a key: spilled first
     tier.submit(job(5, third))  # id 5 is still live on rank 1: it refuses, after its spills
     first = tier.finished(mark) if rank == 1 else []
-    results = _decide_all(tier, rank)
+    results = decide_all(tier, rank)
     files = tier.actor.files.tier
     files.flush()
     keys = files.stored_keys()

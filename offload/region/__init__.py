@@ -6,8 +6,7 @@ in the syscall layers."""
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from offload.exports import lazy_exports
 
 _EXPORTS = {
     "HostRegion": "offload.region.host_region",
@@ -20,8 +19,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'offload.region' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)
