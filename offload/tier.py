@@ -238,6 +238,19 @@ class HostTier:
             tier.metrics = served
         return tier
 
+    def keep_report(self) -> dict[str, Any] | None:
+        """Rank 0, with ``keep_s``: what this tier adopted from a kept one (docs/KEEP.md):
+        ``adopted_chunks``, ``adopted_bytes`` (every node's rows of them) and ``first_hit_s``
+        (from the start of `create` to the first load of an adopted chunk that succeeded;
+        None before one).  None without retention."""
+        manager = self.manager
+        if not isinstance(manager, KeptManager):
+            return None
+        row_bytes = sum(b for _, b in self.plan.row_bytes)
+        return {"keep_s": self.actor.config.keep_s, "adopted_chunks": manager.adopted_chunks,
+                "adopted_bytes": manager.adopted_chunks * row_bytes,
+                "first_hit_s": manager.first_hit_s}
+
     @property
     def topology(self) -> Topology:
         return self.actor.topology

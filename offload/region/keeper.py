@@ -388,7 +388,9 @@ def start_keeper(name: str, keep_s: float, node: str, namespace: str,
             [sys.executable, "-m", "offload.region.keeper", "--fd", str(fd), "--keep",
              repr(float(keep_s)), "--node", node, "--namespace", namespace],
             pass_fds=(fd,), close_fds=True, start_new_session=True,
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            # no inherited stream: a keeper holding the engine's log pipe open would keep
+            # whoever reads that pipe to its end (a launcher, a test) waiting for keep_s
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             env={**os.environ, "PYTHONPATH": _package_root()})
     finally:
         listener.close()  # the keeper holds it now
