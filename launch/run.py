@@ -103,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "fingerprint, so a restart with another one never reads them. An "
                         "engine passes its model id and revision; this job's KV is its own "
                         f"synthetic pattern (default: {SYNTHETIC_KV})")
+    p.add_argument("--keep", type=float, default=0.0, metavar="SECONDS",
+                   help="keep the host tier for this many seconds after the job ends (cleanly "
+                        "or killed), so a rerun of the same geometry and --fs-namespace adopts "
+                        "it warm (docs/KEEP.md; list or free it with `python -m offload.keep`); "
+                        "0 (default) keeps nothing")
     p.add_argument("--fs-bytes", default=None, metavar="SIZE",
                    help="file tier budget per node (needs --fs-tier; unset: "
                         f"{FS_BYTES_FACTOR} x --cpu-bytes)")
@@ -200,8 +205,9 @@ def config_from_args(args: argparse.Namespace, world: int) -> TierConfig:
         blocks_per_chunk=args.blocks_per_chunk, tp=tp, pp=args.pp, shm_dir=args.shm_dir,
         segment_threshold=2 * segment, min_segment_bytes=segment,
         prefault_threads=args.prefault_threads, timeout_s=args.timeout, fs_dir=args.fs_tier,
-        fs_namespace=(args.fs_namespace if args.fs_namespace is not None or args.fs_tier is None
-                      else SYNTHETIC_KV),
+        fs_namespace=(args.fs_namespace if args.fs_namespace is not None
+                      or (args.fs_tier is None and not args.keep) else SYNTHETIC_KV),
+        keep_s=args.keep,
         private_memory=args.private_memory, fs_io_timeout_s=args.fs_io_timeout,
         integrity=args.integrity, metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
         numa=args.numa, staging_bytes=parse_size(args.staging_bytes, "--staging-bytes"),
@@ -307,6 +313,9 @@ def drive(tier: HostTier, args: argparse.Namespace, dp_rank: int) -> dict[str, A
     replica["paths"] = paths_block(ranks)
     replica["readiness"] = readiness_block(config.background, ranks, tier.first_success_at,
                                            tier.actor.created_at)
+    kept = tier.keep_report()
+    if kept is not None:
+        replica["keep"] = kept
     replica["integrity"] = integrity_block(all(r["integrity"]["enabled"] for r in ranks),
                                            sum(r["integrity"]["mismatches"] for r in ranks))
     return replica

@@ -25,9 +25,11 @@ from offload.control.plan import Plan, RankDescriptor
 from offload.control.quorum import Quorum
 from offload.control.topology import Topology
 from offload.errors import MalformedJob, OffloadError, one_line
-from offload.region.host_region import HostRegion
+from offload.keep_index import Adopted, KeepIndex, index_bytes
+from offload.region.host_region import HostRegion, KeepSpec
 from offload.region.numa import cuda_numa_node
 from offload.region.pin import Registrar, choose_registrar
+from offload.region.retain import Retention, claim_node_keeper, node_parts
 from offload.tiers.rank_files import RankFiles, WorkItem, check_work_items
 from offload.transfer import (
     SlotLayout,
@@ -111,6 +113,9 @@ class RankActor:
     _compiled: threading.Event = field(default_factory=threading.Event)  # the JIT is done
     _ready_lock: threading.Lock = field(default_factory=threading.Lock)
     _compiler: threading.Thread | None = None
+    # retention (docs/KEEP.md): the node leader's claimed keeper link, rank 0's kept index
+    retention: Retention | None = None
+    keep_index: KeepIndex | None = None
 
     # ------------------------------------------------------------------ set-up
     def describe(self) -> RankDescriptor:
@@ -129,7 +134,38 @@ class RankActor:
         self.timed("plan", self.created_at)
         return plan.digest()
 
-    def build_region(self) -> bool:
+    def probe_keep(self) -> bool | None:
+        """Node leaders (with ``keep_s``): claim the node's keeper and say whether it keeps
+        exactly this plan's regions (and index, on rank 0's node); None on other ranks."""
+        if not self.topology.is_leader:
+            return None
+        plan = self._installed()
+        index = index_bytes(plan) if 0 in self.topology.node.ranks else None
+        parts = node_parts(plan, self.topology, self.config, index)
+        self.retention, adoptable = claim_node_keeper(self.topology, self.config, self.tier_id,
+                                                      plan, parts)
+        return adoptable
+
+    def open_index(self, adopt: bool) -> list[Adopted]:
+        """Rank 0 (with ``keep_s``): the kept index, adopted (its valid records returned) or
+        new and handed to the keeper; nothing where this node keeps nothing."""
+        if self.retention is None:
+            return []
+        if adopt:
+            self.keep_index, records = KeepIndex.adopt(self.retention.link, self._installed())
+            return records
+        self.keep_index = KeepIndex.create(self.retention.link, self._installed())
+        return []
+
+    def adopt_generations(self, pages: list[tuple[int, tuple[int, ...]]], base: int) -> None:
+        """Give the adopted chunks' pages the generations they were stored with (their page
+        checksums mix them in), and this life's stores a base above every one of them."""
+        engine, bpc = self._engine(), self._installed().blocks_per_chunk
+        engine.generation_base = base
+        for chunk, generations in pages:
+            engine.generations[chunk * bpc:(chunk + 1) * bpc] = generations
+
+    def build_region(self, adopt: bool = False) -> bool:
         """Create, pre-fault and pin this rank's region; return whether it is pinned.
 
         A thread compiles the copy kernel against a one-row scratch buffer.  In the node
@@ -152,9 +188,14 @@ class RankActor:
             # 2.6-3.0 s with it first; the node layouts lost 4-18% that way and keep the
             # overlap (docs/BENCHMARKS.md, "Set-up after the JIT").
             compiler.join()
+        keep = None
+        if self.config.keep_s > 0:
+            if self.retention is not None and not adopt:  # the kept regions go, now
+                self.retention.link.request("reset", geometry=plan.digest())
+            keep = KeepSpec(self.tier_id, adopt, self.retention)
         try:
             self.region = HostRegion.create(plan, self.topology, self.config, self.tier_id,
-                                            registrar, self.progress, self._set_up)
+                                            registrar, self.progress, self._set_up, keep)
         except BaseException:
             compiler.join()
             try:  # a region that failed closed it too (idempotent); one refused early did not
@@ -538,6 +579,12 @@ class RankActor:
                                      name="offload-region-closer", daemon=True).start()
             if self.region is not None:
                 self.region.close()
+            index, self.keep_index = self.keep_index, None
+            if index is not None:
+                index.close()
+            retention, self.retention = self.retention, None
+            if retention is not None:  # the keeper's countdown starts with the tier's end
+                retention.close()
 
     def timed(self, phase: str, started: float) -> None:
         self.timings_s[phase] = round(time.perf_counter() - started, 6)

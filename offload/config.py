@@ -166,6 +166,13 @@ class TierConfig:
     registers in the engine's context.  Without ``background`` nothing registers beside the
     engine: this is moot."""
 
+    keep_s: float = 0.0
+    """Keep this tier's host regions and index for this many seconds after its last process
+    exits, cleanly or killed (``--keep``; docs/KEEP.md): a tier created meanwhile on the same
+    nodes, by the same user, with the same geometry and ``fs_namespace``, adopts them warm.  0
+    (the default) keeps nothing.  Needs ``fs_namespace`` (what computed the KV) and nameless
+    regions (no ``shm_dir``); private regions are then memfds, as ``private_memory="memfd"``."""
+
     metrics_port: int | None = None
     """Serve live Prometheus metrics (``offload_*``, `offload.observe.metrics`) on this port plus
     the rank's local rank (``--metrics-port``); needs ``offload[metrics]``.  None: not served."""
@@ -197,6 +204,24 @@ class TierConfig:
         if self.shm_dir is not None:
             check_shm_dir(self.shm_dir)
         self._check_file_tier()
+        self._check_keep()
+
+    def _check_keep(self) -> None:
+        if self.keep_s == 0:
+            return
+        check_seconds(self.keep_s, _describe("keep_s"), _FIX["keep_s"])
+        if self.shm_dir is not None:
+            raise OffloadError(f"{_describe('keep_s')} = {self.keep_s:g} cannot keep named "
+                               f"regions ({_describe('shm_dir')} = {self.shm_dir!r}); drop "
+                               "--shm-dir (nameless regions are kept) or --keep")
+        if not self.integrity:
+            raise OffloadError(f"{_describe('keep_s')} = {self.keep_s:g} needs page checksums "
+                               f"({_describe('integrity')} is off): every adopted page is "
+                               "checked on load; drop --no-integrity or --keep")
+        if not self.fs_namespace:
+            raise OffloadError(f"{_describe('keep_s')} = {self.keep_s:g} needs "
+                               f"{_describe('fs_namespace')}: name what computes the KV (the "
+                               "model id and revision), so no other model adopts the kept tier")
 
     def _check_file_tier(self) -> None:
         if self.fs_dir is not None and not self.fs_namespace:
@@ -205,7 +230,7 @@ class TierConfig:
                                f"{given}; name what computes the KV (the model id and "
                                "revision), so a restart with another model never reads these "
                                "files")
-        if self.fs_namespace is not None and self.fs_dir is None:
+        if self.fs_namespace is not None and self.fs_dir is None and not self.keep_s:
             raise OffloadError(f"{_describe('fs_namespace')} = {self.fs_namespace!r} is given "
                                f"without {_describe('fs_dir')}; add --fs-tier DIR or drop it")
         if self.fs_bytes is not None and self.fs_dir is None:
@@ -231,7 +256,7 @@ _FLAGS = {"cpu_bytes_per_node": "--cpu-bytes", "layout": "--layout",
           "shm_dir": "--shm-dir", "prefault_threads": "--prefault-threads",
           "min_segment_bytes": "--segment-bytes", "segment_threshold": "--segment-bytes",
           "timeout_s": "--timeout", "fs_dir": "--fs-tier", "fs_bytes": "--fs-bytes",
-          "fs_namespace": "--fs-namespace",
+          "fs_namespace": "--fs-namespace", "keep_s": "--keep",
           "fs_io_timeout_s": "--fs-io-timeout",
           "private_memory": "--private-memory", "integrity": "--no-integrity",
           "metrics_port": "--metrics-port", "metrics_addr": "--metrics-addr",
@@ -256,7 +281,8 @@ _FIX = {"cpu_bytes_per_node": _BYTES, "segment_threshold": _BYTES,
         "min_segment_bytes": _BYTES, "max_registration_bytes": _BYTES, "fs_bytes": _BYTES,
         "staging_bytes": "give GPU bytes such as 134217728 (128MiB), or 0 for no staging",
         "timeout_s": "give the seconds a rank may wait for a peer, such as 300",
-        "fs_io_timeout_s": "give the seconds one file-tier read or write may take, such as 5"}
+        "fs_io_timeout_s": "give the seconds one file-tier read or write may take, such as 5",
+        "keep_s": "give the seconds a kept tier waits for the next one, such as 60, or 0"}
 
 
 def _describe(name: str) -> str:

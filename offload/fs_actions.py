@@ -113,7 +113,8 @@ def promote(actor: RankActor, spills: Sequence[WorkItem], reads: Sequence[WorkIt
                    "a promotion reads into", fix)
     refuse_unready([chunk for _, chunk in spills], actor.ready_rows, actor.topology.rank,
                    "a promotion spills", fix)
-    verified = files.promote(reads, promotion_generation(job_id), spills)
+    verified = files.promote(reads, actor._engine().generation_base
+                            + promotion_generation(job_id), spills)
     return verified, files.busy_rows()
 
 

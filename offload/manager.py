@@ -167,6 +167,7 @@ class ChunkManager:
         self._quarantine: list[tuple[int, list[int], Pairs]] = []
         # chunks whose bytes a load found damaged: their key is gone; chunk -> holds left
         self._condemned: dict[int, int] = {}
+        self._seeded: set[int] = set()  # chunks `seed` gave a key (never free on set_ready)
 
     @property
     def chunk_count(self) -> int:
@@ -183,7 +184,8 @@ class ChunkManager:
         rows = min(rows, self._chunk_count)
         added = max(0, rows - self._ready)
         for chunk in range(self._ready, rows):
-            heapq.heappush(self._free, chunk)
+            if chunk not in self._seeded:
+                heapq.heappush(self._free, chunk)
         self._ready = max(self._ready, rows)
         return added
 
@@ -282,6 +284,22 @@ class ChunkManager:
         every writer agreed, least recently used first)."""
         if self._disk is not None:
             self._disk.seed(stored)
+
+    def seed(self, pairs: Sequence[tuple[ChunkKey, int]]) -> None:
+        """Adopt keys that are readable in given chunks (a kept tier's index, docs/KEEP.md),
+        least recently used first; a key or chunk already taken, or a chunk out of range, is
+        skipped.  Call it before any job."""
+        taken: set[int] = set()
+        for key, chunk in pairs:
+            if (key in self._chunk_of or chunk in taken or chunk in self._seeded
+                    or not 0 <= chunk < self._chunk_count):
+                continue
+            self._chunk_of[key] = chunk
+            self._evictable[key] = None
+            taken.add(chunk)
+        self._seeded |= taken
+        self._free = [c for c in self._free if c not in taken]
+        heapq.heapify(self._free)
 
     def disk_keys(self) -> list[bytes]:
         """The keys on disk in their stored form, least recently used first: what

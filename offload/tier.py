@@ -50,6 +50,7 @@ from offload.control.rpc import CollectiveRPC
 from offload.control.stores import await_key
 from offload.control.topology import NODE_GROUP_MIN_TIMEOUT_S, Topology, discover
 from offload.errors import JobFailed, OffloadError, PeerError, is_damage, one_line
+from offload.keep_index import Adopted, KeptManager
 from offload.manager import ChunkManager, PromoteJob
 from offload.observe.metrics import JobTally, MetricsServer, serve_metrics
 from offload.region import cleanup
@@ -123,18 +124,25 @@ class HostTier:
     """One rank's handle on the host tier."""
 
     def __init__(self, actor: RankActor, rpc: CollectiveRPC, plan: Plan, decider: int = 0,
-                 disk_keys: Sequence[bytes] = ()):
+                 disk_keys: Sequence[bytes] = (), kept: Sequence[Adopted] = ()):
         self.actor = actor
         self.rpc = rpc
         self.plan = plan
         self.decider = decider
-        self.manager = None
+        self.manager: ChunkManager | None = None
         if actor.topology.rank == 0:
             config = actor.config
             files = (disk_capacity(plan, actor.topology, config.fs_bytes_per_node)
                      if config.fs_dir is not None else 0)
-            self.manager = ChunkManager(plan.chunk_count, files,
-                                        ready=0 if config.background else None)
+            ready = 0 if config.background else None
+            index = actor.keep_index
+            if index is not None:  # retention: the index follows the manager's decisions
+                kept_manager = KeptManager(plan.chunk_count, files, ready, index,
+                                           actor._engine().generations, actor.created_at)
+                kept_manager.seed_kept(kept)
+                self.manager = kept_manager
+            else:
+                self.manager = ChunkManager(plan.chunk_count, files, ready=ready)
             self.manager.seed_disk(disk_keys)  # what a restart found on every writer's disk
         total = plan.chunk_count
         # readiness as of the tier's last look (`ready` looks again)
@@ -213,13 +221,14 @@ class HostTier:
         try:
             dist.gather_object(descriptor, gathered, dst=topology.global_rank(0), group=group)
             disk_keys: list[bytes] = []
+            kept: list[Adopted] = []
             if topology.rank == 0:
                 assert gathered is not None
-                plan, disk_keys = _drive_setup(actor, rpc, gathered)
+                plan, disk_keys, kept = _drive_setup(actor, rpc, gathered)
             else:
                 _serve_setup(actor, rpc)
                 plan = actor._installed()
-            tier = cls(actor, rpc, plan, decider, disk_keys)
+            tier = cls(actor, rpc, plan, decider, disk_keys, kept)
         except BaseException:
             if served is not None:
                 served.close()
@@ -228,6 +237,19 @@ class HostTier:
             served.bind(tier)
             tier.metrics = served
         return tier
+
+    def keep_report(self) -> dict[str, Any] | None:
+        """Rank 0, with ``keep_s``: what this tier adopted from a kept one (docs/KEEP.md):
+        ``adopted_chunks``, ``adopted_bytes`` (every node's rows of them) and ``first_hit_s``
+        (from the start of `create` to the first load of an adopted chunk that succeeded;
+        None before one).  None without retention."""
+        manager = self.manager
+        if not isinstance(manager, KeptManager):
+            return None
+        row_bytes = sum(b for _, b in self.plan.row_bytes)
+        return {"keep_s": self.actor.config.keep_s, "adopted_chunks": manager.adopted_chunks,
+                "adopted_bytes": manager.adopted_chunks * row_bytes,
+                "first_hit_s": manager.first_hit_s}
 
     @property
     def topology(self) -> Topology:
@@ -756,8 +778,9 @@ def _describe(actor: RankActor) -> RankDescriptor | str:
 
 
 def _drive_setup(actor: RankActor, rpc: CollectiveRPC, gathered: list[Any]
-                 ) -> tuple[Plan, list[bytes]]:
-    """Rank 0's set-up; returns the plan and, with a file tier, the keys its files hold."""
+                 ) -> tuple[Plan, list[bytes], list[Adopted]]:
+    """Rank 0's set-up; returns the plan, with a file tier the keys its files hold, and
+    with retention the chunks a kept index names (docs/KEEP.md)."""
     try:
         errors = [g for g in gathered if isinstance(g, str)]
         if errors:
@@ -771,7 +794,11 @@ def _drive_setup(actor: RankActor, rpc: CollectiveRPC, gathered: list[Any]
         if wrong:  # the plan travels pickled, so this is a bug, not a user error
             raise RuntimeError(f"ranks {wrong} acknowledged a different plan than rank 0's "
                                f"{plan.digest()}")
-        pinned = rpc.call(RankActor.build_region, actor=actor)
+        adopt = False
+        if actor.config.keep_s > 0:  # adopt only where every node's keeper holds this plan
+            answers = rpc.call(RankActor.probe_keep, actor=actor)
+            adopt = all(a for a in answers if a is not None)
+        pinned = rpc.call(RankActor.build_region, adopt, actor=actor)
         if any(pinned) and not all(pinned) and actor.config.background:
             raise OffloadError(f"ranks {[r for r, p in enumerate(pinned) if not p]} cannot pin "
                                "host memory (KV not on CUDA) while the others can; background "
@@ -781,9 +808,13 @@ def _drive_setup(actor: RankActor, rpc: CollectiveRPC, gathered: list[Any]
                         [r for r, p in enumerate(pinned) if not p])
             rpc.call(RankActor.unpin, actor=actor)
         rpc.call(RankActor.start_engine, actor=actor)
+        kept = actor.open_index(adopt) if actor.config.keep_s > 0 else []
+        if adopt and actor.keep_index is not None:  # every rank, before any job
+            rpc.call(RankActor.adopt_generations, [(a.chunk, a.generations) for a in kept],
+                     actor.keep_index.generation_base, actor=actor)
         disk_keys = fs_actions.setup(actor, rpc) if fs_dir is not None else []
         rpc.release()
-        return plan, disk_keys
+        return plan, disk_keys, kept
     except BaseException as exc:
         rpc.abort(str(exc) or type(exc).__name__)
         actor.close()

@@ -103,6 +103,12 @@ def _replica_lines(report: dict[str, Any]) -> list[str]:
                      f"{seconds(readiness['create_s'])}, first job succeeded after "
                      f"{seconds(readiness['first_job_s'])}, every row ready after "
                      f"{seconds(readiness['full_s'])}")
+    kept = report.get("keep")
+    if kept:
+        hit = kept["first_hit_s"]
+        lines.append(f"keep ({kept['keep_s']:g} s): adopted {kept['adopted_chunks']} chunks "
+                     f"({format_size(kept['adopted_bytes'])}), first adopted hit "
+                     + ("-" if hit is None else f"after {hit:.3f} s"))
     integrity = report.get("integrity")
     if integrity:
         state = "on" if integrity["enabled"] else "off"

@@ -84,6 +84,7 @@ from offload.region.numa import Placement, bytes_on_node
 from offload.region.pin import Pinner, Registrar
 from offload.region.pipeline import PinPipeline
 from offload.region.prefault import ProgressFn, plan_pieces, prefault
+from offload.region.retain import Retention, attach
 from offload.region.space import check_space, strict_overcommit
 from offload.region.sync import NodeSync
 from offload.system.nameless import (
@@ -105,6 +106,17 @@ from offload.system.shm import (
 )
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class KeepSpec:
+    """Retention of this rank's region (docs/KEEP.md): ``retention`` is the node leader's
+    claimed keeper link (None on other ranks, and on a leader whose node keeps nothing this
+    run); ``adopt`` is the group's decision to take every region from the keepers."""
+
+    tier_id: str
+    adopt: bool
+    retention: Retention | None = None
 
 
 @dataclass
@@ -132,6 +144,7 @@ class RegionStats:
     longest_registration_s: float | None = None  # background: the longest registration call
     own_context: bool | None = None  # background: registered in a CUDA context of its own
     setup_threads: int | None = None  # background: pre-fault (and reservation) threads
+    adopted: bool = False  # taken from a keeper: no reservation, pages already populated
     timings_s: dict[str, float] = field(default_factory=dict)
 
 
@@ -178,6 +191,8 @@ class HostRegion:
         # row-relative offsets where a registration may begin inside a row (background
         # set-up's pieces below one row); every copy is split there (`SlotLayout.cuts`)
         self.cuts: tuple[int, ...] = ()
+        self.keep: KeepSpec | None = None  # retention (docs/KEEP.md)
+        self._own_link: Retention | None = None  # a private non-leader's keeper link
 
     @property
     def address(self) -> int:
@@ -213,7 +228,7 @@ class HostRegion:
     @classmethod
     def create(cls, plan: Plan, topology: Topology, config: TierConfig, tier_id: str,
                registrar: Registrar, progress: ProgressFn | None = None,
-               on_ready: ReadyFn | None = None) -> HostRegion:
+               on_ready: ReadyFn | None = None, keep: KeepSpec | None = None) -> HostRegion:
         """Build, pre-fault and pin this rank's region.  Collective over the node for the
         shared and replicated layouts (every local rank must call it); on any failure the
         region is closed and nothing is left in ``config.shm_dir``.
@@ -227,6 +242,7 @@ class HostRegion:
                 f"{mmap.PAGESIZE} B memory page; use a multiple of {mmap.PAGESIZE}"
             )
         region = cls(plan, topology.rank, registrar)
+        region.keep = keep
         cleanup.register(region.close)
         cleanup.register_unlinker(region.unlink_names)
         try:
@@ -250,14 +266,22 @@ class HostRegion:
         if config.background:
             self.stats.setup_threads = self._setup_threads(sync, topology, config)
 
-        def check() -> None:
-            check_space(config.shm_dir, needed)
+        adopt = self.keep is not None and self.keep.adopt
+        keeping = self.keep.retention if self.keep is not None else None
+
+        def check() -> str | None:
+            if not adopt:  # adopted memory is in use already
+                check_space(config.shm_dir, needed)
+            return keeping.link.name if keeping is not None else None
 
         if node_layout:
             self._map_node(sync, topology.is_leader, files, check)
         else:
-            sync.step("checking the node's memory", check if topology.is_leader else None)
-            self._map_private(files)
+            name = sync.step("checking the node's memory", check if topology.is_leader else None,
+                             share=self.keep is not None)
+            if self.keep is not None and name is not None and not topology.is_leader:
+                self._own_link = attach(name, self.keep.tier_id, config.timeout_s)
+            self._map_private(files, keeping if topology.is_leader else self._own_link)
         self.stats.timings_s["create"] = time.perf_counter() - start
         if self.stats.memory == "memfd":
             self.stats.shmem_huge = shmem_huge_mode()
@@ -362,7 +386,14 @@ class HostRegion:
             return self.geometry.total_bytes
         return sum(region_geometry(self.plan, r).total_bytes for r in topology.node.ranks)
 
-    def _map_private(self, files: _Files) -> None:
+    def _map_private(self, files: _Files, kept: Retention | None) -> None:
+        if kept is not None:  # memfds, whatever private_memory says: a keeper holds them
+            fds = self._kept_or_new(kept, files, unlink=True)
+            try:
+                self._attach(fds, files)
+            finally:
+                close_fds(fds)
+            return
         if files.nameless and files.config.private_memory == "anonymous":
             self._mapping = Mapping.anonymous(sum(files.lengths))
             self.tensor = self._mapping.tensor
@@ -376,7 +407,7 @@ class HostRegion:
             close_fds(fds)
 
     def _map_node(self, sync: NodeSync, leader: bool, files: _Files,
-                  check: Callable[[], None]) -> None:
+                  check: Callable[[], object]) -> None:
         fds: list[int] = []
         offer: list[FdOffer] = []
         peers = sync.topology.local_world_size - 1
@@ -385,7 +416,9 @@ class HostRegion:
             check()
             if files.nameless:  # bound before the exchange that tells peers its name
                 offer.append(FdOffer(new_socket_name(files.tier_id, files.tag), peers))
-            fds.extend(self._create_files(files))
+            kept = self.keep.retention if self.keep is not None else None
+            fds.extend(self._create_files(files) if kept is None
+                       else self._kept_or_new(kept, files))
             return offer[0].name if offer else None
 
         def hand_over_and_map() -> None:
@@ -412,6 +445,22 @@ class HostRegion:
         for path in self._paths:
             unlink_quiet(path)
         self._paths = []
+
+    def _kept_or_new(self, kept: Retention, files: _Files, unlink: bool = False) -> list[int]:
+        """This creator's files from the keeper (adopted: populated, reserved, checked), or
+        new ones handed to the keeper."""
+        assert self.keep is not None
+        if self.keep.adopt:
+            fds = kept.fetch(files.tag, files.lengths)
+            self.stats.adopted = True
+            return fds
+        fds = self._create_files(files, unlink=unlink)
+        try:
+            kept.deposit(files.tag, fds, files.lengths)
+        except BaseException:
+            close_fds(fds)
+            raise
+        return fds
 
     def _create_files(self, files: _Files, unlink: bool = False) -> list[int]:
         """Create this region's files (the node leader's, or a private rank's own).  With
@@ -528,6 +577,9 @@ class HostRegion:
         self.tensor = torch.empty(0, dtype=torch.uint8)
         if mapping is not None:
             _logged(mapping.close)
+        link, self._own_link = self._own_link, None
+        if link is not None:  # detached: the keeper counts down once the tier's last is
+            _logged(link.close)
 
     def unlink_names(self) -> None:
         """Remove any of this region's file names still present (the only state that outlives

@@ -61,6 +61,7 @@ class TransferEngine(Protocol):
     integrity: bool
     mismatches: int
     generations: IndexArray  # each host page's generation (`renew`), mixed into its sums
+    generation_base: int  # added to every store's generation (a kept tier's epoch)
     routes: dict[str, int]  # jobs per path that moved them (hybrid: kernel, staged, copy_engine)
 
     def submit(self, job_id: int, direction: Direction, gpu_blocks: object, chunk_ids: object,
@@ -162,6 +163,9 @@ class EngineBase:
         # every store that writes the page; a job takes its pages' when it is issued
         self.generations: IndexArray = np.zeros(max(1, chunk_count * layout.blocks_per_chunk),
                                                 dtype=np.int64)
+        # added to every store's generation: a kept tier's epoch (`offload.keep_index`), so
+        # no store of this life repeats a generation an adopted page carries
+        self.generation_base = 0
         self.mismatches = 0  # finished jobs whose checksums did not match
         self._errors: dict[int, str] = {}
         # jobs per path; an engine of one path counts them here, one of several overrides it
@@ -222,7 +226,7 @@ class EngineBase:
         first renews its pages (`renew`).  Returns what `submit` returns."""
         self._refuse_if_closed(job_id)
         if direction == "store":  # ids unique, from 0 up (the actor's sequence numbers)
-            self.renew(job.host_pages, store_generation(job_id))
+            self.renew(job.host_pages, self.generation_base + store_generation(job_id))
         done = self._issue(job_id, direction, job, after)
         self._count_route()
         return done
@@ -275,7 +279,7 @@ class EngineBase:
 
     def renew_store(self, job_id: int, job: Job) -> None:
         """`check` for a store `prepare` checked (``move=False``): renew its pages."""
-        self.renew(job.host_pages, store_generation(job_id))
+        self.renew(job.host_pages, self.generation_base + store_generation(job_id))
 
     def renew(self, host_pages: object, generation: int) -> None:
         """Give ``host_pages`` (chunk x blocks_per_chunk + position, in range) a new
