@@ -94,9 +94,19 @@ def tier_body(rank: int, steps: str, keep_s: float, namespace: str, chunks: int 
     if kill:
         os.kill(os.getpid(), signal.SIGKILL)
     adopted = getattr(manager, "adopted_chunks", None)
-    first_hit = getattr(manager, "first_hit_s", None)
+    gauges = _adoption_gauges(tier) if rank == 0 else {}
     tier.close()
-    return (adopted, log, first_hit) if rank == 0 else None
+    return (adopted, log, gauges) if rank == 0 else None
+
+
+def _adoption_gauges(tier: Any) -> dict[str, float]:
+    """The adoption families of a scrape of this rank's metrics (`TierCollector`)."""
+    from offload.observe.metrics import TierCollector
+
+    collector = TierCollector()
+    collector.tier = tier
+    return {family.name: family.samples[0].value for family in collector.collect()
+            if family.name.startswith(("offload_adopted", "offload_first_adopted"))}
 
 
 def _node() -> str:
@@ -121,13 +131,15 @@ def _wait_all_gone(node: str, timeout_s: float = 15) -> None:
 
 def test_a_kept_tier_is_adopted_and_loads_verified_then_expires() -> None:
     node, ns = _node(), "model-a"
-    adopted, log, _ = _run(node, "s0 s1 s2", 30, ns)  # longer than a start of the group
+    adopted, log, gauges = _run(node, "s0 s1 s2", 30, ns)  # longer than a start of the group
     assert adopted == 0 and log == []
+    assert gauges == {"offload_adopted_chunks": 0, "offload_adopted_bytes": 0}
     (info,) = _keepers(node).values()
     assert info["attached"] == 0 and info["bytes"] > 3 * ROW  # two regions and the index
-    adopted, log, first_hit = _run(node, "l0 l1 l2", 1.5, ns)
+    adopted, log, gauges = _run(node, "l0 l1 l2", 1.5, ns)
     assert adopted == 3 and log == ["hit", "hit", "hit"]
-    assert first_hit is not None and first_hit > 0
+    assert gauges["offload_adopted_chunks"] == 3 and gauges["offload_adopted_bytes"] == 3 * ROW
+    assert 0 < gauges["offload_first_adopted_hit_seconds"] < 30
     (again,) = _keepers(node).values()
     assert again["pid"] == info["pid"]  # the same keeper, kept on
     waited = wait_gone(info["pid"], timeout_s=15)  # expiry: keep_s after the last tier
@@ -138,7 +150,8 @@ def test_a_kept_tier_is_adopted_and_loads_verified_then_expires() -> None:
 
 def test_without_keep_nothing_is_kept() -> None:
     node = _node()
-    adopted, _, _ = _run(node, "s0", 0, "")
+    adopted, _, gauges = _run(node, "s0", 0, "")
+    assert gauges == {}  # no retention: no adoption families
     assert adopted is None and _keepers(node) == {}
 
 

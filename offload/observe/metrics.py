@@ -118,6 +118,7 @@ class MetricsSource(Protocol):
     def last_words(self) -> Words | None: ...
     @property
     def submitted(self) -> int: ...
+    def keep_report(self) -> dict[str, Any] | None: ...
 
 
 class TierCollector:
@@ -168,6 +169,7 @@ class TierCollector:
         ready.add_metric([], tier.last_ready.rows)  # as of the tier's last look (its polls)
         yield from (rows, ready)
         yield from self._manager(core, tier)
+        yield from self._adopted(core, tier)
         yield from self._files(core, tier)
         yield from self._lag(core, tier)
 
@@ -191,6 +193,27 @@ class TierCollector:
             for result, count in lookups.items():
                 family.add_metric([result], count)
             yield family
+
+    @staticmethod
+    def _adopted(core: Any, tier: MetricsSource) -> Iterator[Any]:
+        """With retention (docs/KEEP.md), on the chunk manager's rank: what this tier adopted
+        from a kept one, and when its first adopted chunk loaded."""
+        kept = tier.keep_report()
+        if kept is None:
+            return
+        chunks = core.GaugeMetricFamily("offload_adopted_chunks", "Chunks adopted from a kept "
+                                        "tier at create")
+        chunks.add_metric([], kept["adopted_chunks"])
+        size = core.GaugeMetricFamily("offload_adopted_bytes", "Bytes of the adopted chunks "
+                                      "(every rank's rows)")
+        size.add_metric([], kept["adopted_bytes"])
+        yield from (chunks, size)
+        if kept["first_hit_s"] is not None:
+            first = core.GaugeMetricFamily("offload_first_adopted_hit_seconds", "From create "
+                                           "to the first load of an adopted chunk that "
+                                           "succeeded")
+            first.add_metric([], kept["first_hit_s"])
+            yield first
 
     @staticmethod
     def _files(core: Any, tier: MetricsSource) -> Iterator[Any]:
