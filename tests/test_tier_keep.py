@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from offload import keep
 from offload.config import TierConfig
 from offload.errors import OffloadError
+from offload.region import kept
 from offload.region.keeper import keeper_name
 from tests.harness import run_group
 from tests.other_user import as_root, other_process
@@ -121,7 +121,7 @@ def _run(node: str, *args: Any) -> Any:
 
 
 def _keepers(node: str) -> dict[str, dict[str, Any]]:
-    return dict(keep.keepers(node))
+    return dict(kept.keepers(node))
 
 
 def _wait_all_gone(node: str, timeout_s: float = 15) -> None:

@@ -16,6 +16,7 @@ from typing import overload
 import numpy as np
 
 from offload.config import TierConfig
+from offload.control.plan import Plan
 from offload.errors import OffloadError
 from offload.sizes import format_size, round_up
 
@@ -391,3 +392,10 @@ def interleave_by_segment(pieces: Sequence[ByteRange], segments: Sequence[ByteRa
     for level in range(depth):
         out.extend(b[level] for b in buckets if level < len(b))
     return out
+
+
+def region_geometry(plan: Plan, rank: int) -> RegionGeometry:
+    """The region ``rank`` maps under ``plan`` (its layout, rows, row stride and slot)."""
+    slot = plan.slots[rank]
+    return RegionGeometry(plan.layout, plan.chunk_count, plan.row_stride(rank),
+                          slot.slot_offset, slot.slot_bytes, plan.page_size)

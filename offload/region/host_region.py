@@ -70,11 +70,11 @@ from offload.region.background import (
 )
 from offload.region.geometry import (
     ByteRange,
-    RegionGeometry,
     copy_starts,
     merge_ranges,
     node_registers_whole_rows,
     prefault_ranges,
+    region_geometry,
     registration_ranges,
     segment_ranges,
     sized_setup,
@@ -146,12 +146,6 @@ class RegionStats:
     setup_threads: int | None = None  # background: pre-fault (and reservation) threads
     adopted: bool = False  # taken from a keeper: no reservation, pages already populated
     timings_s: dict[str, float] = field(default_factory=dict)
-
-
-def region_geometry(plan: Plan, rank: int) -> RegionGeometry:
-    slot = plan.slots[rank]
-    return RegionGeometry(plan.layout, plan.chunk_count, plan.row_stride(rank),
-                          slot.slot_offset, slot.slot_bytes, plan.page_size)
 
 
 def covers(outer: list[ByteRange], inner: list[ByteRange]) -> bool:

@@ -17,12 +17,12 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from offload import keep
 from offload.config import TierConfig
 from offload.control.plan import Plan
 from offload.control.topology import Topology
 from offload.errors import OffloadError
-from offload.region.geometry import segment_ranges
+from offload.region import kept
+from offload.region.geometry import region_geometry, segment_ranges
 from offload.region.keeper import KeeperError, KeeperLink, keeper_name, start_keeper
 from offload.system.nameless import check_sizes
 from offload.system.shm import close_fds
@@ -68,8 +68,6 @@ def region_tag(plan: Plan, topology: Topology, rank: int) -> str:
 def node_parts(plan: Plan, topology: Topology, config: TierConfig,
                index_bytes: int | None) -> dict[str, list[int]]:
     """Every part this node's keeper must hold for this plan (tag -> segment sizes)."""
-    from offload.region.host_region import region_geometry  # (host_region imports us)
-
     ranks = (topology.node.ranks if plan.layout == "private"
              else (topology.node.leader_rank,))
     parts = {region_tag(plan, topology, r): [s.length for s in segment_ranges(
@@ -85,7 +83,7 @@ def claim_node_keeper(topology: Topology, config: TierConfig, tier_id: str, plan
     it holds exactly ``parts`` of this plan; (None, False) where this node cannot keep."""
     assert config.fs_namespace is not None  # TierConfig requires it with keep_s
     name = keeper_name(os.geteuid(), topology.node.node_id, config.fs_namespace)
-    dropped = keep.drop_idle(topology.node.node_id, spare=name)
+    dropped = kept.drop_idle(topology.node.node_id, spare=name)
     if dropped:
         log.info("rank %d: dropped %d idle kept tier(s) of other namespaces: %s",
                  topology.rank, len(dropped), dropped)

@@ -10,7 +10,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from offload import keep
+from offload.region import kept
 from tests.harness import tail
 from tests.launch.test_main_job import ROOT, torchrun
 from tests.region.test_keeper import wait_gone
@@ -27,7 +27,7 @@ def test_a_rerun_with_keep_adopts_the_kept_tier_and_reports_it(tmp_path: Path) -
         assert proc.returncode == 0, tail(proc)
         reports.append(json.loads(path.read_text()))
         if i == 0:
-            (info,) = dict(keep.keepers(node)).values()
+            (info,) = dict(kept.keepers(node)).values()
     assert reports[0]["keep"]["adopted_chunks"] == 0
     assert reports[1]["keep"]["adopted_chunks"] > 0
     assert reports[1]["keep"]["adopted_bytes"] > 0

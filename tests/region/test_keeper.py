@@ -15,6 +15,7 @@ import uuid
 import pytest
 
 from offload import keep
+from offload.region import kept
 from offload.region.keeper import KeeperError, KeeperLink, keeper_name, start_keeper
 from offload.system.nameless import create_memfd
 from tests.other_user import NOBODY, as_root, other_process
@@ -104,10 +105,10 @@ def test_a_claimed_keeper_refuses_another_tier_and_a_drop() -> None:
         with pytest.raises(KeeperError, match="needs a claim"):
             other.request("get", tag="L0")
         other.close()
-        assert keep.drop(name) is not None and _alive(pid)
+        assert kept.drop(name) is not None and _alive(pid)
     finally:
         link.close()
-    assert keep.drop(name) is None  # idle now: dropped at once, not after keep_s
+    assert kept.drop(name) is None  # idle now: dropped at once, not after keep_s
     assert wait_gone(pid, timeout_s=5) < 2
 
 
@@ -115,15 +116,15 @@ def test_list_shows_this_users_keepers_and_drop_all_frees_the_idle_ones() -> Non
     name = _name()
     link, pid = _keeper_with_part(name, keep_s=30)
     try:
-        found = dict(keep.keepers())
+        found = dict(kept.keepers())
         assert found[name]["bytes"] == 1 << 20 and found[name]["attached"] == 1
         assert found[name]["pid"] == pid
         assert keep.main(["list"]) == 0
     finally:
         link.close()
-    found = dict(keep.keepers())
+    found = dict(kept.keepers())
     assert found[name]["attached"] == 0 and 0 < found[name]["left_s"] <= 30
-    assert name in keep.drop_idle()
+    assert name in kept.drop_idle()
     wait_gone(pid, timeout_s=5)
 
 
@@ -179,7 +180,7 @@ def test_the_keeper_serves_no_other_user() -> None:
             assert child.read_all() == b"closed"
     finally:
         link.close()
-        keep.drop(name)
+        kept.drop(name)
     wait_gone(pid, timeout_s=5)
 
 
