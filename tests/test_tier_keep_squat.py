@@ -13,8 +13,8 @@ import time
 
 from offload import keep
 from offload.region.keeper import keeper_name
-from tests.region.test_keeper import wait_gone
 from tests.other_user import as_root, other_process
+from tests.region.test_keeper import wait_gone
 from tests.test_tier_keep import _keepers, _node, _run
 
 
