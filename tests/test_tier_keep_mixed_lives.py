@@ -16,6 +16,7 @@ import os
 import uuid
 from typing import Any
 
+from offload import keep
 from offload.config import TierConfig
 from offload.region.keeper import KeeperLink, keeper_name
 from tests.harness import run_group
@@ -112,6 +113,5 @@ def test_a_node_kept_from_an_older_life_is_never_adopted_with_a_newer_index() ->
     finally:
         for node in nodes:
             for name, info in _keepers(node).items():
-                from offload import keep
                 keep.drop(name)
                 wait_gone(info["pid"], timeout_s=15)
