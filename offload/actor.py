@@ -134,27 +134,31 @@ class RankActor:
         self.timed("plan", self.created_at)
         return plan.digest()
 
-    def probe_keep(self) -> bool | None:
-        """Node leaders (with ``keep_s``): claim the node's keeper and say whether it keeps
-        exactly this plan's regions (and index, on rank 0's node); None on other ranks."""
+    def probe_keep(self) -> str | None:
+        """Node leaders (with ``keep_s``): claim the node's keeper and name the life whose
+        parts it keeps, where they are exactly this plan's regions (and index, on rank 0's
+        node), else ""; None on other ranks."""
         if not self.topology.is_leader:
             return None
         plan = self._installed()
         index = index_bytes(plan) if 0 in self.topology.node.ranks else None
         parts = node_parts(plan, self.topology, self.config, index)
-        self.retention, adoptable = claim_node_keeper(self.topology, self.config, self.tier_id,
-                                                      plan, parts)
-        return adoptable
+        self.retention, life = claim_node_keeper(self.topology, self.config, self.tier_id,
+                                                 plan, parts)
+        return life or ""
 
-    def open_index(self, adopt: bool) -> list[Adopted]:
-        """Rank 0 (with ``keep_s``): the kept index, adopted (its valid records returned) or
-        new and handed to the keeper; nothing where this node keeps nothing."""
+    def open_index(self, life: str | None) -> list[Adopted]:
+        """Rank 0 (with ``keep_s``): the index of the adopted ``life`` (its valid records
+        returned), or a new one of this life handed to the keeper; nothing where this node
+        keeps nothing."""
         if self.retention is None:
             return []
-        if adopt:
-            self.keep_index, records = KeepIndex.adopt(self.retention.link, self._installed())
+        if life is not None:
+            self.keep_index, records = KeepIndex.adopt(self.retention.link, self._installed(),
+                                                       life)
             return records
-        self.keep_index = KeepIndex.create(self.retention.link, self._installed())
+        self.keep_index = KeepIndex.create(self.retention.link, self._installed(),
+                                           self.tier_id)
         return []
 
     def adopt_generations(self, pages: list[tuple[int, tuple[int, ...]]], base: int) -> None:
@@ -191,7 +195,7 @@ class RankActor:
         keep = None
         if self.config.keep_s > 0:
             if self.retention is not None and not adopt:  # the kept regions go, now
-                self.retention.link.request("reset", geometry=plan.digest())
+                self.retention.link.request("reset", geometry=plan.digest(), life=self.tier_id)
             keep = KeepSpec(self.tier_id, adopt, self.retention)
         try:
             self.region = HostRegion.create(plan, self.topology, self.config, self.tier_id,

@@ -16,6 +16,9 @@ whose newest copy went missing would then pass with an older life's bytes).  The
 an *epoch*, raised by one at each adoption, and every engine adds ``epoch << EPOCH_SHIFT`` to
 the generations it gives (`TransferEngine.generation_base`).
 
+Lives: the header names the tier that made the index (its *life*), as every keeper names the
+life that reset it (`offload.region.retain`); a tier adopts only when all of them name one.
+
 `KeptManager` keeps the index in step with the `ChunkManager`'s decisions (the manager stays
 pure bookkeeping).
 """
@@ -46,8 +49,10 @@ INDEX_TAG = "index"
 EPOCH_SHIFT = 40  # job sequence numbers stay far below 2**40; epochs below 2**20
 MAX_EPOCH = 1 << 20
 _MAGIC = 0x4B455031  # "KEP1"
-_HEADER = struct.Struct("<IIQQI32s")  # magic, version, epoch, chunk_count, bpc, plan digest
-_HEADER_BYTES = 64
+# magic, version, epoch, chunk_count, bpc, plan digest, life (the tier that made the index)
+_HEADER = struct.Struct("<IIQQI32s16s")
+_HEADER_BYTES = 128
+_VERSION = 2
 _KEY_BYTES = max_key_bytes(4096)  # the file tier's longest key
 _VALID = 1
 _STATE = struct.Struct("<II")  # state, key length
@@ -77,22 +82,28 @@ def _digest(record: bytes | bytearray | memoryview) -> bytes:
     return hashlib.blake2b(record, digest_size=_SUM_BYTES).digest()
 
 
+def _life_digest(life: str) -> bytes:
+    return hashlib.blake2b(life.encode(), digest_size=16).digest()
+
+
 class KeepIndex:
     """Rank 0's mapping of the index; `create` (a fresh tier) or `adopt` (a kept one)."""
 
-    def __init__(self, fd: int, plan: Plan) -> None:
+    def __init__(self, fd: int, plan: Plan, life: str) -> None:
         self.plan = plan
+        self.life = life
         self.bpc = plan.blocks_per_chunk
         self.record = record_bytes(self.bpc)
         self._map = mmap.mmap(fd, index_bytes(plan))
         self.epoch = 0
 
     @classmethod
-    def create(cls, link: KeeperLink, plan: Plan) -> KeepIndex:
-        """A zeroed index (no record valid), handed to the keeper."""
+    def create(cls, link: KeeperLink, plan: Plan, life: str) -> KeepIndex:
+        """A zeroed index (no record valid) of ``life`` (this tier's id), handed to the
+        keeper."""
         fd = create_memfd("index", index_bytes(plan))
         try:
-            index = cls(fd, plan)
+            index = cls(fd, plan, life)
             index._write_header()
             link.request("put", [fd], tag=INDEX_TAG, sizes=[index_bytes(plan)])
         finally:
@@ -100,19 +111,21 @@ class KeepIndex:
         return index
 
     @classmethod
-    def adopt(cls, link: KeeperLink, plan: Plan) -> tuple[KeepIndex, list[Adopted]]:
-        """The kept index and its valid records, the epoch raised; an index of another plan or
-        past `MAX_EPOCH` is started anew (nothing adopted)."""
+    def adopt(cls, link: KeeperLink, plan: Plan, life: str
+              ) -> tuple[KeepIndex, list[Adopted]]:
+        """The kept index of ``life`` and its valid records, the epoch raised; an index of
+        another plan or life, or past `MAX_EPOCH`, is started anew (nothing adopted)."""
         _, fds = link.request("get", tag=INDEX_TAG)
         try:
             check_sizes(fds, [index_bytes(plan)], "keeper index")
-            index = cls(fds[0], plan)
+            index = cls(fds[0], plan, life)
         finally:
             for fd in fds:
                 os.close(fd)
-        magic, version, epoch, count, bpc, digest = _HEADER.unpack_from(index._map, 0)
-        same = (magic, version, count, bpc, digest.rstrip(b"\0")) == (
-            _MAGIC, 1, plan.chunk_count, plan.blocks_per_chunk, plan.digest().encode())
+        magic, version, epoch, count, bpc, digest, made_by = _HEADER.unpack_from(index._map, 0)
+        same = (magic, version, count, bpc, digest.rstrip(b"\0"), made_by) == (
+            _MAGIC, _VERSION, plan.chunk_count, plan.blocks_per_chunk, plan.digest().encode(),
+            _life_digest(life))
         if not same or epoch + 1 >= MAX_EPOCH:
             index.clear_all()
             return index, []
@@ -126,8 +139,8 @@ class KeepIndex:
         return self.epoch << EPOCH_SHIFT
 
     def _write_header(self) -> None:
-        _HEADER.pack_into(self._map, 0, _MAGIC, 1, self.epoch, self.plan.chunk_count,
-                          self.bpc, self.plan.digest().encode())
+        _HEADER.pack_into(self._map, 0, _MAGIC, _VERSION, self.epoch, self.plan.chunk_count,
+                          self.bpc, self.plan.digest().encode(), _life_digest(self.life))
 
     def _offset(self, chunk: int) -> int:
         return _HEADER_BYTES + chunk * self.record

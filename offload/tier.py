@@ -794,10 +794,12 @@ def _drive_setup(actor: RankActor, rpc: CollectiveRPC, gathered: list[Any]
         if wrong:  # the plan travels pickled, so this is a bug, not a user error
             raise RuntimeError(f"ranks {wrong} acknowledged a different plan than rank 0's "
                                f"{plan.digest()}")
-        adopt = False
-        if actor.config.keep_s > 0:  # adopt only where every node's keeper holds this plan
-            answers = rpc.call(RankActor.probe_keep, actor=actor)
-            adopt = all(a for a in answers if a is not None)
+        life = None  # the kept life this one adopts
+        if actor.config.keep_s > 0:  # adopt only where every node's keeper holds this plan,
+            answers = rpc.call(RankActor.probe_keep, actor=actor)  # made by one life
+            lives = {a for a in answers if a is not None}
+            life = lives.pop() if len(lives) == 1 and "" not in lives else None
+        adopt = life is not None
         pinned = rpc.call(RankActor.build_region, adopt, actor=actor)
         if any(pinned) and not all(pinned) and actor.config.background:
             raise OffloadError(f"ranks {[r for r, p in enumerate(pinned) if not p]} cannot pin "
@@ -808,7 +810,7 @@ def _drive_setup(actor: RankActor, rpc: CollectiveRPC, gathered: list[Any]
                         [r for r, p in enumerate(pinned) if not p])
             rpc.call(RankActor.unpin, actor=actor)
         rpc.call(RankActor.start_engine, actor=actor)
-        kept = actor.open_index(adopt) if actor.config.keep_s > 0 else []
+        kept = actor.open_index(life) if actor.config.keep_s > 0 else []
         if adopt and actor.keep_index is not None:  # every rank, before any job
             rpc.call(RankActor.adopt_generations, [(a.chunk, a.generations) for a in kept],
                      actor.keep_index.generation_base, actor=actor)

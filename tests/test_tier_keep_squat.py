@@ -11,7 +11,7 @@ import signal
 import socket
 import time
 
-from offload import keep
+from offload.region import kept
 from offload.region.keeper import keeper_name
 from tests.other_user import as_root, other_process
 from tests.region.test_keeper import wait_gone
@@ -46,7 +46,7 @@ def test_a_squatter_with_a_full_backlog_costs_retention_only() -> None:
 def test_another_users_socket_name_with_a_newline_breaks_no_tier() -> None:
     """``/proc/net/unix`` prints abstract names raw, newlines included, so another user's name
     can forge a line whose flags field is not hex; `listening_names` then raises ValueError,
-    and with it `keep.drop_idle` inside `claim_node_keeper` (and ``python -m offload.keep
+    and with it `kept.drop_idle` inside `claim_node_keeper` (and ``python -m offload.keep
     list``): every tier with keep_s on this host fails to start."""
     node, ns = _node(), "model-n"
 
@@ -64,7 +64,7 @@ def test_another_users_socket_name_with_a_newline_breaks_no_tier() -> None:
         finally:
             os.kill(child.pid, signal.SIGKILL)
         assert adopted == 0 and log == ["hit"]  # kept as usual
-    kept = _keepers(node)
-    keep.drop_idle(node)
-    for info in kept.values():
+    found = _keepers(node)
+    kept.drop_idle(node)
+    for info in found.values():
         wait_gone(info["pid"], timeout_s=15)

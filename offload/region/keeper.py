@@ -21,8 +21,9 @@ never adoption).  Descriptors handed in are checked to be sealed memfds of this 
 
 Wire: each message is a 4-byte length and a JSON object; descriptors ride ``SCM_RIGHTS`` on the
 message that names them.  Requests: ``info``, ``claim`` (attach, as tier ``owner``), ``reset``
-(owner only: forget every part, set the geometry), ``put`` / ``get`` (a part by tag, owner
-only) and ``drop`` (exit, idle only).  Stdlib only, so that starting one costs milliseconds.
+(owner only: forget every part, set the geometry and the *life*, the tier that makes the next
+parts), ``put`` / ``get`` (a part by tag, owner only) and ``drop`` (exit, idle only).  Stdlib
+only, so that starting one costs milliseconds.
 """
 
 from __future__ import annotations
@@ -81,12 +82,18 @@ def listening_names(prefix: str) -> list[str]:
     except OSError:
         return []
     for line in lines:
+        # Num RefCount Protocol Flags Type St Inode Path; a listener has __SO_ACCEPTCON.  The
+        # kernel prints a name raw, newlines included, so another user's name can forge lines:
+        # one that does not parse is skipped, and a name found here is only a hint.
         fields = line.split()
-        # Num RefCount Protocol Flags Type St Inode Path; a listener has __SO_ACCEPTCON
-        if len(fields) >= 8 and int(fields[3], 16) & 0x10000 and fields[7].startswith("@"):
-            name = fields[7][1:]
-            if name.startswith(prefix):
-                names.add(name)
+        if len(fields) != 8 or not fields[7].startswith("@" + prefix):
+            continue
+        try:
+            listening = int(fields[3], 16) & 0x10000
+        except ValueError:
+            continue
+        if listening:
+            names.add(fields[7][1:])
     return sorted(names)
 
 
@@ -160,6 +167,9 @@ class Keeper:
         self.keep_s = keep_s
         self.info = info  # node, namespace: shown by `list`
         self.geometry: str | None = None
+        # the tier (its id) that last reset this keeper: what every part was made by; a tier
+        # adopts only parts of one life on every node
+        self.life: str | None = None
         self.parts: dict[str, tuple[list[int], list[int]]] = {}  # tag -> (fds, sizes)
         self.conns: set[socket.socket] = set()
         self.attached: set[socket.socket] = set()
@@ -231,6 +241,7 @@ class Keeper:
     def describe(self) -> dict[str, Any]:
         left = None if self.attached else max(0.0, self.deadline - time.monotonic())
         return {"ok": True, "pid": os.getpid(), **self.info, "geometry": self.geometry,
+                "life": self.life,
                 "parts": {tag: sizes for tag, (_, sizes) in self.parts.items()},
                 "bytes": sum(sum(sizes) for _, sizes in self.parts.values()),
                 "attached": len(self.attached), "owner": self.owner, "left_s": left,
@@ -260,6 +271,7 @@ class Keeper:
         if op == "reset":
             self.close_parts()
             self.geometry = str(message.get("geometry"))
+            self.life = str(message.get("life"))
             return {"ok": True}, []
         if op == "put":
             return self._put(str(message.get("tag")), message.get("sizes"), fds), []
@@ -335,6 +347,9 @@ class KeeperLink:
         except (ConnectionRefusedError, FileNotFoundError):
             sock.close()
             return None
+        except OSError as exc:  # e.g. EAGAIN: a full backlog, perhaps another user's listener
+            sock.close()
+            raise KeeperError(f"keeper name {name!r} cannot be reached: {exc}") from None
         except BaseException:
             sock.close()
             raise

@@ -78,16 +78,18 @@ def node_parts(plan: Plan, topology: Topology, config: TierConfig,
 
 
 def claim_node_keeper(topology: Topology, config: TierConfig, tier_id: str, plan: Plan,
-                      parts: dict[str, list[int]]) -> tuple[Retention | None, bool]:
-    """The node leader: claim this node's keeper (started if there is none) and say whether
-    it holds exactly ``parts`` of this plan; (None, False) where this node cannot keep."""
+                      parts: dict[str, list[int]]) -> tuple[Retention | None, str | None]:
+    """The node leader: claim this node's keeper (started if there is none) and, where it
+    holds exactly ``parts`` of this plan, return the life that made them (every node must
+    name the same one to adopt: parts of two lives, each with its own generations, would pass
+    each other's checksums).  (None, None) where this node cannot keep."""
     assert config.fs_namespace is not None  # TierConfig requires it with keep_s
     name = keeper_name(os.geteuid(), topology.node.node_id, config.fs_namespace)
-    dropped = kept.drop_idle(topology.node.node_id, spare=name)
-    if dropped:
-        log.info("rank %d: dropped %d idle kept tier(s) of other namespaces: %s",
-                 topology.rank, len(dropped), dropped)
     try:
+        dropped = kept.drop_idle(topology.node.node_id, spare=name)
+        if dropped:
+            log.info("rank %d: dropped %d idle kept tier(s) of other namespaces: %s",
+                     topology.rank, len(dropped), dropped)
         link = KeeperLink.connect(name, config.timeout_s)
         if link is None:
             link = start_keeper(name, config.keep_s, topology.node.node_id,
@@ -96,19 +98,21 @@ def claim_node_keeper(topology: Topology, config: TierConfig, tier_id: str, plan
             link = KeeperLink.connect(name, config.timeout_s)
         if link is None:
             raise KeeperError(f"keeper {name!r} came and went")
-    except KeeperError as exc:
+    except (KeeperError, OSError) as exc:  # another user's listener, no process to start, ...
         log.warning("rank %d: node %s keeps nothing this run: %s", topology.rank,
                     topology.node.node_id, exc)
-        return None, False
+        return None, None
     try:
-        info, _ = link.request("claim", owner=tier_id, keep_s=config.keep_s)
+        info, fds = link.request("claim", owner=tier_id, keep_s=config.keep_s)
+        close_fds(fds)  # a claim carries none; a keeper that sends some keeps them
     except KeeperError as exc:
         link.close()
         log.warning("rank %d: node %s keeps nothing this run: %s", topology.rank,
                     topology.node.node_id, exc)
-        return None, False
-    adoptable = info.get("geometry") == plan.digest() and info.get("parts") == parts
-    return Retention(link), adoptable
+        return None, None
+    same = info.get("geometry") == plan.digest() and info.get("parts") == parts
+    life = info.get("life")
+    return Retention(link), (life if same and isinstance(life, str) and life else None)
 
 
 def attach(name: str, tier_id: str, timeout_s: float) -> Retention:
