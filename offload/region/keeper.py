@@ -120,6 +120,8 @@ def receive_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
         if not data:
             raise ConnectionError("closed")
         while len(data) < _LEN.size or len(data) < _LEN.size + _LEN.unpack(data[:4])[0]:
+            if len(data) >= _LEN.size and _LEN.unpack(data[:4])[0] > _MAX_MESSAGE:
+                raise ConnectionError("message too long")  # before reading it
             more = sock.recv(_MAX_MESSAGE)
             if not more:
                 raise ConnectionError("closed mid-message")

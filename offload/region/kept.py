@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from offload.region.keeper import KeeperError, KeeperLink, listening_names, node_prefix
+from offload.system.shm import close_fds
 
 _TIMEOUT_S = 5.0
 
@@ -26,7 +27,8 @@ def keepers(node_id: str | None = None) -> list[tuple[str, dict[str, Any]]]:
         if link is None:
             continue
         try:
-            info, _ = link.request("info")
+            info, fds = link.request("info")
+            close_fds(fds)  # an answer to info carries none; a keeper that sends some keeps them
         except KeeperError:
             continue
         finally:

@@ -35,7 +35,8 @@ def check_space(shm_dir: str | None, needed: int) -> None:
         raise OffloadError(
             f"the node's regions need {needed} B ({format_size(needed)}) but only {available} B "
             f"({format_size(available)}) of memory is available ({bound}); lower --cpu-bytes "
-            "or free memory")
+            "or free memory (a kept tier holds some until its keep_s ends: `python -m "
+            "offload.keep list`, `drop --all`)")
 
 
 def strict_overcommit(path: str = "/proc/sys/vm/overcommit_memory") -> bool:

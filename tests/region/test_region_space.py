@@ -96,6 +96,7 @@ def test_more_than_available_memory_names_needed_available_and_the_fix() -> None
     message = str(info.value)
     assert message.startswith(f"the node's regions need {2 * available + 4096} B")
     assert f"of memory is available ({bound}); lower --cpu-bytes or free memory" in message
+    assert "`python -m offload.keep list`" in message  # memory a kept tier may hold
     space.check_space(None, MiB)  # what fits passes
 
 
