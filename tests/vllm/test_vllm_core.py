@@ -475,7 +475,7 @@ def test_a_restarted_engine_adopts_the_kept_tier_through_the_scheduler() -> None
     whose loads are verified.  Key 3's store evicts key 1 (two chunks) and is under way when
     the engine ends: key 1's record was cleared before the copy, key 3 was never recorded,
     so both are misses -- never a load of key 3's bytes as key 1."""
-    from offload import keep
+    from offload.region import kept as keep
     from tests.region.test_keeper import wait_gone
     from tests.test_tier_keep import _node
 

@@ -181,7 +181,7 @@ def kept() -> Iterator[dict]:
     for): the first keeps its tier for 120 s, the second adopts it and keeps for 2 s."""
     import uuid
 
-    from offload import keep
+    from offload.region import kept as keep
     from tests.region.test_keeper import wait_gone
 
     node = f"vllm-keep-{uuid.uuid4().hex[:12]}"
