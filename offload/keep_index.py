@@ -32,7 +32,7 @@ import mmap
 import os
 import struct
 import time
-from collections.abc import Collection, Hashable, Sequence
+from collections.abc import Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -163,6 +163,14 @@ class KeepIndex:
         self._map[at:at + 4] = body[:4]
         return True
 
+    def write_decided(self, stored: Iterable[tuple[int, bytes]], generations: np.ndarray) -> None:
+        """Write the records of a store decided successful: each (chunk, key in its stored
+        form), with the chunk's positions' generations from ``generations`` (the engine's
+        page array, `TransferEngine.generations`).  The one way records are written, by
+        `KeptManager` and by vLLM's decider (`offload.vllm.core.TierWorker`)."""
+        for chunk, key in stored:
+            self.write(chunk, key, generations[chunk * self.bpc:(chunk + 1) * self.bpc])
+
     def clear(self, chunk: int) -> None:
         """``chunk``'s record is not valid any more: before its chunk is reused."""
         at = self._offset(chunk)
@@ -222,6 +230,7 @@ class KeptManager(ChunkManager):
         self._generations = generations
         self._created_at = created_at
         self.adopted: set[Hashable] = set()
+        self.adopted_pairs: list[tuple[Hashable, int]] = []  # (key, chunk), as seeded
         self.adopted_chunks = 0
         self.first_hit_s: float | None = None
 
@@ -240,6 +249,7 @@ class KeptManager(ChunkManager):
             taken.append(record)
         self.seed(pairs)
         self.adopted = seen
+        self.adopted_pairs = pairs
         self.adopted_chunks = len(pairs)
         return taken
 
@@ -261,10 +271,7 @@ class KeptManager(ChunkManager):
         job = self._store_jobs.get(job_id)
         super().complete_store(job_id, ok, fence)
         if ok and job is not None:
-            bpc = self.index.bpc
-            for key, chunk in job.chunks:
-                self.index.write(chunk, key_bytes(key),
-                                 self._generations[chunk * bpc:(chunk + 1) * bpc])
+            self.index.write_decided(((c, key_bytes(k)) for k, c in job.chunks), self._generations)
 
     def complete_load(self, job_id: int, fence: int | None = None,
                       damaged: Collection[Hashable] = ()) -> None:

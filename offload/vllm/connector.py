@@ -11,7 +11,8 @@ it.  This thin subclass keeps everything else of it and changes only that:
   ``kv_load_failure_policy: "recompute"``) computes them again: the model never sees them;
 * the scheduler sends the decider's mark (and promotions from the file tier) to every worker
   in the next step's metadata, where the other ranks learn the same decisions;
-* the tier's plan reaches the scheduler in vLLM's connector handshake, before any request.
+* the tier's plan reaches the scheduler in vLLM's connector handshake, before any request;
+* with retention (``keep_s``), a cache reset reaches the decider, whose kept index forgets.
 """
 
 from __future__ import annotations
@@ -58,10 +59,12 @@ SPEC_DEFAULTS = {"spec_name": "HostTierSpec", "spec_module_path": "offload.vllm"
 
 @dataclass
 class HostTierConnectorMetadata(OffloadingConnectorMetadata):
-    """vLLM's step metadata plus the decider's latest mark and the promotions to run."""
+    """vLLM's step metadata plus the decider's latest mark, the promotions to run and
+    whether the kept index must forget every record (a cache reset, with ``keep_s``)."""
 
     mark: DecisionMark | None = None
     promotions: list[core.PromotePlan] = field(default_factory=list)
+    forget: bool = False
 
 
 @dataclass
@@ -105,6 +108,8 @@ class HostTierConnectorWorker(OffloadingConnectorWorker):
     def handle_preemptions(self, kv_connector_metadata: OffloadingConnectorMetadata) -> None:
         meta = kv_connector_metadata
         if isinstance(meta, HostTierConnectorMetadata):
+            if meta.forget:  # before this step's stores are issued
+                self.tier_worker.core.forget()
             for job_id in self.tier_worker.core.learn(meta.mark):
                 self._load_jobs.pop(job_id, None)  # the decider reported it finished
         super().handle_preemptions(meta)
@@ -214,7 +219,8 @@ class HostTierConnector(OffloadingConnector):
         manager = self.scheduler.manager
         assert isinstance(manager, HostTierManager)
         return HostTierConnectorMetadata(meta.load_jobs, meta.store_jobs, meta.jobs_to_flush,
-                                         self._mark, manager.take_promotions())
+                                         self._mark, manager.take_promotions(),
+                                         self.index.take_forget())
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta

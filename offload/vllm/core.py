@@ -51,8 +51,10 @@ from offload.config import LAYOUTS, TierConfig
 from offload.errors import OffloadError, is_damage
 from offload.manager import ChunkManager, NotReadableError, PromoteJob
 from offload.sizes import parse_size
+from offload.tiers.file_format import key_bytes
 
 if TYPE_CHECKING:  # the tier imports torch; the index needs neither
+    from offload.keep_index import KeepIndex
     from offload.tier import DecisionMark, HostTier
 
 log = logging.getLogger(__name__)
@@ -93,6 +95,8 @@ EXTRA_KEYS: dict[str, _Key] = {
     "fs_namespace": _Key("fs_namespace", "str",
                          "what computed the KV (default: the model name and dtype)"),
     "fs_io_timeout_s": _Key("fs_io_timeout_s", "float", "deadline of one file read/write"),
+    "keep_s": _Key("keep_s", "float",
+                   "seconds the host tier is kept for the next engine (docs/KEEP.md)"),
     "timeout_s": _Key("timeout_s", "float", "seconds a rank waits for a peer"),
     "prefault_threads": _Key("prefault_threads", "int", "pre-fault threads per rank"),
     "shm_dir": _Key("shm_dir", "str", "keep visible region files there (default: nameless)"),
@@ -114,7 +118,8 @@ def parse_extra_config(extra: Mapping[str, Any], *, blocks_per_chunk: int, tp: i
         blocks_per_chunk: vLLM's GPU blocks per offloaded block (its ``blocks_per_chunk``
             or ``block_size``): the tier's blocks per chunk.
         tp, pp: vLLM's tensor- and pipeline-parallel sizes.
-        model: the model's name and dtype, the file tier's default namespace.
+        model: the model's name and dtype, the default namespace of the file tier and of a
+            kept tier (``keep_s``).
         kv_identical_across_tp: vLLM found the KV of every TP rank identical (MLA): only
             then may TP ranks share one copy (``layout: replicated``).
 
@@ -153,7 +158,9 @@ def parse_extra_config(extra: Mapping[str, Any], *, blocks_per_chunk: int, tp: i
                         "TP ranks; use 'private' or 'shared'")
     if problems:
         raise OffloadError("\n".join(problems))
-    if values.get("fs_dir") is not None and "fs_namespace" not in values:
+    # the file tier's files and a kept tier are found again by what computed the KV
+    if (values.get("fs_dir") is not None or values.get("keep_s")) and \
+            "fs_namespace" not in values:
         values["fs_namespace"] = model or "vllm"
     return TierConfig(blocks_per_chunk=blocks_per_chunk, tp=tp, pp=pp, **values)
 
@@ -190,12 +197,15 @@ def _read(name: str, spec: _Key, raw: Any) -> Any:
 @dataclass(frozen=True)
 class TierSetup:
     """What the scheduler's index needs from the workers' tier, sent once after it is
-    created (vLLM's connector handshake): the plan's rows and the file tier's size."""
+    created (vLLM's connector handshake): the plan's rows and the file tier's size; after a
+    restart what the file tier found and the (key, chunk) pairs a kept tier's index named
+    (docs/KEEP.md), which the tier adopted."""
 
     chunk_count: int
     disk_capacity: int = 0
     ready_rows: int | None = None  # None: every row (no background set-up)
     disk_keys: tuple[bytes, ...] = ()  # what a restarted file tier found, LRU first
+    kept: tuple[tuple[Key, int], ...] = ()  # adopted from a kept tier, in the index's order
 
 
 @dataclass(frozen=True)
@@ -249,13 +259,16 @@ class PromotePlan:
 @dataclass(frozen=True)
 class StorePlan:
     """`TierIndex.prepare_store`'s answer: the keys that get chunks (in the order asked),
-    their chunks, the keys evicted for them and the evicted keys to write to disk first."""
+    their chunks, the keys evicted for them and the evicted keys to write to disk first;
+    with retention the keys' stored form (`file_format.key_bytes`), for the decider's kept
+    index (`TierWorker.submit`)."""
 
     job_id: int
     keys: tuple[Key, ...]
     chunks: np.ndarray
     evicted: tuple[Key, ...]
     spills: tuple[tuple[Key, int], ...]
+    stored: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -313,6 +326,8 @@ class IndexStats:
     promotions: int = 0
     promoted_chunks: int = 0
     failed_promotions: int = 0
+    adopted_chunks: int = 0  # seeded from a kept tier at start (docs/KEEP.md)
+    adopted_loads: int = 0  # chunks loaded whose bytes a kept tier's engine stored
 
 
 class TierIndex:
@@ -323,11 +338,18 @@ class TierIndex:
     stored.  A job's chunks change state only when the decider reports it decided
     (`decided`), by vLLM job id, so a job vLLM no longer tracks (after a cache reset) still
     releases what it holds.
+
+    With ``keep`` (retention, docs/KEEP.md) the store plans carry their keys' stored form to
+    the workers, whose decider keeps the tier's index of kept chunks (`TierWorker`), and a
+    cache reset is passed on (`take_forget`) so the index forgets too.
     """
 
-    def __init__(self, events: bool = False) -> None:
+    def __init__(self, events: bool = False, keep: bool = False) -> None:
         self.manager: ChunkManager | None = None
         self.stats = IndexStats()
+        self.keep = keep
+        self._forget = False  # a reset the decider's kept index has not heard of yet
+        self._adopted: set[Key] = set()  # adopted keys not stored again since
         self._events: list[tuple[tuple[Key, ...], bool]] | None = [] if events else None
         self._bound: dict[int, tuple[str, int]] = {}  # vLLM job id -> (direction, manager job)
         self._jobs: dict[int, tuple[str, tuple[Key, ...]]] = {}  # manager job -> keys
@@ -345,7 +367,10 @@ class TierIndex:
         """Take the workers' plan: from now on keys can be stored."""
         self.manager = ChunkManager(setup.chunk_count, setup.disk_capacity,
                                     ready=setup.ready_rows)
-        self.manager.seed_disk(setup.disk_keys)  # a restarted engine finds its files
+        self.manager.seed(setup.kept)  # a restarted engine finds its kept host memory ...
+        self.manager.seed_disk(setup.disk_keys)  # ... and its files
+        self._adopted = {k for k, _ in setup.kept if self.manager.residence(k) == "host"}
+        self.stats.adopted_chunks = len(self._adopted)
 
     # ------------------------------------------------------------------ lookups
     def lookup(self, key: Key) -> Lookup:
@@ -396,7 +421,8 @@ class TierIndex:
                                                       job.evicted, ())
         self._jobs[job.job_id] = ("store", stored)
         chunks = np.fromiter((c for _, c in job.chunks), np.int64, len(job.chunks))
-        return StorePlan(job.job_id, stored, chunks, job.evicted, job.spills)
+        forms = tuple(key_bytes(k) for k in stored) if self.keep else ()
+        return StorePlan(job.job_id, stored, chunks, job.evicted, job.spills, forms)
 
     def bind(self, vllm_job_id: int, manager_job_id: int) -> None:
         """vLLM sent the job ``vllm_job_id`` for the manager's ``manager_job_id``."""
@@ -419,6 +445,7 @@ class TierIndex:
             manager.complete_store(job_id, ok=failure is None)
             if failure is None:
                 self.stats.stored_chunks += len(keys)
+                self._adopted.difference_update(keys)
                 if self._events is not None:
                     self._events.append((keys, False))
             else:
@@ -428,6 +455,7 @@ class TierIndex:
         manager.complete_load(job_id, damaged=damaged)
         if failure is None:
             self.stats.loaded_chunks += len(keys)
+            self.stats.adopted_loads += sum(k in self._adopted for k in keys)
         else:
             self.stats.failed_loads += 1
             self.stats.damaged_loads += bool(damaged)
@@ -493,6 +521,14 @@ class TierIndex:
             self.manager.drop()
         self._promote.clear()
         self._no_room.clear()
+        self._adopted.clear()
+        self._forget = self.keep
+
+    def take_forget(self) -> bool:
+        """Whether the decider's kept index must forget every record (a reset since the last
+        call): a restart must not bring back keys the engine dropped."""
+        forget, self._forget = self._forget, False
+        return forget
 
     def take_events(self) -> list[tuple[tuple[Key, ...], bool]]:
         """Keys stored (False) or removed (True) since the last call, if events are on."""
@@ -520,6 +556,13 @@ class TierWorker:
     Every worker submits the same jobs in the same order (vLLM sends each step's jobs to every
     worker).  A job refused on this rank still takes its place and comes back failed
     through the decision, never as an exception here.
+
+    Retention (docs/KEEP.md): the kept index lives with the tier's rank 0, the decider, but
+    the keys live in the scheduler's `TierIndex`; so the store plans bring each key's stored
+    form, and the decider keeps the index as `KeptManager` does on rank 0 of other programs:
+    a chunk's record is cleared before this rank issues a copy into it (a store, a
+    promotion), written once the store is decided successful (with the pages' generations),
+    cleared when a load finds it damaged, and every record forgotten on a cache reset.
     """
 
     def __init__(self, tier: HostTier, blocks_per_chunk: int, *, replicated: bool = False,
@@ -535,8 +578,14 @@ class TierWorker:
         self._reported: tuple[DecisionMark | None, int | None] = (None, None)  # mark, rows
         self._closed = False
         # the scheduler's index owns the chunks; the tier's own manager is unused, except
-        # for what a restarted file tier found, which the index adopts (`setup`)
-        self._disk_keys = tuple(tier.manager.disk_keys()) if tier.manager is not None else ()
+        # for what a restarted file tier found and what a kept tier's index named, which the
+        # scheduler's index adopts (`setup`)
+        manager = tier.manager
+        self._disk_keys = tuple(manager.disk_keys()) if manager is not None else ()
+        self._kept = tuple(getattr(manager, "adopted_pairs", ()))
+        self.index: KeepIndex | None = tier.actor.keep_index if self.is_decider else None
+        self._recording: dict[int, tuple[tuple[int, bytes], ...]] = {}  # store -> records
+        self._load_chunks: dict[int, tuple[int, ...]] = {}  # load -> chunks (with an index)
         if self.is_decider:
             tier.manager = None
 
@@ -549,21 +598,56 @@ class TierWorker:
         disk = (disk_capacity(tier.plan, tier.topology, config.fs_bytes_per_node)
                 if config.fs_dir is not None else 0)
         ready = tier.last_ready.rows if config.background else None
-        return TierSetup(tier.plan.chunk_count, disk, ready, self._disk_keys)
+        return TierSetup(tier.plan.chunk_count, disk, ready, self._disk_keys, self._kept)
 
     def submit(self, job_id: int, direction: Literal["store", "load"],
                gpu_blocks: Sequence[int] | np.ndarray, first_block: int,
                chunks: Sequence[int] | np.ndarray,
-               spills: tuple[tuple[Key, int], ...] = ()) -> None:
-        """Queue vLLM's job ``job_id`` on this rank (see `copy_job`)."""
+               spills: tuple[tuple[Key, int], ...] = (), stored: Sequence[bytes] = ()) -> None:
+        """Queue vLLM's job ``job_id`` on this rank (see `copy_job`); ``stored``: a store's
+        keys in their stored form, one per chunk (retention, `TierIndex`)."""
         job = copy_job(job_id, direction, gpu_blocks, first_block, chunks,
                        self.blocks_per_chunk, writer_only=self.replicated, spills=spills)
         if direction == "load":
             self._loads[job_id] = tuple(int(b) for b in job.blocks)
+        if self.index is not None:
+            self._track(job_id, direction, [int(c) for c in chunks], stored)
         try:
             self.tier.submit(job)
         except OffloadError as exc:  # refused here: decided failed on every rank
             log.warning("rank %d refused job %d: %s", self.tier.topology.rank, job_id, exc)
+
+    def _track(self, job_id: int, direction: str, chunks: list[int],
+               stored: Sequence[bytes]) -> None:
+        """The decider's kept index before a job is issued here: a store's chunks lose their
+        records now (their bytes are about to change) and get them back when it is decided
+        successful; a load's chunks are remembered in case it finds them damaged."""
+        assert self.index is not None
+        if direction == "load":
+            self._load_chunks[job_id] = tuple(chunks)
+            return
+        for chunk in chunks:
+            self.index.clear(chunk)
+        if len(stored) == len(chunks):  # a plan without stored forms records nothing
+            self._recording[job_id] = tuple(zip(chunks, stored, strict=True))
+
+    def _account(self, job_id: int, success: bool, damaged: bool) -> None:
+        """The decider's kept index after ``job_id`` was decided (see `_track`)."""
+        assert self.index is not None
+        records = self._recording.pop(job_id, ())
+        loaded = self._load_chunks.pop(job_id, ())
+        if success and records:
+            self.index.write_decided(records, self.tier.actor._engine().generations)
+        if damaged:
+            for chunk in loaded:
+                self.index.clear(chunk)
+
+    def forget(self) -> None:
+        """vLLM reset its cache: no record of the kept index stays valid (stores in flight
+        still write theirs when decided; their keys stay cached in the scheduler too)."""
+        if self.index is not None:
+            for chunk in range(self.tier.plan.chunk_count):
+                self.index.clear(chunk)
 
     def learn(self, mark: DecisionMark | None) -> list[int]:
         """Non-deciders: learn the decisions up to ``mark`` (from vLLM's step metadata);
@@ -585,8 +669,10 @@ class TierWorker:
         for r in self.tier.finished():
             blocks = self._loads.pop(r.job_id, None)
             direction = "load" if blocks is not None else "store"
-            outcomes.append(Outcome(r.job_id, r.success, direction,
-                                    damaged=not r.success and is_damage(r.error),
+            damaged = not r.success and is_damage(r.error)
+            if self.index is not None:
+                self._account(r.job_id, r.success, damaged)
+            outcomes.append(Outcome(r.job_id, r.success, direction, damaged=damaged,
                                     error=r.error, bytes=r.transfer_size,
                                     seconds=r.transfer_time,
                                     blocks=blocks if blocks is not None and not r.success
@@ -610,6 +696,9 @@ class TierWorker:
     def promote(self, plan: PromotePlan) -> None:
         """Every worker, at the same point: read the plan's keys from disk into their rows;
         the keys some rank could not read back are misses (reported by the decider)."""
+        if self.index is not None:  # the rows are rewritten: their records go first
+            for _, chunk in plan.job.chunks:
+                self.index.clear(chunk)
         failed = self.tier.collective_promote(plan.job)
         if self.is_decider:
             self._promoted[plan.job.job_id] = tuple(failed)

@@ -50,13 +50,16 @@ _LOOKUP = {"hit": LookupResult.HIT, "miss": LookupResult.MISS,
 
 class HostTierChunks(LoadStoreSpec):
     """Where offloaded blocks live: their chunk ids (rows) in the tier, in vLLM's order,
-    the manager's job for them and, for a store, the evicted keys to write to disk first."""
+    the manager's job for them and, for a store, the evicted keys to write to disk first and
+    (retention) the keys' stored form for the kept index."""
 
     def __init__(self, chunks: np.ndarray, manager_job: int,
-                 spills: tuple[tuple[Any, int], ...] = ()) -> None:
+                 spills: tuple[tuple[Any, int], ...] = (),
+                 stored: tuple[bytes, ...] = ()) -> None:
         self.chunks = chunks
         self.manager_job = manager_job
         self.spills = spills
+        self.stored = stored
 
     def __repr__(self) -> str:
         return f"HostTierChunks({self.chunks.tolist()}, job={self.manager_job})"
@@ -89,7 +92,7 @@ class HostTierManager(OffloadingManager):
             return None
         return PrepareStoreOutput(keys_to_store=_keys(plan.keys),
                                   store_spec=HostTierChunks(plan.chunks, plan.job_id,
-                                                            plan.spills),
+                                                            plan.spills, plan.stored),
                                   evicted_keys=_keys(plan.evicted))
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -133,7 +136,7 @@ class HostTierWorker(OffloadingWorker):
                      dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, HostTierChunks)
         self.core.submit(job_id, "store", src_spec.block_ids, _first_block(src_spec),
-                         dst_spec.chunks, dst_spec.spills)
+                         dst_spec.chunks, dst_spec.spills, dst_spec.stored)
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec,
@@ -196,7 +199,8 @@ class HostTierSpec(OffloadingSpec):
     def get_manager(self) -> HostTierManager:
         if self._manager is None:
             events = self.kv_events_config.enable_kv_cache_events
-            self._manager = HostTierManager(core.TierIndex(events=events))
+            self._manager = HostTierManager(core.TierIndex(
+                events=events, keep=self.tier_config.keep_s > 0))
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> HostTierWorker:

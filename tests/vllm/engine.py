@@ -257,6 +257,32 @@ def scenario_fs_restart(model: str, fs_dir: str) -> dict:
     return {"b": b, "counters": counters(llm)}
 
 
+def keep_extra(keep_s: str) -> dict:
+    # the namespace names the model (each scenario process saves the same weights under
+    # another temporary path); keep_s is not part of what is adopted, so the first engine
+    # keeps long enough for the next one to start on a busy host, and the last one briefly
+    return {"cpu_bytes_per_node": "2MiB", "layout": "private", "keep_s": float(keep_s),
+            "fs_namespace": "tiny-llama-seed0"}
+
+
+def scenario_keep_first(model: str, keep_s: str) -> dict:
+    """An engine with ``keep_s`` serves A, whose prefix is stored, and shuts down: the tier
+    is kept (docs/KEEP.md)."""
+    llm = make_llm(model, extra=keep_extra(keep_s))
+    a = run(llm, [PREFIX + [200, 201, 202]])[0]
+    drain(llm)
+    return {"a": a, "counters": counters(llm)}
+
+
+def scenario_keep_second(model: str, keep_s: str) -> dict:
+    """A new engine process, same model and geometry: B's prefix comes from the kept tier
+    (no GPU prefix cache yet, no file tier)."""
+    llm = make_llm(model, extra=keep_extra(keep_s))
+    b = run(llm, [PREFIX + [300, 301]])[0]
+    drain(llm)
+    return {"b": b, "counters": counters(llm)}
+
+
 def scenario_pp2(model: str) -> dict:
     """PP=2 without the connector: whether vLLM's CPU backend runs pipeline stages."""
     llm = make_llm(model, pp=2, async_scheduling=False)

@@ -56,6 +56,15 @@ def test_the_file_tier_defaults_its_namespace_to_the_model(tmp_path) -> None:
         (str(tmp_path), 8 * MiB, "m:float16")
 
 
+def test_keep_s_keeps_the_tier_under_the_models_name() -> None:
+    """``keep_s``: the kept tier is found again by the model (docs/KEEP.md), as files are."""
+    config = parse({"cpu_bytes_per_node": 4 * MiB, "keep_s": 60})
+    assert (config.keep_s, config.fs_namespace) == (60.0, "m:float16")
+    assert parse({"cpu_bytes_per_node": 4 * MiB, "keep_s": 5,
+                  "fs_namespace": "llama@abc"}).fs_namespace == "llama@abc"
+    assert parse({"cpu_bytes_per_node": 4 * MiB}).fs_namespace is None
+
+
 def test_each_bad_key_is_one_line() -> None:
     """Three bad keys, three lines, each naming its key and a fix."""
     with pytest.raises(OffloadError) as err:
@@ -74,6 +83,8 @@ def test_each_bad_key_is_one_line() -> None:
     ({"cpu_bytes_per_node": "1MiB", "metrics_port": "9400"}, "not an integer"),
     ({"cpu_bytes_per_node": "1MiB", "canonical_layout": True}, "canonical_layout"),
     ({"cpu_bytes_per_node": "1MiB", "metrics_port": 70000}, "not a TCP port"),
+    ({"cpu_bytes_per_node": "1MiB", "keep_s": "60"}, "not a number"),
+    ({"cpu_bytes_per_node": "1MiB", "keep_s": 60, "integrity": False}, "needs page checksums"),
 ])
 def test_bad_extra_config_is_refused(extra: dict, words: str) -> None:
     with pytest.raises(OffloadError, match=words):
@@ -369,3 +380,117 @@ def test_the_core_imports_without_vllm() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------- retention
+
+
+def _kept_life(rank: int, steps: str, keep_s: float, namespace: str) -> object:
+    """One engine life on two gloo ranks with ``keep_s`` (docs/KEEP.md), vLLM's way: rank 0
+    also plays the scheduler (`TierIndex`, configured from the decider's `TierSetup`), every
+    rank a worker.  ``s<k>`` stores key k (decided); ``i<k>`` stores it, its copies done, but
+    the engine ends before the decider hears of it; ``l<k>`` looks key k up and loads it:
+    "hit" (loaded, bytes verified), "miss" (lookup), "failed" (the load failed its checks),
+    "WRONG BYTES".  Returns rank 0's kept keys, adopted chunks and log."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from offload import HostTier
+    from tests.test_tier_keep import BPC, PAGE, ROW
+
+    gen = torch.Generator().manual_seed(7 + rank)
+    kv = [torch.randint(0, 256, (8 * BPC, PAGE), generator=gen, dtype=torch.uint8)]
+    original = kv[0].clone()
+    tier = HostTier.create(kv, TierConfig(cpu_bytes_per_node=2 * ROW, blocks_per_chunk=BPC,
+                                          tp=2, timeout_s=30, keep_s=keep_s,
+                                          fs_namespace=namespace), decider=0)
+    worker = core.TierWorker(tier, BPC)
+    index = core.TierIndex(keep=True)
+    if rank == 0:
+        index.configure(worker.setup())
+    ids = iter(range(100, 1000))
+    log: list[str] = []
+
+    def scheduler(make) -> object:  # rank 0 decides, every rank learns it
+        box = [make() if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def run(job_id: int) -> bool:
+        """Until the decider has decided ``job_id``: its success, learned by every rank."""
+        deadline = time.monotonic() + 20
+        ok = None
+        while ok is None and time.monotonic() < deadline:
+            outcomes = worker.finished()
+            report = worker.report(outcomes)
+            index.apply(report)
+            mark, done = scheduler(lambda out=outcomes, r=report: (  # type: ignore[misc]
+                r.mark, {o.job_id: o.success for o in out}))
+            worker.learn(mark)
+            ok = done.get(job_id)
+        if rank == 0:
+            index.decided(job_id)
+        return bool(ok)
+
+    for step in steps.split():
+        op, key = step[0], int(step[1:])
+        blocks = [key * BPC + p for p in range(BPC)]
+        if op in "si":
+            plan = scheduler(lambda k=key: index.prepare_store([f"k{k}".encode()]))
+            job_id = next(ids)
+            if rank == 0:
+                index.bind(job_id, plan.job_id)  # type: ignore[union-attr]
+            worker.submit(job_id, "store", blocks, 0, plan.chunks,  # type: ignore[union-attr]
+                          stored=plan.stored)  # type: ignore[union-attr]
+            worker.flush()
+            if op == "s":
+                run(job_id)
+            continue
+        found = scheduler(lambda k=key: index.lookup(f"k{k}".encode()))
+        if found != "hit":
+            log.append("miss")
+            continue
+        plan = scheduler(lambda k=key: index.prepare_load([f"k{k}".encode()]))
+        job_id = next(ids)
+        if rank == 0:
+            index.bind(job_id, plan.job_id)  # type: ignore[union-attr]
+        kv[0][blocks] = 0
+        worker.submit(job_id, "load", blocks, 0, plan.chunks)  # type: ignore[union-attr]
+        ok = run(job_id)
+        same = bool(torch.equal(kv[0][blocks], original[blocks]))
+        log.append("WRONG BYTES" if ok and not same else "hit" if ok else "failed")
+    dist.barrier()
+    kept = sorted(k for k, _ in worker.setup().kept) if rank == 0 else None
+    worker.close()
+    return (kept, index.stats.adopted_chunks, index.stats.adopted_loads, log) \
+        if rank == 0 else None
+
+
+def test_a_restarted_engine_adopts_the_kept_tier_through_the_scheduler() -> None:
+    """vLLM's keys live in the scheduler, the kept index with the decider: the store plans
+    bring the keys' stored form, the decider records decided stores, and the next life's
+    decider hands the adopted keys to the scheduler's index, whose lookups then hit and
+    whose loads are verified.  Key 3's store evicts key 1 (two chunks) and is under way when
+    the engine ends: key 1's record was cleared before the copy, key 3 was never recorded,
+    so both are misses -- never a load of key 3's bytes as key 1."""
+    from offload.region import kept as keep
+    from tests.region.test_keeper import wait_gone
+    from tests.test_tier_keep import _node
+
+    node, ns = _node(), "vllm-core-keep"
+    try:
+        first = run_group(_kept_life, 2, args=("s1 s2 i3", 30, ns), nodes=[node, node],
+                          timeout=90)
+        assert all(o.ok for o in first), [o.error for o in first]
+        assert first[0].value == ([], 0, 0, [])
+        second = run_group(_kept_life, 2, args=("l2 l1 l3", 1.5, ns), nodes=[node, node],
+                           timeout=90)
+        assert all(o.ok for o in second), [o.error for o in second]
+        kept, adopted, loads, log = second[0].value
+        assert kept == [b"k2"] and adopted == 1 and loads == 1
+        assert log == ["hit", "miss", "miss"]
+    finally:
+        for _, info in keep.keepers(node):
+            wait_gone(info["pid"], timeout_s=40)

@@ -48,12 +48,14 @@ SCENARIO_TIMEOUT_S = 900
 PREFIX_TOKENS = 128
 
 
-def run_scenario(name: str, *args: str) -> dict:
-    """Run one scenario in a fresh process; its JSON result (or the failure's output)."""
+def run_scenario(name: str, *args: str, env: dict[str, str] | None = None) -> dict:
+    """Run one scenario in a fresh process (``env`` added to its environment); its JSON
+    result (or the failure's output)."""
     model = tempfile.mkdtemp(prefix="offload-vllm-model-")
     try:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env = {**os.environ, **(env or {}),
+               "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
         proc = subprocess.run([sys.executable, os.path.join(root, "tests", "vllm", "engine.py"),
                                name, model, *args], capture_output=True, text=True, env=env,
                               timeout=SCENARIO_TIMEOUT_S)
@@ -171,6 +173,42 @@ def test_a_restarted_engine_adopts_the_file_tier(replicated_fs: dict) -> None:
     assert restart["b"]["cached"] >= PREFIX_TOKENS
     same_output(restart["b"], replicated_fs["reload"]["reference"])
     assert restart["counters"]["promoted_chunks"] >= 2
+
+
+@pytest.fixture(scope="module")
+def kept() -> Iterator[dict]:
+    """Two engine processes on one simulated node (so their keepers can be found and waited
+    for): the first keeps its tier for 120 s, the second adopts it and keeps for 2 s."""
+    import uuid
+
+    from offload.region import kept as keep
+    from tests.region.test_keeper import wait_gone
+
+    node = f"vllm-keep-{uuid.uuid4().hex[:12]}"
+    env = {"OFFLOAD_NODE_ID": node}
+    try:
+        result = run_scenario("keep_first", "120", env=env)
+        result["keepers"] = len(keep.keepers(node))
+        result["second"] = run_scenario("keep_second", "2", env=env)
+        yield result
+    finally:  # idle by now: dropped, so none outlives the test even when it failed early
+        for name, info in keep.keepers(node):
+            keep.drop(name)
+            wait_gone(info["pid"], timeout_s=15)
+
+
+def test_a_restarted_engine_adopts_the_kept_host_tier(kept: dict, baseline: dict) -> None:
+    """Issue 49, test 6: an engine with keep_s stores A's prefix and exits; a new engine
+    process gets B's prefix from the kept tier -- its cached tokens cover the prefix, the
+    index adopted and loaded its chunks -- and B's tokens and logprobs are those of an engine
+    without the connector."""
+    assert kept["counters"]["stored_chunks"] >= 2 and kept["keepers"] == 1
+    second = kept["second"]
+    assert second["b"]["cached"] >= PREFIX_TOKENS
+    counters = second["counters"]
+    assert counters["adopted_chunks"] >= 2 and counters["adopted_loads"] >= 2
+    assert counters["stored_chunks"] == 0  # nothing of the prefix computed and stored again
+    same_output(second["b"], baseline["b"])
 
 
 def offloading_config(extra: dict) -> object:
