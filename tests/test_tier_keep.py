@@ -35,7 +35,8 @@ def tier_body(rank: int, steps: str, keep_s: float, namespace: str, chunks: int 
               layout: str = "private", kill: bool = False) -> Any:
     """Run ``steps`` on a fresh tier: ``s<k>`` stores key k (decided), ``i<k>`` stores key k
     without deciding it, ``l<k>`` loads key k (verified against the original block) or reports a
-    miss.  Returns rank 0's account: adopted chunks, per load "hit"/"miss", first hit."""
+    miss.  Returns this rank's account: adopted chunks and the adoption gauges (rank 0's), per
+    load "hit", "miss" or "WRONG BYTES" (verified, but another key's bytes)."""
     import torch
     import torch.distributed as dist
 
@@ -96,7 +97,7 @@ def tier_body(rank: int, steps: str, keep_s: float, namespace: str, chunks: int 
     adopted = getattr(manager, "adopted_chunks", None)
     gauges = _adoption_gauges(tier) if rank == 0 else {}
     tier.close()
-    return (adopted, log, gauges) if rank == 0 else None
+    return (adopted, log, gauges) if rank == 0 else (None, log, {})
 
 
 def _adoption_gauges(tier: Any) -> dict[str, float]:
