@@ -119,17 +119,12 @@ def receive_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
     try:
         if not data:
             raise ConnectionError("closed")
-        while len(data) < _LEN.size or len(data) < _LEN.size + _LEN.unpack(data[:4])[0]:
-            if len(data) >= _LEN.size and _LEN.unpack(data[:4])[0] > _MAX_MESSAGE:
-                raise ConnectionError("message too long")  # before reading it
-            more = sock.recv(_MAX_MESSAGE)
-            if not more:
-                raise ConnectionError("closed mid-message")
-            data += more
-        (length,) = _LEN.unpack(data[:4])
+        data = _read_until(sock, data, _LEN.size)
+        (length,) = _LEN.unpack(data[:_LEN.size])
         if length > _MAX_MESSAGE:
-            raise ConnectionError("message too long")
-        message = json.loads(data[4:4 + length])
+            raise ConnectionError("message too long")  # refused before it is read
+        data = _read_until(sock, data, _LEN.size + length)
+        message = json.loads(data[_LEN.size:_LEN.size + length])
         if not isinstance(message, dict):
             raise ConnectionError("not a JSON object")
         return message, fds
@@ -137,6 +132,16 @@ def receive_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
         for fd in fds:
             os.close(fd)
         raise ConnectionError("malformed message") from None
+
+
+def _read_until(sock: socket.socket, data: bytes, size: int) -> bytes:
+    """``data`` and what follows it on ``sock`` until it holds at least ``size`` bytes."""
+    while len(data) < size:
+        more = sock.recv(_MAX_MESSAGE)
+        if not more:
+            raise ConnectionError("closed mid-message")
+        data += more
+    return data
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:

@@ -58,9 +58,9 @@ def page_sums_library() -> ctypes.CDLL | None:
 
 
 class HostEngine(EngineBase):
-    """One gather and one scatter per tensor over ``[blocks, page]`` views of the KV tensors
-    (any block stride) and ``[chunks, positions, page]`` views of the region; each job is done
-    when ``submit`` returns."""
+    """Each job in one native call over every tensor (module docstring), or numpy gathers and
+    scatters over ``[blocks, page]`` views of the KV tensors (any block stride) and ``[chunks,
+    positions, page]`` views of the region; each job is done when ``submit`` returns."""
 
     name = "host"
 

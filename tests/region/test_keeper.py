@@ -201,3 +201,21 @@ def test_a_keeper_name_squatted_by_another_user_is_refused() -> None:
             KeeperLink.connect(name, 5)
         assert start_keeper(name, 1, "n", "m", 5) is None  # the name is taken: no keeper
         os.kill(child.pid, signal.SIGKILL)
+
+
+def test_an_oversized_message_is_refused_before_its_body_is_read() -> None:
+    """A length past the wire's bound fails at once, with the sender still connected and no
+    body sent: nothing waits for (or buffers) what was announced."""
+    from offload.region.keeper import _LEN, _MAX_MESSAGE, receive_message
+
+    ours, theirs = socket.socketpair()
+    try:
+        ours.settimeout(5)
+        theirs.sendall(_LEN.pack(_MAX_MESSAGE + 1) + b"{")
+        began = time.monotonic()
+        with pytest.raises(ConnectionError):
+            receive_message(ours)
+        assert time.monotonic() - began < 1
+    finally:
+        ours.close()
+        theirs.close()
