@@ -13,6 +13,7 @@ import contextlib
 import os
 import select
 import signal
+import socket
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -87,3 +88,21 @@ def other_process(action: Callable[[int], None], uid: int | None = NOBODY,
                 os.waitpid(pid, 0)
                 break
             time.sleep(0.01)
+
+
+def listener(name: bytes, backlog: int = 4, fill: bool = False) -> Callable[[int], None]:
+    """An `other_process` action: listen on the abstract socket ``name`` (its backlog filled by
+    one connection never accepted, where ``fill``), write ``r`` to the pipe, then sleep until
+    killed -- another user holding a name a tier wants."""
+
+    def listen(pipe: int) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(b"\0" + name)
+        sock.listen(backlog)
+        if fill:
+            filler = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            filler.connect(b"\0" + name)
+        os.write(pipe, b"r")
+        time.sleep(60)
+
+    return listen

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 import uuid
 from typing import Any
 
@@ -20,7 +19,7 @@ from offload.errors import OffloadError
 from offload.region import kept
 from offload.region.keeper import keeper_name
 from tests.harness import run_group
-from tests.other_user import as_root, other_process
+from tests.other_user import as_root, listener, other_process
 from tests.region.test_keeper import wait_gone
 
 KiB = 1 << 10
@@ -204,15 +203,7 @@ def test_a_keeper_name_held_by_another_user_means_no_retention() -> None:
     node, ns = _node(), "model-u"
     name = keeper_name(os.geteuid(), node, ns)
 
-    def squat(pipe: int) -> None:
-        import socket
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind("\0" + name)
-        sock.listen(4)
-        os.write(pipe, b"r")
-        time.sleep(60)
-
-    with other_process(squat, timeout_s=1) as child:
+    with other_process(listener(name.encode()), timeout_s=1) as child:
         assert child.read() == b"r"
         adopted, log, _ = _run(node, "s0 l0", 1.5, ns)
         assert adopted is None and log == ["hit"]  # served, unkept

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import time
 
 from offload.region import kept
 from offload.region.keeper import keeper_name
-from tests.other_user import as_root, other_process
+from tests.other_user import as_root, listener, other_process
 from tests.region.test_keeper import wait_gone
 from tests.test_tier_keep import _keepers, _node, _run
 
@@ -23,16 +21,8 @@ def test_a_squatter_with_a_full_backlog_costs_retention_only() -> None:
     node, ns = _node(), "model-q"
     name = keeper_name(os.geteuid(), node, ns)
 
-    def squat(pipe: int) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind("\0" + name)
-        sock.listen(0)
-        filler = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        filler.connect("\0" + name)  # never accepted: the backlog is full
-        os.write(pipe, b"r")
-        time.sleep(60)
-
-    with other_process(squat, timeout_s=1) as child:
+    # listen(0) and one connection never accepted: the backlog is full
+    with other_process(listener(name.encode(), backlog=0, fill=True), timeout_s=1) as child:
         assert child.read() == b"r"
         try:
             adopted, log, _ = _run(node, "s0 l0", 1.5, ns)
@@ -50,14 +40,8 @@ def test_another_users_socket_name_with_a_newline_breaks_no_tier() -> None:
     list``): every tier with keep_s on this host fails to start."""
     node, ns = _node(), "model-n"
 
-    def forge(pipe: int) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(b"\0x\n0: 1 2 NOTHEX 4 5 6 @offload-keep/forged")
-        sock.listen(1)
-        os.write(pipe, b"r")
-        time.sleep(60)
-
-    with other_process(forge, timeout_s=1) as child:
+    forged = b"x\n0: 1 2 NOTHEX 4 5 6 @offload-keep/forged"
+    with other_process(listener(forged, backlog=1), timeout_s=1) as child:
         assert child.read() == b"r"
         try:
             adopted, log, _ = _run(node, "s0 l0", 1.5, ns)

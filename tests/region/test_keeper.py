@@ -18,7 +18,7 @@ from offload import keep
 from offload.region import kept
 from offload.region.keeper import KeeperError, KeeperLink, keeper_name, start_keeper
 from offload.system.nameless import create_memfd
-from tests.other_user import NOBODY, as_root, other_process
+from tests.other_user import NOBODY, as_root, listener, other_process
 
 
 def _name() -> str:
@@ -188,14 +188,7 @@ def test_the_keeper_serves_no_other_user() -> None:
 def test_a_keeper_name_squatted_by_another_user_is_refused() -> None:
     name = _name()
 
-    def squat(pipe: int) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind("\0" + name)
-        sock.listen(4)
-        os.write(pipe, b"r")
-        time.sleep(30)
-
-    with other_process(squat, timeout_s=1) as child:
+    with other_process(listener(name.encode()), timeout_s=1) as child:
         assert child.read() == b"r"
         with pytest.raises(KeeperError, match=f"held by uid {NOBODY}"):
             KeeperLink.connect(name, 5)
