@@ -22,16 +22,14 @@ bench's keeper is dropped at the end (nothing is left).
 from __future__ import annotations
 
 import argparse
-import datetime
-import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 import uuid
 from typing import Any
 
 import torch
+from bench_ranks import join_group, spawn_group  # this script's folder
 
 from offload.bounds import flag_type
 from offload.sizes import format_size, parse_size
@@ -39,21 +37,14 @@ from offload.sizes import format_size, parse_size
 LIVES = ("cold", "kept", "adopt")
 
 
-def _life(rank: int, args: argparse.Namespace, life: str, port: int, out: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(args.ranks), OFFLOAD_NODE_ID=args.node)
+def _life(rank: int, port: int, out: Any, args: argparse.Namespace, life: str) -> None:
+    os.environ["OFFLOAD_NODE_ID"] = args.node  # the bench's own node: its keeper alone
     import torch.distributed as dist
 
     from offload import CopyJob, HostTier, TierConfig
     from offload.region import cleanup
 
-    dist.init_process_group("gloo", rank=rank, world_size=args.ranks,
-                            timeout=datetime.timedelta(seconds=args.timeout))
-    device = torch.device("cpu")
-    if args.device == "cuda":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+    device = join_group(rank, args.ranks, port, args.timeout, args.device)
     kv = [torch.randint(0, 256, (args.gpu_blocks, args.page_bytes), dtype=torch.uint8,
                         device=device) for _ in range(2 * args.layers)]
     keep = life != "cold"
@@ -130,24 +121,8 @@ def _life(rank: int, args: argparse.Namespace, life: str, port: int, out: Any) -
 
 def run_life(args: argparse.Namespace, life: str) -> dict[str, Any]:
     """One life on fresh processes; rank 0's figures."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_life, args=(r, args, life, port, out))
-             for r in range(args.ranks)]
-    for p in procs:
-        p.start()
-    try:
-        result: dict[str, Any] = out.get(timeout=args.timeout)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    if any(p.exitcode != 0 for p in procs):
-        raise SystemExit(f"life {life}: a rank failed: exit codes {[p.exitcode for p in procs]}")
+    result: dict[str, Any] = spawn_group(_life, args.ranks, (args, life), args.timeout,
+                                         f"life {life}: a rank")
     return result
 
 

@@ -35,10 +35,8 @@ GPU ``r % count``.  ``--device cpu`` runs the host backend (CI's smoke test).
 from __future__ import annotations
 
 import argparse
-import datetime
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
@@ -57,6 +55,7 @@ from bench_engine import (
     make_job,
     matmul_tflops,
 )
+from bench_ranks import join_group, spawn_group
 
 from offload.bounds import flag_type, parse_seconds
 from offload.integrity import trailer_bytes
@@ -65,20 +64,13 @@ from offload.region import cleanup
 from offload.sizes import format_size, parse_size, round_up
 
 
-def _rank_main(rank: int, args: argparse.Namespace, port: int, arrived: Any, out: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(args.ranks))
+def _rank_main(rank: int, port: int, out: Any, args: argparse.Namespace, arrived: Any
+               ) -> None:
     import torch.distributed as dist
 
     from offload import CopyJob, HostTier, TierConfig
 
-    dist.init_process_group("gloo", rank=rank, world_size=args.ranks,
-                            timeout=datetime.timedelta(seconds=args.timeout))
-    device = torch.device("cpu")
-    if args.device == "cuda":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+    device = join_group(rank, args.ranks, port, args.timeout, args.device)
     bpc, page, tensors = args.bpc, args.page_bytes, 2 * args.layers
     chunk_count = 2 * -(-max(args.blocks) // bpc)
     num_blocks = chunk_count * bpc
@@ -252,21 +244,9 @@ def _verify(one: Any, kv: list[torch.Tensor], rng: np.random.Generator, n: int,
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    arrived = ctx.RawArray("q", args.ranks) if args.barrier == "spin" else None
-    procs = [ctx.Process(target=_rank_main, args=(r, args, port, arrived, out))
-             for r in range(args.ranks)]
-    for p in procs:
-        p.start()
-    result: dict[str, Any] = out.get(timeout=args.timeout)
-    for p in procs:
-        p.join(timeout=60)
-    if any(p.exitcode != 0 for p in procs):
-        raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+    arrived = (mp.get_context("spawn").RawArray("q", args.ranks) if args.barrier == "spin"
+               else None)
+    result: dict[str, Any] = spawn_group(_rank_main, args.ranks, (args, arrived), args.timeout)
     return result
 
 
