@@ -238,15 +238,15 @@ class RankActor:
         """Rows this rank can copy into and out of (all of them once set-up finished)."""
         return self._region_rows if self._compiled.is_set() else 0
 
-    def _rows(self, checked: Job) -> list[int]:
-        """The region rows (chunks) a checked job touches."""
-        return (checked.host_pages // self._installed().blocks_per_chunk).tolist()
+    def _rows(self, checked: Job) -> np.ndarray:
+        """The region row (chunk) of each entry of a checked job."""
+        return checked.host_pages // self._installed().blocks_per_chunk
 
     def _check_ready(self, job: CopyJob, checked: Job) -> None:
         """Refuse a job that touches a row this rank has not made usable yet (background
         set-up): copying into unregistered memory would fault the GPU, so the job fails
         here and, through the quorum, on every rank -- never waits, never moves a byte."""
-        refuse_unready(checked.host_pages // self._installed().blocks_per_chunk,
+        refuse_unready(self._rows(checked),
                        self.ready_rows, self.topology.rank,
                        f"{_owner(job)} {job.direction}s",
                        "use the chunks the manager hands out (HostTier.ready) or call "
@@ -339,7 +339,7 @@ class RankActor:
             if self.files is not None and job.direction == "store":
                 # no row is overwritten while a spill reads it (the checked rows: the job's
                 # own fields may be any shape that holds those integers)
-                self.files.wait_rows(self._rows(checked))
+                self.files.wait_rows(self._rows(checked).tolist())
             if job.writer_only and not self.topology.is_stage_writer:
                 engine.renew_store(entry.seq, checked)  # the stage's writer copies
                 entry.done = True
